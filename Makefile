@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Both create the virtual environment
+# (.venv) on first use and install lakeloader with the pinned versions of constraints.txt.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test install clean bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m lakeloader.demo prepare demo/data
+	$(BIN)/lakeloader build configs/demo.yaml
+	$(BIN)/lakeloader sql configs/demo.yaml "SELECT name, num_shards, num_chunks, num_docs, num_tokens, round(num_tokens / num_docs) AS tokens_per_doc, num_rejects FROM datasets ORDER BY name"
+	$(BIN)/lakeloader sql configs/demo.yaml "SELECT dataset, count(*) AS chunks, sum(num_bytes) AS chunk_bytes, max(num_tokens) AS max_chunk_tokens FROM chunks GROUP BY dataset ORDER BY dataset"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/build_throughput.py
+
+clean:
+	rm -rf demo/lake demo/data benchmarks/out

@@ -1,0 +1,73 @@
+-- Named statements used by lakeloader; each starts with a "-- name: <name>" line.
+
+-- name: dataset_plan
+SELECT fingerprint FROM dataset_plans WHERE name = $name;
+
+-- name: forget_dataset
+DELETE FROM row_groups WHERE dataset = $name;
+DELETE FROM chunks WHERE dataset = $name;
+DELETE FROM shard_plans WHERE dataset = $name;
+DELETE FROM rejects WHERE dataset = $name;
+DELETE FROM dataset_plans WHERE name = $name;
+
+-- name: insert_dataset_plan
+INSERT INTO dataset_plans VALUES (
+    $name, $fingerprint, $format, $fields, $chunk_dir, $tokenizer_path, $token_type,
+    $vocab_size, $split_size, $on_error, now()::TIMESTAMP);
+
+-- name: set_on_error
+UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
+
+-- name: pending_chunks
+SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
+       c.split_kind, c.split_start, c.split_stop, c.first_row,
+       s.source, s.layout, s.compression
+FROM chunks c
+JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
+WHERE c.status <> 'committed' AND list_contains($datasets, c.dataset)
+ORDER BY c.global_index, list_position($datasets, c.dataset);
+
+-- name: commit_chunk
+UPDATE chunks SET
+    status = 'committed', num_docs = $num_docs, num_tokens = $num_tokens,
+    num_records = $num_records, num_bytes = $num_bytes, checksum = $checksum,
+    num_rejects = $num_rejects, source_bytes = $source_bytes, build_id = $build_id,
+    worker = $worker, seconds = $seconds, committed_at = now()::TIMESTAMP
+WHERE dataset = $dataset AND global_index = $global_index AND status <> 'committed';
+
+-- name: insert_row_group
+INSERT INTO row_groups VALUES ($dataset, $global_index, $row_group, $first_doc, $num_docs, $first_token, $num_tokens);
+
+-- name: insert_reject
+INSERT INTO rejects VALUES (
+    $dataset, $source, $location, $line, $reason, $shard_index, $split_index, $global_index,
+    $build_id, now()::TIMESTAMP);
+
+-- name: start_build
+INSERT INTO builds (started_at, status, workers, scheduler, dashboard, host, pid, version)
+VALUES (now()::TIMESTAMP, 'running', $workers, $scheduler, $dashboard, $host, $pid, $version)
+RETURNING build_id;
+
+-- name: finish_build
+UPDATE builds SET
+    ended_at = now()::TIMESTAMP, status = $status, chunks_built = $chunks_built, docs = $docs,
+    tokens = $tokens, source_bytes = $source_bytes, rejects = $rejects, retries = $retries,
+    seconds = $seconds, tokens_per_s = $tokens_per_s, error = $error
+WHERE build_id = $build_id;
+
+-- name: interrupt_stale_builds
+UPDATE builds SET status = 'interrupted' WHERE status = 'running';
+
+-- name: dataset_status
+SELECT name, status, num_shards, num_chunks, chunks_done, prefix_chunks, num_docs, num_tokens,
+       num_rejects, format, token_type
+FROM datasets ORDER BY name;
+
+-- name: shard_status
+SELECT dataset, shard_index, source, status, num_splits, chunks_done, docs_done, tokens_done, rejects
+FROM shards ORDER BY dataset, shard_index;
+
+-- name: recent_builds
+SELECT build_id, status, started_at, ended_at, workers, chunks_built, docs, tokens,
+       round(tokens_per_s) AS tokens_per_s, rejects, retries, error
+FROM builds ORDER BY build_id DESC LIMIT 5;

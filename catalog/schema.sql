@@ -1,0 +1,112 @@
+-- lakeloader catalog schema. One DuckDB database per lake; the build driver is its only writer.
+-- Tables hold what was planned and what was committed; catalog/views.sql derives progress from them.
+
+CREATE TABLE IF NOT EXISTS lake_meta (
+    key   VARCHAR PRIMARY KEY,
+    value VARCHAR NOT NULL
+);
+
+-- One row per dataset: the plan currently in force (a changed config replaces it).
+CREATE TABLE IF NOT EXISTS dataset_plans (
+    name           VARCHAR PRIMARY KEY,
+    fingerprint    VARCHAR NOT NULL,       -- hash of sources, tokenizer, format, fields, split size
+    format         VARCHAR NOT NULL,       -- text | chat | supervised | fim | interleaved
+    fields         VARCHAR[] NOT NULL,     -- token columns of the chunk files
+    chunk_dir      VARCHAR NOT NULL,       -- folder of the chunk files, relative to the lake root
+    tokenizer_path VARCHAR NOT NULL,       -- the lake's copy of the tokenizer, relative to the lake root
+    token_type     VARCHAR NOT NULL,       -- uint16 | uint32: fits the vocabulary
+    vocab_size     INTEGER NOT NULL,
+    split_size     BIGINT NOT NULL,
+    on_error       VARCHAR NOT NULL,       -- raise | skip
+    planned_at     TIMESTAMP NOT NULL
+);
+
+-- One row per input file of a dataset, in shard order.
+CREATE TABLE IF NOT EXISTS shard_plans (
+    dataset     VARCHAR NOT NULL,
+    shard_index INTEGER NOT NULL,
+    source      VARCHAR NOT NULL,          -- path or URL of the file
+    layout      VARCHAR NOT NULL,          -- jsonl | text | parquet
+    compression VARCHAR,                   -- gzip | zstd | NULL
+    size_bytes  BIGINT NOT NULL,
+    version     VARCHAR NOT NULL,          -- mtime or ETag seen at planning
+    num_splits  INTEGER NOT NULL,
+    PRIMARY KEY (dataset, shard_index)
+);
+
+-- One row per chunk, inserted at planning in global order; the build fills in the rest.
+CREATE TABLE IF NOT EXISTS chunks (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,          -- position in the dataset's global chunk order
+    shard_index  INTEGER NOT NULL,
+    split_index  INTEGER NOT NULL,
+    path         VARCHAR NOT NULL,         -- chunk file, relative to the lake root
+    split_kind   VARCHAR NOT NULL,         -- bytes | row_group | file
+    split_start  BIGINT NOT NULL,          -- first byte, or row group index
+    split_stop   BIGINT NOT NULL,          -- end byte (exclusive), or row group index + 1
+    first_row    BIGINT NOT NULL,          -- Parquet: file row of the row group's first row
+    status       VARCHAR NOT NULL DEFAULT 'planned',   -- planned | committed
+    num_docs     BIGINT,
+    num_tokens   BIGINT,
+    num_records  BIGINT,                   -- lines/rows of the split, usable or not
+    num_bytes    BIGINT,                   -- size of the chunk file
+    checksum     VARCHAR,                  -- sha256 of the chunk file
+    num_rejects  INTEGER,
+    source_bytes BIGINT,                   -- bytes of input read (decompressed)
+    build_id     INTEGER,
+    worker       VARCHAR,
+    seconds      DOUBLE,
+    committed_at TIMESTAMP,
+    PRIMARY KEY (dataset, global_index)
+);
+
+-- Row groups of committed chunks: readers seek to a token without opening other row groups.
+CREATE TABLE IF NOT EXISTS row_groups (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,
+    row_group    INTEGER NOT NULL,
+    first_doc    BIGINT NOT NULL,          -- within the chunk
+    num_docs     BIGINT NOT NULL,
+    first_token  BIGINT NOT NULL,          -- within the chunk
+    num_tokens   BIGINT NOT NULL,
+    PRIMARY KEY (dataset, global_index, row_group)
+);
+
+-- Inputs skipped under on_error: skip (and sources missing at planning).
+CREATE TABLE IF NOT EXISTS rejects (
+    dataset      VARCHAR NOT NULL,
+    source       VARCHAR NOT NULL,
+    location     VARCHAR NOT NULL,         -- "line 17", "row 3", "after line 900", ...
+    line         BIGINT,                   -- 1-based line, or 0-based Parquet row, where known
+    reason       VARCHAR NOT NULL,
+    shard_index  INTEGER,
+    split_index  INTEGER,
+    global_index BIGINT,                   -- NULL for sources rejected at planning
+    build_id     INTEGER,
+    recorded_at  TIMESTAMP NOT NULL
+);
+
+CREATE SEQUENCE IF NOT EXISTS build_ids START 1;
+
+-- One row per build run.
+CREATE TABLE IF NOT EXISTS builds (
+    build_id       INTEGER PRIMARY KEY DEFAULT nextval('build_ids'),
+    started_at     TIMESTAMP NOT NULL,
+    ended_at       TIMESTAMP,
+    status         VARCHAR NOT NULL,       -- running | succeeded | failed | interrupted
+    workers        INTEGER,
+    scheduler      VARCHAR,
+    dashboard      VARCHAR,
+    host           VARCHAR,
+    pid            INTEGER,
+    version        VARCHAR,
+    chunks_built   BIGINT DEFAULT 0,
+    docs           BIGINT DEFAULT 0,
+    tokens         BIGINT DEFAULT 0,
+    source_bytes   BIGINT DEFAULT 0,
+    rejects        BIGINT DEFAULT 0,
+    retries        BIGINT DEFAULT 0,
+    seconds        DOUBLE,
+    tokens_per_s   DOUBLE,
+    error          VARCHAR
+);

@@ -1,0 +1,266 @@
+"""Reading the documents of one split, with bad input raised or collected as rejects."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+from fsspec.core import url_to_fs
+
+from lakeloader.errors import InputError
+from lakeloader.plan.splits import Split
+
+_BLOCK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    """One skipped input: where it is and why it was skipped."""
+
+    location: str       # "line 17", "row 3 (row group 0)", "lines 9000-end", ...
+    line: int | None    # 1-based line (text/JSONL) or 0-based row (Parquet) where known
+    reason: str
+
+
+@dataclasses.dataclass
+class SplitDocuments:
+    """The usable documents of a split in order, with where each came from."""
+
+    texts: list[str]
+    records: list[int]        # each document's line/row index counted from the split's first record
+    num_records: int          # lines or rows the split holds, usable or not
+    rejects: list[Reject]
+    source_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSource:
+    """What a reader needs to know about a split's file."""
+
+    url: str
+    layout: str               # jsonl | text | parquet
+    compression: str | None
+    split: Split
+    text_field: str
+    on_error: str             # raise | skip
+    storage_options: dict[str, Any]
+
+
+class _Policy:
+    """Raises an InputError naming the file and location, or records a reject, per ``on_error``."""
+
+    def __init__(self, source: SplitSource, line_base: Callable[[], int]) -> None:
+        self.source = source
+        self.rejects: list[Reject] = []
+        self._line_base = line_base
+
+    def reject(self, index: int | None, reason: str, *, rows: bool = False, location: str | None = None) -> None:
+        line = None
+        if index is not None:
+            line = self.source.split.first_row + index if rows else self._line_base() + index + 1
+        where = location or (f"row {line}" if rows else f"line {line}")
+        if self.source.on_error == "raise":
+            raise InputError(
+                f"{self.source.url}: {where}: {reason}; fix the input or set on_error: skip "
+                "to record such inputs in the catalog's rejects table"
+            )
+        self.rejects.append(Reject(where, line, reason))
+
+
+def _count_newlines(source: SplitSource, stop: int) -> int:
+    fs, path = url_to_fs(source.url, **source.storage_options)
+    count = 0
+    with fs.open(path, "rb") as handle:
+        remaining = stop
+        while remaining > 0:
+            block = handle.read(min(8 * _BLOCK, remaining))
+            if not block:
+                break
+            count += block.count(b"\n")
+            remaining -= len(block)
+    return count
+
+
+def _read_byte_range(source: SplitSource) -> tuple[bytes, int]:
+    """Bytes of exactly the lines starting in the split's range, and the offset of the first."""
+    split = source.split
+    fs, path = url_to_fs(source.url, **source.storage_options)
+    with fs.open(path, "rb") as handle:
+        if split.start > 0:
+            handle.seek(split.start - 1)
+            head = handle.read(split.stop - split.start + 1)
+            newline = head.find(b"\n")
+            if newline < 0 or split.start + newline >= split.stop:
+                return b"", split.stop
+            first = split.start + newline
+            body = head[newline + 1 :]
+        else:
+            first = 0
+            body = handle.read(split.stop)
+        if body and not body.endswith(b"\n"):
+            tail = [body]
+            while True:
+                block = handle.read(_BLOCK)
+                if not block:
+                    break
+                newline = block.find(b"\n")
+                if newline >= 0:
+                    tail.append(block[: newline + 1])
+                    break
+                tail.append(block)
+            body = b"".join(tail)
+    return body, first
+
+
+def _decompressed(source: SplitSource) -> tuple[bytes, bool]:
+    """The whole decompressed stream, and whether it was truncated (no end-of-stream marker)."""
+    fs, path = url_to_fs(source.url, **source.storage_options)
+
+    def new() -> Any:
+        if source.compression == "gzip":
+            return zlib.decompressobj(wbits=31)
+        return zstandard.ZstdDecompressor().decompressobj()
+
+    out: list[bytes] = []
+    decompressor = new()
+    pending = b""
+    try:
+        with fs.open(path, "rb") as handle:
+            while True:
+                block = pending or handle.read(_BLOCK)
+                pending = b""
+                if not block:
+                    break
+                out.append(decompressor.decompress(block))
+                if decompressor.eof and decompressor.unused_data:
+                    pending = decompressor.unused_data  # next member (gzip) or frame (zstd)
+                    decompressor = new()
+    except (zlib.error, zstandard.ZstdError) as exc:
+        raise InputError(f"{source.url}: corrupt {source.compression} stream: {exc}") from None
+    return b"".join(out), not decompressor.eof
+
+
+def _lines(data: bytes) -> list[bytes]:
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def _decode(policy: _Policy, index: int, line: bytes) -> str | None:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        policy.reject(index, f"invalid UTF-8 at byte {exc.start} of the line")
+        return None
+
+
+def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy) -> Iterator[tuple[int, str]]:
+    field = source.text_field
+    for index, line in enumerate(lines):
+        text = _decode(policy, index, line)
+        if text is None:
+            continue
+        if source.layout == "text":
+            text = text.removesuffix("\r")
+        else:
+            if not text.strip():
+                policy.reject(index, "empty line (JSON Lines needs one JSON object per line)")
+                continue
+            try:
+                record = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                policy.reject(index, f"malformed JSON: {exc}")
+                continue
+            if not isinstance(record, dict):
+                policy.reject(index, f"expected a JSON object, got {type(record).__name__}")
+                continue
+            if field not in record:
+                keys = ", ".join(sorted(record)[:10]) or "none"
+                policy.reject(index, f"no field {field!r} (fields: {keys}); set text_field")
+                continue
+            text = record[field]
+            if not isinstance(text, str):
+                policy.reject(index, f"field {field!r} is {type(text).__name__}, expected a string")
+                continue
+        if not text:
+            policy.reject(index, f"empty document (field {field!r} is empty)" if source.layout == "jsonl" else "empty document (blank line)")
+            continue
+        yield index, text
+
+
+def _parquet_documents(source: SplitSource, policy: _Policy) -> tuple[Iterator[tuple[int, str]], int, int]:
+    split, field = source.split, source.text_field
+    fs, path = url_to_fs(source.url, **source.storage_options)
+    with fs.open(path, "rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        names = parquet.schema_arrow.names
+        rows = parquet.metadata.row_group(split.start).num_rows
+        nbytes = parquet.metadata.row_group(split.start).total_byte_size
+        if field not in names:
+            policy.reject(
+                None,
+                f"no column {field!r} (columns: {', '.join(names)}); set text_field",
+                location=f"rows {split.first_row}-{split.first_row + rows - 1} (row group {split.start})",
+            )
+            return iter(()), rows, nbytes
+        column = parquet.read_row_group(split.start, columns=[field]).column(0)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise InputError(
+            f"{source.url}: column {field!r} has type {column.type}, expected strings; "
+            "point text_field at a string column"
+        )
+    values = column.to_pylist()
+
+    def documents() -> Iterator[tuple[int, str]]:
+        for index, text in enumerate(values):
+            if text is None:
+                policy.reject(index, f"column {field!r} is null", rows=True)
+            elif not text:
+                policy.reject(index, f"empty document (column {field!r} is empty)", rows=True)
+            else:
+                yield index, text
+
+    return documents(), rows, nbytes
+
+
+def read_split(source: SplitSource) -> SplitDocuments:
+    """The documents of ``source``'s split; bad records raise InputError or become rejects."""
+    if source.layout == "parquet":
+        policy = _Policy(source, lambda: 0)
+        documents, num_records, nbytes = _parquet_documents(source, policy)
+        pairs = list(documents)
+    else:
+        truncated = False
+        if source.split.kind == "bytes":
+            data, first = _read_byte_range(source)
+        else:
+            (data, truncated), first = _decompressed(source), 0
+        # Lines before the split are counted only if a reject needs a line number.
+        policy = _Policy(source, functools.cache(lambda: _count_newlines(source, first)))
+        lines = _lines(data)
+        if truncated and lines:
+            lines = lines[:-1]  # the last line of a cut stream may end anywhere: never trust it
+        num_records, nbytes = len(lines), len(data)
+        pairs = list(_line_documents(lines, source, policy))
+        if truncated:
+            policy.reject(
+                None,
+                f"truncated {source.compression} stream (no end-of-stream marker) after line "
+                f"{num_records}; the rest of the file is lost, re-create or re-download it",
+                location=f"after line {num_records}",
+            )
+    return SplitDocuments(
+        texts=[text for _, text in pairs],
+        records=[index for index, _ in pairs],
+        num_records=num_records,
+        rejects=policy.rejects,
+        source_bytes=nbytes,
+    )

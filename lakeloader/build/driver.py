@@ -1,0 +1,253 @@
+"""The build driver: plans, schedules chunk tasks on Dask, and alone writes the catalog."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+import pandas as pd
+from distributed import Client, Future, as_completed
+from tqdm.auto import tqdm
+
+import lakeloader
+from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk, write_atomically
+from lakeloader.build.cluster import dask_client
+from lakeloader.build.documents import SplitSource
+from lakeloader.catalog.snapshot import open_snapshot, publish_snapshot, read_pointer
+from lakeloader.catalog.store import CatalogWriter
+from lakeloader.config import Config, load_config
+from lakeloader.lake import Lake
+from lakeloader.plan.planner import plan_dataset
+from lakeloader.plan.splits import Split
+from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_DIR = "_tokenizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildReport:
+    """What one build run did."""
+
+    build_id: int
+    lake: str
+    chunks_built: int
+    chunks_total: int
+    docs: int
+    tokens: int
+    rejects: int
+    seconds: float
+    dashboard: str | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens tokenized and committed per second of this run."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class _Totals:
+    chunks: int = 0
+    docs: int = 0
+    tokens: int = 0
+    source_bytes: int = 0
+    rejects: int = 0
+
+    def add(self, result: ChunkResult) -> None:
+        self.chunks += 1
+        self.docs += result.num_docs
+        self.tokens += result.num_tokens
+        self.source_bytes += result.source_bytes
+        self.rejects += len(result.rejects)
+
+
+def _adopt_published_catalog(lake: Lake) -> None:
+    """A remote lake's build on a new host resumes from the lake's published snapshot."""
+    if lake.is_local or os.path.exists(lake.writer_catalog_path) or read_pointer(lake) is None:
+        return
+    con, version = open_snapshot(lake)
+    con.close()
+    pointer = read_pointer(lake) or {}
+    source = os.path.join(lake.cache_dir, "snapshots", pointer.get("file", ""))
+    os.makedirs(os.path.dirname(lake.writer_catalog_path), exist_ok=True)
+    shutil.copyfile(source, lake.writer_catalog_path)
+    log.info("resuming from the lake's published catalog (version %d)", version)
+
+
+def _publish_tokenizer(lake: Lake, tokenizer_json: str, fingerprint: str) -> str:
+    relative = f"{TOKENIZER_DIR}/{fingerprint[:16]}.json"
+    if not lake.fs.exists(lake.path_of(relative)):
+        write_atomically(lake.url_of(relative), tokenizer_json.encode(), lake.storage_options)
+    return relative
+
+
+def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str) -> Iterator[ChunkTask]:
+    for row in pending.itertuples(index=False):
+        dataset = config.datasets[row.dataset]
+        yield ChunkTask(
+            dataset=row.dataset,
+            global_index=int(row.global_index),
+            source=SplitSource(
+                url=row.source,
+                layout=row.layout,
+                compression=row.compression if isinstance(row.compression, str) else None,
+                split=Split(row.split_kind, int(row.split_start), int(row.split_stop), int(row.first_row)),
+                text_field=dataset.text_field,
+                on_error=dataset.on_error,
+                storage_options=config.storage_options,
+            ),
+            chunk_url=lake.url_of(row.path),
+            tokenizer_url=tokenizer_url,
+            row_group_tokens=config.build.row_group_tokens,
+        )
+
+
+class _Scheduler:
+    """Keeps a bounded window of chunk tasks in flight, highest priority to the lowest index."""
+
+    def __init__(self, client: Client, tasks: Iterator[ChunkTask], window: int) -> None:
+        self.client = client
+        self.tasks = tasks
+        self.window = window
+        self.running = as_completed()
+        self.in_flight: dict[str, ChunkTask] = {}
+
+    def fill(self) -> None:
+        while len(self.in_flight) < self.window:
+            task = next(self.tasks, None)
+            if task is None:
+                return
+            future = self.client.submit(
+                build_chunk, task, key=f"chunk-{task.dataset}-{task.global_index}-{time.time_ns()}",
+                priority=-task.global_index, pure=False,
+            )
+            self.in_flight[future.key] = task
+            self.running.add(future)
+
+    def finished(self) -> Iterator[list[Future]]:
+        self.fill()
+        for batch in self.running.batches():
+            for future in batch:
+                self.in_flight.pop(future.key, None)
+            self.fill()
+            yield batch
+
+    def cancel(self) -> None:
+        futures = list(self.running.futures)
+        self.running.clear()
+        if futures:
+            self.client.cancel(futures)
+
+
+def build(config: Config | str | os.PathLike[str], *, workers: int | None = None,
+          scheduler: str | None = None, progress: bool = True) -> BuildReport:
+    """Build (or resume) the lake of ``config``.
+
+    Plans every dataset (chunks of the global order stored before tokenizing anything), runs one
+    Dask task per uncommitted split, commits each finished chunk with its row groups and rejects in
+    one transaction, and publishes a catalog snapshot every ``build.publish_interval`` seconds and
+    at the end. Committed chunks are never rebuilt; a second build of the same lake fails at once.
+    """
+    config = load_config(config)
+    lake = Lake(config.lake, config.storage_options)
+    if lake.is_local:
+        os.makedirs(lake.root, exist_ok=True)
+    _adopt_published_catalog(lake)
+    with CatalogWriter(lake.writer_catalog_path) as writer:
+        return _build_locked(config, lake, writer, workers, scheduler, progress)
+
+
+def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: int | None,
+                  scheduler: str | None, progress: bool) -> BuildReport:
+    tokenizer = load_tokenizer(config.tokenizer)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    names = list(config.datasets)
+    for name in names:
+        plan = plan_dataset(name, config, fingerprint)
+        new = writer.register_plan(
+            plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
+            vocab_size=vocab_size, split_size=config.build.split_size,
+            on_error=config.datasets[name].on_error,
+        )
+        log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
+                 len(plan.chunks), "" if new else " (plan unchanged)")
+    pending = writer.pending_chunks(names)
+    total = int(writer.con.execute(
+        "SELECT count(*) FROM chunks WHERE list_contains(?, dataset)", [names]).fetchone()[0])
+    log.info("%d of %d chunks to build", len(pending), total)
+    worker_count = workers or config.build.workers
+    started = time.perf_counter()
+    totals = _Totals()
+    dashboard = None
+    build_id = writer.start_build(
+        workers=worker_count or 0, scheduler=scheduler or "local", dashboard="",
+        version=lakeloader.__version__,
+    )
+    status, error = "failed", None
+    try:
+        if len(pending):
+            dashboard = _run_tasks(config, lake, writer, pending, build_id, totals,
+                                   lake.url_of(tokenizer_path), worker_count, scheduler, progress)
+        status = "succeeded"
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted by the user"
+        raise
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        seconds = time.perf_counter() - started
+        writer.finish_build(
+            build_id, status=status, chunks_built=totals.chunks, docs=totals.docs,
+            tokens=totals.tokens, source_bytes=totals.source_bytes, rejects=totals.rejects,
+            retries=0, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
+            error=error,
+        )
+        publish_snapshot(writer.con, writer.path, lake, build_id)
+    log.info("build %d %s: %d chunks, %d docs, %d tokens in %.1fs (%.0f tokens/s)", build_id, status,
+             totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
+    return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
+                       totals.rejects, seconds, dashboard)
+
+
+def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.DataFrame,
+               build_id: int, totals: _Totals, tokenizer_url: str, workers: int | None,
+               scheduler: str | None, progress: bool) -> str:
+    sources = {
+        (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
+        for row in pending.itertuples(index=False)
+    }
+    with dask_client(workers, scheduler) as client:
+        dashboard = client.dashboard_link
+        threads = max(1, sum(client.nthreads().values()))
+        run = _Scheduler(client, _tasks(pending, config, lake, tokenizer_url), window=2 * threads + 2)
+        bar = tqdm(total=len(pending), unit="chunk", desc="build", disable=not progress, smoothing=0.1)
+        if progress:
+            bar.write(f"Dask dashboard: {dashboard}")
+        last_publish = time.monotonic()
+        started = time.perf_counter()
+        try:
+            for batch in run.finished():
+                results: list[ChunkResult] = [future.result() for future in batch]
+                writer.commit(results, sources, build_id)
+                for result in results:
+                    totals.add(result)
+                bar.update(len(results))
+                elapsed = max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
+                                rejects=totals.rejects, refresh=False)
+                if time.monotonic() - last_publish >= config.build.publish_interval:
+                    publish_snapshot(writer.con, writer.path, lake, build_id)
+                    last_publish = time.monotonic()
+        except BaseException:
+            run.cancel()
+            raise
+        finally:
+            bar.close()
+    return dashboard

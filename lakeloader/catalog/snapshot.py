@@ -1,0 +1,88 @@
+"""Published read-only copies of the catalog in the lake, for readers in other processes/hosts.
+
+Layout: ``<lake>/_catalog/catalog-<version>.duckdb`` plus ``<lake>/_catalog/CURRENT``, a small JSON
+pointer replaced atomically after the snapshot it names is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+
+from lakeloader.build.chunk import write_atomically
+from lakeloader.errors import CatalogError
+
+if TYPE_CHECKING:
+    from lakeloader.lake import Lake
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_DIR = "_catalog"
+POINTER = f"{SNAPSHOT_DIR}/CURRENT"
+KEEP_SNAPSHOTS = 3
+
+
+def read_pointer(lake: Lake) -> dict[str, Any] | None:
+    """The CURRENT pointer of the lake's published catalog, or None if nothing is published."""
+    try:
+        return json.loads(lake.fs.cat_file(lake.path_of(POINTER)))
+    except FileNotFoundError:
+        return None
+
+
+def publish_snapshot(con: duckdb.DuckDBPyConnection, catalog_path: str, lake: Lake,
+                     build_id: int | None) -> int:
+    """Checkpoint the writer's catalog and publish a copy as the lake's next snapshot version."""
+    con.execute("CHECKPOINT")
+    pointer = read_pointer(lake)
+    version = (pointer["version"] + 1) if pointer else 1
+    name = f"catalog-{version:06d}.duckdb"
+    target = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
+    if lake.is_local:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temporary = f"{target}.tmp-{os.getpid()}"
+        shutil.copyfile(catalog_path, temporary)
+        os.replace(temporary, target)
+    else:
+        lake.fs.put_file(catalog_path, target)
+    payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id}
+    write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
+    for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
+        stale = lake.path_of(f"{SNAPSHOT_DIR}/catalog-{old:06d}.duckdb")
+        if lake.fs.exists(stale):
+            lake.fs.rm_file(stale)
+    log.debug("published catalog snapshot %s", name)
+    return version
+
+
+def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
+    """A read-only connection to the lake's newest published catalog, and its version.
+
+    Remote lakes' snapshots are copied into the local cache first (DuckDB opens local files).
+    """
+    pointer = read_pointer(lake)
+    if pointer is None:
+        raise CatalogError(
+            f"lake {lake.url} has no published catalog ({POINTER} is missing): start "
+            "`lakeloader build` on it first; readers can start once its first snapshot is published"
+        )
+    name = pointer["file"]
+    remote = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
+    if lake.is_local:
+        local = remote
+    else:
+        local = os.path.join(lake.cache_dir, "snapshots", name)
+        if not os.path.exists(local):
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            lake.fs.get_file(remote, f"{local}.tmp-{os.getpid()}")
+            os.replace(f"{local}.tmp-{os.getpid()}", local)
+    try:
+        return duckdb.connect(local, read_only=True), int(pointer["version"])
+    except duckdb.Error as exc:
+        raise CatalogError(f"cannot open the published catalog {local}: {exc}") from exc

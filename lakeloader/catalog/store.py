@@ -1,0 +1,203 @@
+"""The catalog writer (the build driver's only connection) and read-only connections."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from lakeloader.build.chunk import ChunkResult
+from lakeloader.catalog.sql import query, sql_file
+from lakeloader.errors import CatalogError, CatalogLockedError
+from lakeloader.plan.planner import DatasetPlan
+
+SCHEMA_VERSION = "1"
+_LOCK_PID = re.compile(r"PID (\d+)")
+
+
+def _locked_error(path: str, exc: duckdb.Error) -> CatalogLockedError:
+    pid = _LOCK_PID.search(str(exc))
+    holder = f"process {pid.group(1)}" if pid else "another process"
+    return CatalogLockedError(
+        f"catalog {path} is in use by {holder} (another `lakeloader build` of this lake, or a "
+        "process reading its catalog directly). Only one build may write a lake at a time: wait "
+        "for it to finish or stop it; readers during a build use the published snapshot."
+    )
+
+
+def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
+    """A read-only connection to a catalog file."""
+    if not os.path.exists(path):
+        raise CatalogError(f"no catalog at {path}: build the lake first (lakeloader build CONFIG)")
+    try:
+        return duckdb.connect(path, read_only=True)
+    except duckdb.IOException as exc:
+        if "lock" in str(exc).lower():
+            raise _locked_error(path, exc) from exc
+        raise
+
+
+class CatalogWriter:
+    """The single read-write connection of a build; every write happens in one transaction."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            self.con = duckdb.connect(path)
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise _locked_error(path, exc) from exc
+            raise
+        self._apply_schema()
+
+    def _apply_schema(self) -> None:
+        self.con.execute(sql_file("schema"))
+        found = self.con.execute("SELECT value FROM lake_meta WHERE key = 'schema_version'").fetchone()
+        if found and found[0] != SCHEMA_VERSION:
+            raise CatalogError(
+                f"catalog {self.path} has schema version {found[0]}, this lakeloader writes "
+                f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version"
+            )
+        self.con.execute(
+            "INSERT OR REPLACE INTO lake_meta VALUES ('schema_version', ?)", [SCHEMA_VERSION]
+        )
+        self.con.execute(sql_file("views"))
+
+    def close(self) -> None:
+        """Checkpoint and close the connection."""
+        self.con.execute("CHECKPOINT")
+        self.con.close()
+
+    def __enter__(self) -> CatalogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+        statements = [s for s in query(name).split(";") if s.strip()]
+        result = self.con
+        for statement in statements:
+            result = self.con.execute(statement, params) if params else self.con.execute(statement)
+        return result
+
+    def register_plan(self, plan: DatasetPlan, *, tokenizer_path: str, token_type: str,
+                      vocab_size: int, split_size: int, on_error: str) -> bool:
+        """Store ``plan`` unless the same fingerprint is already planned; returns whether it was new.
+
+        A dataset whose fingerprint changed loses its old plan, chunks and rejects (its old chunk
+        files stay in their own folder and are never read again).
+        """
+        current = self._run("dataset_plan", {"name": plan.name}).fetchone()
+        if current and current[0] == plan.fingerprint:
+            self._run("set_on_error", {"name": plan.name, "on_error": on_error})
+            return False
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            self._run("forget_dataset", {"name": plan.name})
+            self._run("insert_dataset_plan", {
+                "name": plan.name, "fingerprint": plan.fingerprint, "format": plan.format,
+                "fields": list(plan.fields), "chunk_dir": plan.chunk_dir,
+                "tokenizer_path": tokenizer_path, "token_type": token_type,
+                "vocab_size": vocab_size, "split_size": split_size, "on_error": on_error,
+            })
+            splits = plan.chunks.groupby("shard_index").size()
+            shard_rows = pd.DataFrame({
+                "dataset": plan.name,
+                "shard_index": range(len(plan.shards)),
+                "source": [s.url for s in plan.shards],
+                "layout": [s.layout for s in plan.shards],
+                "compression": [s.compression for s in plan.shards],
+                "size_bytes": [s.size for s in plan.shards],
+                "version": [s.version for s in plan.shards],
+                "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
+            })
+            self.con.register("new_shards", shard_rows)
+            self.con.execute("INSERT INTO shard_plans SELECT * FROM new_shards")
+            self.con.unregister("new_shards")
+            chunk_rows = plan.chunks.assign(dataset=plan.name)
+            self.con.register("new_chunks", chunk_rows)
+            self.con.execute(
+                "INSERT INTO chunks (dataset, global_index, shard_index, split_index, path, split_kind, "
+                "split_start, split_stop, first_row) SELECT dataset, global_index, shard_index, "
+                "split_index, path, split_kind, split_start, split_stop, first_row FROM new_chunks"
+            )
+            self.con.unregister("new_chunks")
+            for missing in plan.missing:
+                self._run("insert_reject", {
+                    "dataset": plan.name, "source": missing.source, "location": "whole file",
+                    "line": None, "reason": missing.reason, "shard_index": None,
+                    "split_index": None, "global_index": None, "build_id": None,
+                })
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return True
+
+    def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
+        return self._run("pending_chunks", {"datasets": list(datasets)}).df()
+
+    def commit(self, results: Iterable[ChunkResult], sources: dict[tuple[str, int], tuple[str, int, int]],
+               build_id: int) -> int:
+        """Commit finished chunks with their row groups and rejects in one transaction.
+
+        ``sources`` maps (dataset, global_index) to (source, shard_index, split_index).
+        Returns the number of chunks newly committed.
+        """
+        committed = 0
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            for r in results:
+                changed = self._run("commit_chunk", {
+                    "dataset": r.dataset, "global_index": r.global_index, "num_docs": r.num_docs,
+                    "num_tokens": r.num_tokens, "num_records": r.num_records, "num_bytes": r.num_bytes,
+                    "checksum": r.checksum, "num_rejects": len(r.rejects),
+                    "source_bytes": r.source_bytes, "build_id": build_id, "worker": r.worker,
+                    "seconds": r.seconds,
+                }).fetchone()
+                if not changed or not changed[0]:
+                    continue  # committed already (a retried task finishing twice)
+                committed += 1
+                first_doc = first_token = 0
+                for group, (docs, tokens) in enumerate(zip(r.row_group_docs, r.row_group_tokens)):
+                    self._run("insert_row_group", {
+                        "dataset": r.dataset, "global_index": r.global_index, "row_group": group,
+                        "first_doc": first_doc, "num_docs": docs, "first_token": first_token,
+                        "num_tokens": tokens,
+                    })
+                    first_doc += docs
+                    first_token += tokens
+                source, shard_index, split_index = sources[(r.dataset, r.global_index)]
+                for reject in r.rejects:
+                    self._run("insert_reject", {
+                        "dataset": r.dataset, "source": source, "location": reject.location,
+                        "line": reject.line, "reason": reject.reason, "shard_index": shard_index,
+                        "split_index": split_index, "global_index": r.global_index,
+                        "build_id": build_id,
+                    })
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return committed
+
+    def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str) -> int:
+        """Record a new build run (marking runs left 'running' by a crash as interrupted)."""
+        self._run("interrupt_stale_builds")
+        row = self._run("start_build", {
+            "workers": workers, "scheduler": scheduler, "dashboard": dashboard,
+            "host": socket.gethostname(), "pid": os.getpid(), "version": version,
+        }).fetchone()
+        return int(row[0])
+
+    def finish_build(self, build_id: int, **stats: Any) -> None:
+        """Record the end of a build run with its totals."""
+        self._run("finish_build", {"build_id": build_id, **stats})

@@ -1,0 +1,134 @@
+"""The ``lakeloader`` command line (the stable contract of DESIGN.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import pandas as pd
+
+from lakeloader.errors import LakeloaderError
+
+DESCRIPTION = """\
+lakeloader turns raw text corpora into a tokenized Parquet data lake (built on Dask,
+catalogued in DuckDB) and streams deterministic training batches from it.
+
+CONFIG is a YAML file (see configs/demo.yaml); relative paths in it are relative to
+the file's folder. LAKE is a lake folder or URL (s3://bucket/prefix)."""
+
+
+def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
+    if fmt == "csv":
+        sys.stdout.write(frame.to_csv(index=False))
+    elif fmt == "json":
+        sys.stdout.write(frame.to_json(orient="records", date_format="iso", indent=1) + "\n")
+    elif frame.empty:
+        print("(no rows)  columns: " + ", ".join(map(str, frame.columns)))
+    else:
+        with pd.option_context("display.max_colwidth", 80, "display.width", 200):
+            print(frame.to_string(index=False))
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from lakeloader.build.driver import build
+
+    report = build(args.config, workers=args.workers, scheduler=args.scheduler,
+                   progress=not args.no_progress)
+    print(
+        f"built {report.chunks_built} chunks ({report.chunks_total} in the lake): {report.docs:,} docs, "
+        f"{report.tokens:,} tokens, {report.rejects} rejects in {report.seconds:.1f}s "
+        f"({report.tokens_per_s:,.0f} tokens/s) -> {report.lake}"
+    )
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from lakeloader.lake import open_lake
+
+    tables = open_lake(args.target).status()
+    if args.format != "table":
+        for name, frame in tables.items():
+            if args.format == "csv":
+                print(f"# {name}")
+            _print_frame(frame.assign(table=name) if args.format == "json" else frame, args.format)
+        return 0
+    for title, name in (("Datasets", "datasets"), ("Shards", "shards"), ("Recent builds", "builds")):
+        print(f"== {title} ==")
+        _print_frame(tables[name], "table")
+        print()
+    return 0
+
+
+def _cmd_sql(args: argparse.Namespace) -> int:
+    from lakeloader.lake import open_lake
+
+    _print_frame(open_lake(args.target).sql(args.query), args.format)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lakeloader`` command."""
+    parser = argparse.ArgumentParser(prog="lakeloader", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    build = commands.add_parser(
+        "build", help="build or resume the lake of a config",
+        description="Plan every dataset, tokenize each split on Dask and commit the chunks to the "
+        "catalog. Re-running resumes: committed chunks are never rebuilt. The Dask dashboard "
+        "address is printed at start.")
+    build.add_argument("config", metavar="CONFIG", help="YAML config file")
+    build.add_argument("--workers", type=int, default=None,
+                       help="local Dask worker processes (default: build.workers, else the cores)")
+    build.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                       help="use an existing Dask cluster: tcp://host:port or a scheduler-file .json")
+    build.add_argument("--no-progress", action="store_true", help="no progress bar")
+    build.set_defaults(func=_cmd_build)
+
+    formats = ("table", "csv", "json")
+    status = commands.add_parser(
+        "status", help="per-dataset and per-shard progress",
+        description="Show each dataset's chunks, documents, tokens and rejects, each shard's "
+        "progress and the recent builds. Works during a build (reads the published snapshot).")
+    status.add_argument("target", metavar="CONFIG|LAKE")
+    status.add_argument("--format", choices=formats, default="table")
+    status.set_defaults(func=_cmd_status)
+
+    sql = commands.add_parser(
+        "sql", help="run SQL against the catalog",
+        description="Run one SQL statement against the lake's DuckDB catalog (read-only). Tables: "
+        "datasets, shards, chunks, row_groups, rejects, builds; views: committed_prefix, "
+        "chunk_offsets. Example: lakeloader sql configs/demo.yaml "
+        "\"SELECT name, num_docs, num_tokens FROM datasets\"")
+    sql.add_argument("target", metavar="CONFIG|LAKE")
+    sql.add_argument("query", metavar="QUERY")
+    sql.add_argument("--format", choices=formats, default="table")
+    sql.set_defaults(func=_cmd_sql)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lakeloader`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+    )
+    if not args.verbose:
+        # Dask logs every worker start and stop at INFO; keep its warnings and errors only.
+        os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+        for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except LakeloaderError as exc:
+        print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The YAML config: keys of DESIGN.md, validated, with errors naming file, line, key and allowed values."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lakeloader.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes of a size given as an int or a string such as ``64MB`` or ``1.5 GiB``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 64MB, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 64MB, 512KiB or 1GB, got {value!r}")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetConfig(_Strict):
+    """One dataset: where its documents come from and how to read them."""
+
+    sources: list[str] = Field(min_length=1)
+    format: Literal["text", "chat", "supervised", "fim", "interleaved"] = "text"
+    text_field: str = "text"
+    on_error: Literal["raise", "skip"] = "raise"
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_source_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("format")
+    @classmethod
+    def _format_is_built(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"format {value!r} is not supported yet; use 'text'")
+        return value
+
+
+class BuildConfig(_Strict):
+    """How the lake is built."""
+
+    split_size: int = 64 * 10**6
+    workers: int | None = Field(default=None, ge=1)
+    row_group_tokens: int = Field(default=1 << 20, ge=1)
+    publish_interval: float = Field(default=5.0, gt=0)
+
+    @field_validator("split_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+
+class ShuffleConfig(_Strict):
+    """How each dataset's examples are shuffled before mixing."""
+
+    kind: Literal["none", "window", "block", "full"] = "none"
+    window_chunks: int = Field(default=8, ge=1)
+    block_size: int = Field(default=1024, ge=1)
+    window_blocks: int = Field(default=16, ge=1)
+
+
+class LoaderConfig(_Strict):
+    """How examples and batches are formed."""
+
+    seq_len: int = Field(default=2048, ge=1)
+    batch_size: int = Field(default=256, ge=1)
+    packing: Literal["concat", "pack", "pad"] = "concat"
+    shuffle: ShuffleConfig = ShuffleConfig()
+    seed: int = 0
+
+    @field_validator("shuffle", mode="before")
+    @classmethod
+    def _shuffle_shorthand(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
+
+
+class StageConfig(_Strict):
+    """Mixture weights from ``start_step`` on."""
+
+    start_step: int = Field(ge=0)
+    weights: dict[str, float]
+
+
+class MixtureConfig(_Strict):
+    """Weights (or stages of weights) over datasets, and what happens when one runs out."""
+
+    weights: dict[str, float] | None = None
+    stages: list[StageConfig] | None = None
+    stop: Literal["restart", "first_exhausted", "all_exhausted"] = "restart"
+
+    @model_validator(mode="after")
+    def _weights_or_stages(self) -> MixtureConfig:
+        if (self.weights is None) == (self.stages is None):
+            raise ValueError("give exactly one of 'weights' or 'stages'")
+        if self.stages is not None:
+            if not self.stages or self.stages[0].start_step != 0:
+                raise ValueError("the first stage must have start_step: 0")
+            steps = [stage.start_step for stage in self.stages]
+            if steps != sorted(set(steps)):
+                raise ValueError(f"stage start_step values must increase, got {steps}")
+        return self
+
+    def all_weights(self) -> list[dict[str, float]]:
+        """Every weight mapping of the mixture, one per stage."""
+        return [self.weights] if self.weights is not None else [s.weights for s in self.stages or []]
+
+
+class Config(_Strict):
+    """A whole lakeloader config. Relative paths are resolved against the config file's folder."""
+
+    lake: str
+    tokenizer: str
+    datasets: dict[str, DatasetConfig] = Field(min_length=1)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    build: BuildConfig = BuildConfig()
+    loader: LoaderConfig = LoaderConfig()
+    mixture: MixtureConfig | None = None
+    source_file: str | None = Field(default=None, exclude=True)
+
+    @field_validator("datasets")
+    @classmethod
+    def _dataset_names(cls, value: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(
+                    f"dataset name {name!r} must start with a letter or digit and contain only "
+                    "letters, digits, '_', '.' or '-' (it names folders in the lake)"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _mixture_names_datasets(self) -> Config:
+        if self.mixture is None:
+            return self
+        for weights in self.mixture.all_weights():
+            unknown = sorted(set(weights) - set(self.datasets))
+            if unknown:
+                raise ValueError(
+                    f"mixture names unknown dataset(s) {unknown}; datasets are {sorted(self.datasets)}"
+                )
+            bad = {k: v for k, v in weights.items() if not v >= 0}
+            if bad or sum(weights.values()) <= 0:
+                raise ValueError(f"mixture weights must be >= 0 and not all zero, got {weights}")
+        return self
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _resolve(path: str, base: Path) -> str:
+    if _is_url(path) or os.path.isabs(path):
+        return path
+    return str((base / path).resolve()) if "*" not in path else str(base.resolve() / path)
+
+
+def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Make the lake, tokenizer and source paths of a raw config absolute against ``base``."""
+    out = dict(raw)
+    if isinstance(out.get("lake"), str):
+        out["lake"] = _resolve(out["lake"], base)
+    tokenizer = out.get("tokenizer")
+    if isinstance(tokenizer, str) and (tokenizer.endswith(".json") or (base / tokenizer).exists()):
+        out["tokenizer"] = _resolve(tokenizer, base)
+    datasets = out.get("datasets")
+    if isinstance(datasets, dict):
+        out["datasets"] = {
+            name: _resolve_sources(spec, base) if isinstance(spec, dict) else spec
+            for name, spec in datasets.items()
+        }
+    return out
+
+
+def _resolve_sources(spec: dict[str, Any], base: Path) -> dict[str, Any]:
+    sources = spec.get("sources")
+    if isinstance(sources, str):
+        sources = [sources]
+    if isinstance(sources, list):
+        spec = {**spec, "sources": [_resolve(s, base) if isinstance(s, str) else s for s in sources]}
+    return spec
+
+
+def _key_lines(node: yaml.Node, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
+    """1-based line of every key path in a composed YAML document."""
+    lines = {prefix: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = (*prefix, key.value)
+            lines.update(_key_lines(value, path))
+            lines[path] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines.update(_key_lines(item, (*prefix, i)))
+    return lines
+
+
+def _line_of(loc: tuple[Any, ...], lines: dict[tuple[Any, ...], int]) -> int | None:
+    key = tuple(str(p) if not isinstance(p, int) else p for p in loc)
+    while key:
+        if key in lines:
+            return lines[key]
+        key = key[:-1]
+    return None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key; remove it or check its spelling"
+    if error["type"] == "missing":
+        return f"{key}: required key is missing"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{key} = {error.get('input')!r}: {message}"
+
+
+def parse_config(raw: Any, *, source: str = "<config>", base: Path | None = None, text: str | None = None) -> Config:
+    """Validate a raw mapping into a :class:`Config`; errors name ``source``, line and key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of keys (lake, tokenizer, datasets, ...)")
+    raw = resolve_paths(raw, base or Path.cwd())
+    try:
+        return Config.model_validate({**raw, "source_file": source if source != "<config>" else None})
+    except ValidationError as exc:
+        lines = _key_lines(yaml.compose(text)) if text else {}
+        problems = []
+        for error in exc.errors():
+            line = _line_of(tuple(error["loc"]), lines)
+            where = f"line {line}, " if line else ""
+            problems.append(f"  {where}{_describe(error)}")
+        raise ConfigError(f"{source}: invalid config:\n" + "\n".join(problems)) from None
+
+
+def load_config(path: str | os.PathLike[str] | Config) -> Config:
+    """Read and validate a YAML config file (a :class:`Config` passes through unchanged)."""
+    if isinstance(path, Config):
+        return path
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(raw, source=str(path), base=path.parent, text=text)

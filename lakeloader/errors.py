@@ -1,0 +1,34 @@
+"""Errors a user can cause, each saying what was wrong, where, and what to do."""
+
+from __future__ import annotations
+
+
+class LakeloaderError(Exception):
+    """Base class of every error lakeloader raises on purpose."""
+
+
+class ConfigError(LakeloaderError):
+    """The config is invalid: the message names the file, line and key."""
+
+
+class SourceError(LakeloaderError):
+    """A source file is missing or unreadable."""
+
+
+class InputError(LakeloaderError):
+    """A record of a source is unusable; the message names the file and line/row.
+
+    Raised inside Dask tasks, so it must stay picklable: the message is its only argument.
+    """
+
+
+class CatalogLockedError(LakeloaderError):
+    """Another process holds the lake's catalog for writing."""
+
+
+class CatalogError(LakeloaderError):
+    """The catalog is missing, from another version, or inconsistent with the lake."""
+
+
+class ChunkIntegrityError(LakeloaderError):
+    """A chunk file is missing or does not match its catalog record."""

@@ -1,0 +1,102 @@
+"""A lake: its location (local or any fsspec URL), paths inside it and catalog access for queries."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+from fsspec.core import url_to_fs
+
+from lakeloader.catalog.sql import query
+from lakeloader.config import Config, load_config
+from lakeloader.errors import CatalogError, CatalogLockedError
+
+log = logging.getLogger(__name__)
+
+WRITER_CATALOG = "catalog.duckdb"
+
+
+def default_cache_dir() -> str:
+    """Local folder for catalogs and chunk caches of remote lakes (``LAKELOADER_CACHE``)."""
+    return os.environ.get("LAKELOADER_CACHE", os.path.join(Path.home(), ".cache", "lakeloader"))
+
+
+class Lake:
+    """Paths and filesystem of one lake."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = url_to_fs(url, **self.storage_options)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.is_local = "file" in protocols or "local" in protocols
+        self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
+        key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.cache_dir = os.path.join(default_cache_dir(), "lakes", key)
+
+    def path_of(self, relative: str) -> str:
+        """Filesystem path (for ``self.fs``) of a lake-relative path."""
+        return f"{self.root.rstrip('/')}/{relative}"
+
+    def url_of(self, relative: str) -> str:
+        """Full URL (or absolute local path) of a lake-relative path."""
+        return f"{self.url.rstrip('/')}/{relative}"
+
+    @property
+    def writer_catalog_path(self) -> str:
+        """The build driver's read-write catalog: in the lake if local, else in the local cache."""
+        if self.is_local:
+            return self.path_of(WRITER_CATALOG)
+        return os.path.join(self.cache_dir, WRITER_CATALOG)
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """A read-only catalog connection: the writer's file when no build holds it, else the
+        newest published snapshot."""
+        from lakeloader.catalog.snapshot import open_snapshot
+        from lakeloader.catalog.store import connect_reader
+
+        path = self.writer_catalog_path
+        if os.path.exists(path):
+            try:
+                return connect_reader(path)
+            except CatalogLockedError:
+                log.info("catalog is being written by a build; reading the published snapshot")
+        return open_snapshot(self)[0]
+
+    def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
+        """Run one SQL statement against the catalog and return the result as a DataFrame."""
+        con = self.connect()
+        try:
+            return con.execute(statement, params).df() if params else con.execute(statement).df()
+        except duckdb.Error as exc:
+            raise CatalogError(f"SQL error: {exc}") from exc
+        finally:
+            con.close()
+
+    def status(self) -> dict[str, pd.DataFrame]:
+        """Per-dataset and per-shard progress and the recent builds, as DataFrames."""
+        con = self.connect()
+        try:
+            return {name: con.execute(query(q)).df() for name, q in
+                    (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
+        finally:
+            con.close()
+
+
+def open_lake(config_or_lake: Config | str | os.PathLike[str],
+              storage_options: dict[str, Any] | None = None) -> Lake:
+    """The lake of a config (object or YAML path) or a lake path/URL."""
+    if isinstance(config_or_lake, Config):
+        return Lake(config_or_lake.lake, config_or_lake.storage_options)
+    text = os.fspath(config_or_lake)
+    if text.endswith((".yaml", ".yml")):
+        config = load_config(text)
+        return Lake(config.lake, config.storage_options)
+    lake = Lake(text, storage_options)
+    if lake.is_local and not os.path.isdir(lake.root):
+        raise CatalogError(f"no lake at {text}: give a config file (.yaml) or a lake folder/URL")
+    return lake

@@ -1,0 +1,110 @@
+"""A dataset's plan: its shards, its chunks in global order and its fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lakeloader.config import Config, DatasetConfig
+from lakeloader.errors import SourceError
+from lakeloader.plan.order import round_robin_order
+from lakeloader.plan.sources import MissingSource, Shard, expand_sources
+from lakeloader.plan.splits import Split, plan_splits
+
+log = logging.getLogger(__name__)
+
+# Bump when the chunk file layout changes: old chunks then never mix with new ones.
+CHUNK_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetPlan:
+    """Everything known about a dataset before tokenizing anything."""
+
+    name: str
+    fingerprint: str
+    format: str
+    fields: tuple[str, ...]
+    shards: list[Shard]
+    chunks: pd.DataFrame  # one row per chunk in global order: see chunk_table()
+    missing: list[MissingSource]
+
+    @property
+    def chunk_dir(self) -> str:
+        """Folder (relative to the lake root) of this dataset's chunk files."""
+        return f"{self.name}/{self.fingerprint[:16]}"
+
+
+def dataset_fingerprint(
+    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int
+) -> str:
+    """Hash of everything that changes the dataset's tokens or chunk boundaries."""
+    payload = {
+        "chunk_format": CHUNK_FORMAT_VERSION,
+        "sources": [(s.url, s.size, s.version) for s in shards],
+        "tokenizer": tokenizer_fingerprint,
+        "format": dataset.format,
+        "fields": {"text_field": dataset.text_field},
+        "split_size": split_size,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def chunk_table(shards: list[Shard], splits: list[list[Split]], chunk_dir: str) -> pd.DataFrame:
+    """One row per chunk in global (round-robin) order with its split and file path."""
+    shard_index, split_index = round_robin_order(np.array([len(s) for s in splits], dtype=np.int64))
+    rows = [splits[k][r] for k, r in zip(shard_index.tolist(), split_index.tolist())]
+    return pd.DataFrame(
+        {
+            "global_index": np.arange(len(rows), dtype=np.int64),
+            "shard_index": shard_index,
+            "split_index": split_index,
+            "path": [f"{chunk_dir}/{k:05d}-{r:06d}.parquet" for k, r in zip(shard_index, split_index)],
+            "split_kind": [s.kind for s in rows],
+            "split_start": np.array([s.start for s in rows], dtype=np.int64),
+            "split_stop": np.array([s.stop for s in rows], dtype=np.int64),
+            "first_row": np.array([s.first_row for s in rows], dtype=np.int64),
+        }
+    )
+
+
+def plan_dataset(
+    name: str, config: Config, tokenizer_fingerprint: str, storage_options: dict[str, Any] | None = None
+) -> DatasetPlan:
+    """Plan dataset ``name`` of ``config``.
+
+    Missing or unreadable sources raise :class:`SourceError` before any work starts, unless the
+    dataset has ``on_error: skip``; then they are returned in ``missing`` (they become rejects).
+    """
+    dataset = config.datasets[name]
+    options = config.storage_options if storage_options is None else storage_options
+    shards, missing = expand_sources(dataset.sources, options)
+    if missing and dataset.on_error == "raise":
+        listing = "\n".join(f"  {m.source}: {m.reason}" for m in missing)
+        raise SourceError(
+            f"dataset {name!r}: {len(missing)} source(s) cannot be read:\n{listing}\n"
+            f"fix the paths under datasets.{name}.sources, or set datasets.{name}.on_error: skip"
+        )
+    for m in missing:
+        log.warning("dataset %r: skipping source %s: %s", name, m.source, m.reason)
+    if not shards:
+        raise SourceError(f"dataset {name!r}: no readable source files in {dataset.sources}")
+    split_size = config.build.split_size
+    fingerprint = dataset_fingerprint(dataset, shards, tokenizer_fingerprint, split_size)
+    chunk_dir = f"{name}/{fingerprint[:16]}"
+    splits = [plan_splits(shard, split_size, options) for shard in shards]
+    return DatasetPlan(
+        name=name,
+        fingerprint=fingerprint,
+        format=dataset.format,
+        fields=("text",),
+        shards=shards,
+        chunks=chunk_table(shards, splits, chunk_dir),
+        missing=missing,
+    )

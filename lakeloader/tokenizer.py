@@ -1,0 +1,136 @@
+"""Loading the HF tokenizer and encoding documents exactly as whole-document encoding would."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from lakeloader.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Pieces handed to the tokenizer stay below this many characters; longer documents are cut
+# at pre-tokenization boundaries and the pieces' ids concatenated.
+MAX_PIECE_CHARS = 64 * 1024
+_CHECK_MARGIN = 256
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A tokenizer from a ``tokenizer.json`` path, or from a Hugging Face hub name when online."""
+    if spec.endswith(".json") or os.path.exists(spec):
+        try:
+            return Tokenizer.from_file(spec)
+        except Exception as exc:
+            raise ConfigError(
+                f"tokenizer: cannot load {spec!r} as a tokenizers JSON file ({exc}); "
+                "point 'tokenizer' at a tokenizer.json or a Hugging Face hub name"
+            ) from exc
+    try:
+        return Tokenizer.from_pretrained(spec)
+    except Exception as exc:
+        raise ConfigError(
+            f"tokenizer: {spec!r} is not a file and could not be fetched from the Hugging Face hub "
+            f"({exc}); give a path to tokenizer.json, or a hub name while online"
+        ) from exc
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """Content hash of the tokenizer (changes whenever its encoding could change)."""
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned integer type holding every id of a vocabulary of ``vocab_size``."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(path: str) -> Tokenizer:
+    """Tokenizer from a local JSON file, loaded once per process (Dask workers reuse it)."""
+    return Tokenizer.from_file(path)
+
+
+class DocumentEncoder:
+    """Batched encoding of documents without special tokens.
+
+    Documents longer than :data:`MAX_PIECE_CHARS` are cut at points where the tokenizer's
+    pre-tokenizer starts a new pre-token, encoded as pieces in one batch and merged back; the
+    result equals encoding the whole document. Tokenizers for which such cuts are not exact
+    (a normalizer, a prefix space added to every input) encode long documents whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_piece_chars: int = MAX_PIECE_CHARS) -> None:
+        self.tokenizer = tokenizer
+        self.max_piece_chars = max_piece_chars
+        self.dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+        self.splits_long_documents = self._cuts_are_exact()
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _cuts_are_exact(self) -> bool:
+        if self.tokenizer.normalizer is not None or self.tokenizer.pre_tokenizer is None:
+            return False
+        samples = [("def f(x):\n", "    return x\n"), ("Hello world\n", "foo bar"), ("a b", " c\u00e9")]
+        return all(self._ids(a + b) == self._ids(a) + self._ids(b) for a, b in samples)
+
+    def _is_boundary(self, text: str, cut: int) -> bool:
+        start = max(0, cut - _CHECK_MARGIN)
+        window = text[start : cut + _CHECK_MARGIN]
+        pieces = self.tokenizer.pre_tokenizer.pre_tokenize_str(window)
+        return any(begin == cut - start for _, (begin, _end) in pieces)
+
+    def _cut_points(self, text: str) -> list[int]:
+        cuts: list[int] = []
+        target = self.max_piece_chars
+        last = 0
+        while target < len(text) - 1:
+            cut = self._find_cut(text, last, target)
+            if cut is None:
+                break
+            cuts.append(cut)
+            last = cut
+            target = cut + self.max_piece_chars
+        return cuts
+
+    def _find_cut(self, text: str, lower: int, target: int) -> int | None:
+        # Prefer just after a newline, else just before a space; search backwards from target.
+        for sep, offset in (("\n", 1), (" ", 0)):
+            position = target
+            for _ in range(16):
+                found = text.rfind(sep, lower + 1, position)
+                if found < 0:
+                    break
+                cut = found + offset
+                if lower < cut < len(text) and not text[cut].isspace() and self._is_boundary(text, cut):
+                    return cut
+                position = found
+        return None
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of ``texts`` concatenated, and each text's token count (no special tokens)."""
+        pieces: list[str] = []
+        owner: list[int] = []
+        for i, text in enumerate(texts):
+            cuts = self._cut_points(text) if self.splits_long_documents and len(text) > self.max_piece_chars else []
+            if cuts:
+                bounds = [0, *cuts, len(text)]
+                pieces.extend(text[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+                owner.extend([i] * (len(bounds) - 1))
+            else:
+                pieces.append(text)
+                owner.append(i)
+        encodings = self.tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
+        piece_lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
+        ids = np.empty(int(piece_lengths.sum()), dtype=self.dtype)
+        position = 0
+        for encoding, length in zip(encodings, piece_lengths):
+            ids[position : position + length] = encoding.ids
+            position += length
+        lengths = np.bincount(np.asarray(owner, dtype=np.int64), weights=piece_lengths, minlength=len(texts))
+        return ids, lengths.astype(np.int64)
