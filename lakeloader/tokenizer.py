@@ -76,14 +76,17 @@ class DocumentEncoder:
     def _cuts_are_exact(self) -> bool:
         if self.tokenizer.normalizer is not None or self.tokenizer.pre_tokenizer is None:
             return False
-        samples = [("def f(x):\n", "    return x\n"), ("Hello world\n", "foo bar"), ("a b", " c\u00e9")]
+        samples = [("def f(x):\n", "return x\n"), ("Hello world\n", "foo bar"), ("a b", " c\u00e9"), ("x=1;", " y")]
         return all(self._ids(a + b) == self._ids(a) + self._ids(b) for a, b in samples)
 
     def _is_boundary(self, text: str, cut: int) -> bool:
-        start = max(0, cut - _CHECK_MARGIN)
-        window = text[start : cut + _CHECK_MARGIN]
-        pieces = self.tokenizer.pre_tokenizer.pre_tokenize_str(window)
-        return any(begin == cut - start for _, (begin, _end) in pieces)
+        # Exact when pre-tokenizing the two sides apart gives the pre-tokens of the whole
+        # around the cut (regex look-aheads at a piece's end can merge differently).
+        def words(piece: str) -> list[str]:
+            return [word for word, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(piece)]
+
+        left, right = text[max(0, cut - _CHECK_MARGIN) : cut], text[cut : cut + _CHECK_MARGIN]
+        return words(left) + words(right) == words(left + right)
 
     def _cut_points(self, text: str) -> list[int]:
         cuts: list[int] = []
@@ -99,15 +102,23 @@ class DocumentEncoder:
         return cuts
 
     def _find_cut(self, text: str, lower: int, target: int) -> int | None:
-        # Prefer just after a newline, else just before a space; search backwards from target.
+        # Candidates, searching backwards from target: just after a newline that precedes a
+        # non-space, else at a single space between two non-spaces; the pre-tokenizer confirms.
         for sep, offset in (("\n", 1), (" ", 0)):
             position = target
             for _ in range(16):
                 found = text.rfind(sep, lower + 1, position)
-                if found < 0:
+                if found <= 0:
                     break
                 cut = found + offset
-                if lower < cut < len(text) and not text[cut].isspace() and self._is_boundary(text, cut):
+                after = text[cut + (1 - offset)] if cut + 1 - offset < len(text) else " "
+                before = text[cut - 1]
+                if (
+                    lower < cut < len(text)
+                    and not after.isspace()
+                    and (offset == 1 or not before.isspace())
+                    and self._is_boundary(text, cut)
+                ):
                     return cut
                 position = found
         return None
