@@ -71,3 +71,28 @@ FROM shards ORDER BY dataset, shard_index;
 SELECT build_id, status, started_at, ended_at, workers, chunks_built, docs, tokens,
        round(tokens_per_s) AS tokens_per_s, rejects, retries, error
 FROM builds ORDER BY build_id DESC LIMIT 5;
+
+-- name: reader_dataset
+SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks
+FROM dataset_plans d JOIN committed_prefix p ON p.dataset = d.name
+WHERE d.name = $name;
+
+-- name: reader_chunks
+SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index
+FROM chunks WHERE dataset = $name AND global_index < $prefix ORDER BY global_index;
+
+-- name: reader_row_groups
+SELECT row_group, first_doc, num_docs, first_token, num_tokens
+FROM row_groups WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
+
+-- name: chunk_records
+-- First line (1-based, text/JSONL) or row (0-based, Parquet) of a chunk's split in its source file.
+SELECT s.source, s.layout, c.split_kind, c.first_row,
+       (SELECT sum(e.num_records) FROM chunks e
+        WHERE e.dataset = c.dataset AND e.shard_index = c.shard_index AND e.split_index < c.split_index)
+           AS records_before,
+       (SELECT count(*) FROM chunks e
+        WHERE e.dataset = c.dataset AND e.shard_index = c.shard_index AND e.split_index < c.split_index
+          AND e.status = 'committed') AS committed_before
+FROM chunks c JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
+WHERE c.dataset = $name AND c.global_index = $global_index;

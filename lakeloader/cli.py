@@ -69,6 +69,52 @@ def _cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(text: str) -> tuple[int, int]:
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steps must look like A:B (e.g. 0:10), got {text!r}") from None
+    if not 0 <= first < last:
+        raise argparse.ArgumentTypeError(f"--steps A:B needs 0 <= A < B, got {text!r}")
+    return first, last
+
+
+def _loader(args: argparse.Namespace):  # noqa: ANN202 - lakeloader.feed.Loader, imported lazily
+    from lakeloader.feed.loader import Loader
+
+    return Loader(args.config, process_index=args.process_index, process_count=args.process_count,
+                  mode=args.mode)
+
+
+def _cmd_batches(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    loader = _loader(args)
+    first, last = args.steps
+    batches = [loader.batch(step) for step in range(first, last)]
+    arrays = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
+    np.savez(args.out, **arrays)
+    shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items())
+    print(f"wrote steps {first}..{last - 1}, process {args.process_index} of {args.process_count}: "
+          f"{shapes} -> {args.out}")
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    _print_frame(_loader(args).explain(args.step), args.format)
+    return 0
+
+
+def _add_loader_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="YAML config file")
+    parser.add_argument("--process-index", type=int, default=0, metavar="p",
+                        help="this process's index in [0, P) (default 0)")
+    parser.add_argument("--process-count", type=int, default=1, metavar="P",
+                        help="number of reading processes; must divide loader.batch_size (default 1)")
+    parser.add_argument("--mode", choices=("train", "eval"), default="train",
+                        help="train: cycle the data forever; eval: one pass, last batch padded")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lakeloader`` command."""
     parser = argparse.ArgumentParser(prog="lakeloader", description=DESCRIPTION,
@@ -108,6 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("query", metavar="QUERY")
     sql.add_argument("--format", choices=formats, default="table")
     sql.set_defaults(func=_cmd_sql)
+
+    batches = commands.add_parser(
+        "batches", help="write global batches A..B-1 (this process's rows) to an .npz file",
+        description="Materialize batches A..B-1 exactly as a training process would and save one "
+        "array per field (input_ids, targets, loss_mask, segment_ids, positions[, example_mask]) "
+        "shaped [B-A, rows_of_this_process, seq_len]. Works while the lake is still building: waits "
+        "only for chunks it needs.")
+    _add_loader_options(batches)
+    batches.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
+    batches.add_argument("--out", required=True, metavar="FILE.npz", help="output file")
+    batches.set_defaults(func=_cmd_batches)
+
+    explain = commands.add_parser(
+        "explain", help="where every row of batch S came from",
+        description="For every row of batch S (this process's rows): dataset, epoch, example, "
+        "segment, shard, chunk, source file and line/row of each document, and token ranges.")
+    _add_loader_options(explain)
+    explain.add_argument("--step", type=int, required=True, metavar="S")
+    explain.add_argument("--format", choices=formats, default="table")
+    explain.set_defaults(func=_cmd_explain)
     return parser
 
 

@@ -94,6 +94,20 @@ class LoaderConfig(_Strict):
     packing: Literal["concat", "pack", "pad"] = "concat"
     shuffle: ShuffleConfig = ShuffleConfig()
     seed: int = 0
+    eos_token: str = "<|endoftext|>"        # appended to every document at collation
+    bos_token: str | None = None            # prepended to every document when set
+    pad_token: str | None = None            # id used for padding (default: the EOS id)
+    ordering: Literal["global", "strided"] = "global"
+    ideal_readers: int = Field(default=8, ge=1)   # R* of the strided ordering
+    wait_timeout: float = Field(default=600.0, gt=0)  # seconds to wait for an uncommitted chunk
+    prefetch: int = Field(default=2, ge=0)  # batches read ahead in background threads
+    verify: Literal["checksum", "size"] = "checksum"  # check each chunk file once before use
+    cache_bytes: int = 512 * 2**20          # decoded row groups kept in memory
+
+    @field_validator("cache_bytes", mode="before")
+    @classmethod
+    def _cache_size(cls, value: Any) -> int:
+        return parse_size(value)
 
     @field_validator("shuffle", mode="before")
     @classmethod

@@ -18,6 +18,12 @@ from lakeloader.plan.planner import DatasetPlan
 
 SCHEMA_VERSION = "1"
 _LOCK_PID = re.compile(r"PID (\d+)")
+_ACTIVE_WRITERS: dict[str, duckdb.DuckDBPyConnection] = {}
+
+
+def active_writer(path: str) -> duckdb.DuckDBPyConnection | None:
+    """The open writer connection of the catalog at ``path`` in this process, if any."""
+    return _ACTIVE_WRITERS.get(os.path.abspath(path))
 
 
 def _locked_error(path: str, exc: duckdb.Error) -> CatalogLockedError:
@@ -55,6 +61,7 @@ class CatalogWriter:
                 raise _locked_error(path, exc) from exc
             raise
         self._apply_schema()
+        _ACTIVE_WRITERS[os.path.abspath(path)] = self.con
 
     def _apply_schema(self) -> None:
         self.con.execute(sql_file("schema"))
@@ -71,6 +78,7 @@ class CatalogWriter:
 
     def close(self) -> None:
         """Checkpoint and close the connection."""
+        _ACTIVE_WRITERS.pop(os.path.abspath(self.path), None)
         self.con.execute("CHECKPOINT")
         self.con.close()
 

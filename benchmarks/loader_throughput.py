@@ -1,0 +1,106 @@
+"""Loader throughput vs a raw pyarrow read of the same chunk files, and seek latency.
+
+Builds (once) a single-dataset lake of the demo corpus's `code` documents, then measures:
+- tokens/s of `Loader` batches for B=64, L=2048 (global and strided orderings) over a full pass
+  of the lake, next to `pyarrow.parquet.read_table` of the same chunk files into numpy (ratio;
+  target >= 0.5);
+- time to the first batch after a seek to step 10 and to step 1,000,000 from a fresh Loader
+  (target: < 100 ms at 10^6 and within 1.5x of step 10).
+
+    .venv/bin/python benchmarks/loader_throughput.py
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import pyarrow.parquet as pq
+import yaml
+from _common import OUT, REPO, report
+
+from lakeloader.build.driver import build
+from lakeloader.demo import prepare_corpus
+from lakeloader.feed.loader import Loader
+from lakeloader.lake import open_lake
+
+BATCH, SEQ = 64, 2048
+
+
+def config_for(ordering: str, verify: str = "checksum") -> str:
+    corpus = prepare_corpus(OUT / "demo-corpus", size="demo")
+    path = OUT / f"loader-{ordering}-{verify}.yaml"
+    path.write_text(yaml.safe_dump({
+        "lake": str(OUT / "loader-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
+        "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
+        "build": {"split_size": "1MB"},
+        "loader": {"seq_len": SEQ, "batch_size": BATCH, "ordering": ordering, "ideal_readers": 8,
+                   "prefetch": 2, "verify": verify},
+    }))
+    return str(path)
+
+
+def raw_read(config: str) -> tuple[int, float]:
+    lake = open_lake(config)
+    paths = [lake.path_of(p) for p in lake.sql("SELECT path FROM chunks ORDER BY global_index").path]
+    started, tokens = time.perf_counter(), 0
+    for path in paths:
+        column = pq.read_table(path, columns=["text"]).column(0).combine_chunks()
+        tokens += len(column.values.to_numpy(zero_copy_only=True))
+    return tokens, time.perf_counter() - started
+
+
+def loader_pass(config: str) -> tuple[int, float, int]:
+    loader = Loader(config)
+    tokens_in_lake = int(loader.datasets[0].offsets[-1])
+    steps = max(1, tokens_in_lake // (BATCH * SEQ))
+    started = time.perf_counter()
+    for step, batch in enumerate(loader.iter_from(0)):
+        if step + 1 == steps:
+            break
+    seconds = time.perf_counter() - started
+    assert batch["input_ids"].shape == (BATCH, SEQ)
+    return steps * BATCH * SEQ, seconds, steps
+
+
+def seek_latency(config: str, step: int, repeats: int = 5) -> tuple[float, float]:
+    opens, firsts = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        loader = Loader(config)
+        opened = time.perf_counter()
+        next(loader.iter_from(step))
+        firsts.append(time.perf_counter() - opened)
+        opens.append(opened - started)
+        loader.close()
+    return statistics.median(opens), statistics.median(firsts)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    global_config = config_for("global")
+    if not (OUT / "loader-lake" / "catalog.duckdb").exists():
+        build(global_config, workers=2, progress=False)
+    figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}"}
+    raw_tokens, raw_seconds = raw_read(global_config)
+    raw_rate = raw_tokens / raw_seconds
+    figures["raw_pyarrow_tokens_per_s"] = round(raw_rate)
+    for ordering in ("global", "strided"):
+        tokens, seconds, steps = loader_pass(config_for(ordering))
+        figures[f"{ordering}_steps"] = steps
+        figures[f"{ordering}_tokens_per_s"] = round(tokens / seconds)
+        figures[f"{ordering}_ratio_to_raw (target >= 0.5)"] = round(tokens / seconds / raw_rate, 3)
+    tokens, seconds, _ = loader_pass(config_for("global", verify="size"))
+    figures["global_verify_size_tokens_per_s"] = round(tokens / seconds)
+    for step in (10, 1_000_000):
+        open_s, first_s = seek_latency(global_config, step)
+        figures[f"seek_{step}_open_ms"] = round(open_s * 1e3, 1)
+        figures[f"seek_{step}_first_batch_ms"] = round(first_s * 1e3, 1)
+    figures["seek_ratio 1e6/10 (target <= 1.5)"] = round(
+        figures["seek_1000000_first_batch_ms"] / max(figures["seek_10_first_batch_ms"], 1e-3), 3)
+    report("loader_throughput", figures)
+
+
+if __name__ == "__main__":
+    main()

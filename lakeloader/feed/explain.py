@@ -1,0 +1,79 @@
+"""Provenance of batch rows: dataset, epoch, chunk, shard, source document and token range."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from lakeloader.build.chunk import RECORD_COLUMN
+from lakeloader.feed.examples import Window
+
+if TYPE_CHECKING:
+    from lakeloader.feed.loader import Loader
+
+
+def _records(loader: Loader, dataset: str, chunk: int) -> tuple[np.ndarray, dict[str, object]]:
+    """Each document's record index within its split, and where the split starts in its source."""
+    view = loader.view
+    path = view.execute("SELECT path FROM chunks WHERE dataset = ? AND global_index = ?",
+                        [dataset, chunk]).fetchone()[0]
+    with loader.lake.fs.open(loader.lake.path_of(path), "rb") as handle:
+        records = pq.read_table(handle, columns=[RECORD_COLUMN]).column(0).to_numpy()
+    source, layout, kind, first_row, before, committed_before = view.named(
+        "chunk_records", {"name": dataset, "global_index": chunk}).fetchone()
+    split_index = view.execute("SELECT split_index FROM chunks WHERE dataset = ? AND global_index = ?",
+                               [dataset, chunk]).fetchone()[0]
+    if kind == "row_group":
+        base, unit = first_row, "row"
+    elif kind == "file" or split_index == 0:
+        base, unit = 1, "line"
+    elif committed_before == split_index:
+        base, unit = 1 + int(before or 0), "line"
+    else:
+        base, unit = None, "line"  # earlier splits of the shard are not built yet
+    return records, {"source": source, "base": base, "unit": unit, "path": path}
+
+
+def explain_windows(loader: Loader, step: int, windows: list[Window | None]) -> pd.DataFrame:
+    """One row per (batch row, segment): where each segment's tokens came from."""
+    rows = []
+    cache: dict[tuple[str, int], tuple[np.ndarray, dict[str, object]]] = {}
+    shard_of = {d.name: d.chunks.shard_index for d in loader.datasets}
+    for row, window in enumerate(windows):
+        global_row = loader.row_start + row
+        if window is None:
+            rows.append({"step": step, "row": global_row, "dataset": None, "segment": 0})
+            continue
+        offset = 0
+        segment = 0
+        previous_key = None
+        for piece in window.pieces:
+            key = (window.dataset, piece.chunk)
+            if key not in cache:
+                cache[key] = _records(loader, *key)
+            records, source = cache[key]
+            doc_change = np.flatnonzero(np.diff(piece.docs, prepend=-1))
+            bounds = np.append(doc_change, len(piece.docs))
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                doc = int(piece.docs[a])
+                doc_key = (piece.position, doc)
+                if doc_key != previous_key:
+                    segment += 1
+                    previous_key = doc_key
+                base = source["base"]
+                record = int(records[doc]) if doc < len(records) else None
+                location = (f"{source['unit']} {base + record}" if base is not None and record is not None
+                            else f"record {record} of split")
+                rows.append({
+                    "step": step, "row": global_row, "dataset": window.dataset, "epoch": window.epoch,
+                    "example": window.example, "segment": segment, "shard": int(shard_of[window.dataset][piece.chunk]),
+                    "chunk": piece.chunk, "chunk_path": source["path"], "document": doc,
+                    "source": source["source"], "location": location,
+                    "window_start": offset + int(a), "window_stop": offset + int(b),
+                    "chunk_stream_start": piece.start + int(a), "chunk_stream_stop": piece.start + int(b),
+                })
+            offset += len(piece.docs)
+    return pd.DataFrame(rows)

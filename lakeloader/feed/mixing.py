@@ -1,0 +1,81 @@
+"""Which dataset and which of its examples fills each position of each global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lakeloader.config import Config
+from lakeloader.errors import ConfigError
+from lakeloader.index.concat import cumulative
+from lakeloader.index.mixture import Stage, derive_key, staged_assignment, stop_step
+
+if TYPE_CHECKING:
+    from lakeloader.feed.examples import DatasetExamples
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+    """The mixture of a config: names of the datasets it draws from and their staged weights."""
+
+    names: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    batch_size: int
+    stop: str
+    seed: int
+
+    @classmethod
+    def from_config(cls, config: Config) -> Mixer:
+        """The mixer of ``config``; a single dataset needs no ``mixture`` section."""
+        mixture = config.mixture
+        if mixture is None:
+            if len(config.datasets) != 1:
+                raise ConfigError(
+                    f"{config.source_file or 'config'}: {len(config.datasets)} datasets need a "
+                    "'mixture' section (e.g. mixture: {weights: {" +
+                    ", ".join(f"{n}: 1" for n in config.datasets) + "}})")
+            name = next(iter(config.datasets))
+            return cls((name,), (Stage(0, [1.0]),), config.loader.batch_size, "restart", config.loader.seed)
+        stage_weights = mixture.all_weights()
+        starts = [0] if mixture.weights is not None else [s.start_step for s in mixture.stages or []]
+        names = tuple(n for n in config.datasets if any(w.get(n, 0) > 0 for w in stage_weights))
+        stages = tuple(Stage(start, [w.get(n, 0.0) for n in names]) for start, w in zip(starts, stage_weights))
+        return cls(names, stages, config.loader.batch_size, mixture.stop, config.loader.seed)
+
+    @property
+    def single(self) -> bool:
+        return len(self.names) == 1
+
+    def assign(self, step: int, row_start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number, example index within it) of rows ``[row_start, row_start+rows)`` of
+        global batch ``step`` in training."""
+        if self.single:
+            first = step * self.batch_size + row_start
+            return np.zeros(rows, np.int64), np.arange(first, first + rows, dtype=np.int64)
+        owners, indices = staged_assignment(list(self.stages), self.batch_size, step,
+                                            derive_key(self.seed, "mixture"))
+        return (np.asarray(owners[row_start:row_start + rows], np.int64),
+                np.asarray(indices[row_start:row_start + rows], np.int64))
+
+    def stop_step(self, datasets: Sequence[DatasetExamples]) -> int | None:
+        """Training batches before the stop strategy ends the stream (None: infinite)."""
+        if self.stop == "restart":
+            return None
+        sizes = [d.train_count() for d in datasets]
+        return stop_step(list(self.stages), self.batch_size, sizes, self.stop)
+
+    def eval_total(self, datasets: Sequence[DatasetExamples]) -> int:
+        """Examples of an evaluation pass: every dataset once, in config order."""
+        return int(sum(d.eval_count() for d in datasets))
+
+    def eval_assign(self, positions: np.ndarray, datasets: Sequence[DatasetExamples]) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number or -1 past the end, example index) of evaluation positions."""
+        offsets = cumulative(np.array([d.eval_count() for d in datasets], np.int64))
+        owners = np.searchsorted(offsets, positions, side="right") - 1
+        past = positions >= offsets[-1]
+        owners = np.where(past, -1, owners)
+        indices = np.where(past, 0, positions - offsets[np.clip(owners, 0, len(datasets) - 1)])
+        return owners.astype(np.int64), indices.astype(np.int64)

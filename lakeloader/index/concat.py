@@ -1,0 +1,67 @@
+"""Index maps of ``packing: concat``: example -> token window of a stream of chunks.
+
+Pure functions over integer arrays. A dataset's *stream* is its documents in chunk order, each
+followed by EOS (and preceded by BOS when configured); chunk ``c`` contributes
+``num_tokens[c] + num_docs[c] * specials`` stream tokens. Example ``k`` of a stream covers stream
+tokens ``[k*L, k*L + L]`` (L+1 tokens: inputs are the first L, targets the last L).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def stream_lengths(num_tokens: np.ndarray, num_docs: np.ndarray, specials: int) -> np.ndarray:
+    """Stream tokens contributed by each chunk."""
+    return np.asarray(num_tokens, np.int64) + np.asarray(num_docs, np.int64) * specials
+
+
+def cumulative(lengths: np.ndarray) -> np.ndarray:
+    """Offsets ``[0, l0, l0+l1, ...]`` of consecutive pieces (length n+1)."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def train_examples(stream_total: int, seq_len: int) -> int:
+    """Whole examples in one epoch of a stream of ``stream_total`` tokens (the tail is dropped)."""
+    return max(0, (stream_total - 1) // seq_len)
+
+
+def eval_examples(stream_total: int, seq_len: int) -> int:
+    """Examples of one evaluation pass: every target token once, the last example padded."""
+    return max(0, math.ceil((stream_total - 1) / seq_len))
+
+
+def locate(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Index of the piece holding each stream position, given cumulative ``offsets``.
+
+    Empty pieces are skipped: the result is the last piece starting at or before the position.
+    """
+    return np.searchsorted(offsets, positions, side="right") - 1
+
+
+def strided_chunk(iterator: np.ndarray, step: np.ndarray, ideal_readers: int) -> np.ndarray:
+    """Position in the looped chunk list of the ``step``-th chunk of ideal reader ``iterator``,
+    ``loop(chunks)[iterator::R*][step]`` (epoch = position // chunks, chunk = position % chunks)."""
+    return np.asarray(iterator, np.int64) + np.asarray(step, np.int64) * ideal_readers
+
+
+def strided_example(example: np.ndarray, ideal_readers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ideal reader, example within that reader's stream) of global example ``example``:
+    ``example[i] = chunk_examples[i % R*][i // R*]``."""
+    example = np.asarray(example, np.int64)
+    return example % ideal_readers, example // ideal_readers
+
+
+def segments(doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids from 1, positions restarting at 0) of a window whose tokens belong to
+    documents ``doc_keys`` (equal keys = same document; documents are contiguous)."""
+    n = len(doc_keys)
+    starts = np.ones(n, dtype=bool)
+    starts[1:] = doc_keys[1:] != doc_keys[:-1]
+    segment_ids = np.cumsum(starts).astype(np.int32)
+    first = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    return segment_ids, (np.arange(n) - first).astype(np.int32)

@@ -1,0 +1,147 @@
+"""What a reader knows of the catalog: each dataset's committed chunks as numpy arrays.
+
+Readers in the build driver's process share its catalog connection; other processes read the
+published snapshot and refresh it when they need chunks they have not seen committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from lakeloader.catalog import store
+from lakeloader.catalog.snapshot import open_snapshot, read_pointer
+from lakeloader.catalog.sql import query
+from lakeloader.errors import CatalogError, LakeloaderError
+from lakeloader.lake import Lake
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.25
+
+
+class ChunkWaitTimeout(LakeloaderError):
+    """A reader waited longer than ``loader.wait_timeout`` for a chunk to be committed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetChunks:
+    """The committed prefix of one dataset's chunks, in global order."""
+
+    name: str
+    fingerprint: str
+    complete: bool                 # every planned chunk is committed
+    planned: int                   # chunks in the plan
+    paths: np.ndarray              # object array of lake-relative paths
+    num_docs: np.ndarray           # int64 per chunk
+    num_tokens: np.ndarray         # int64 per chunk
+    num_bytes: np.ndarray          # int64 per chunk
+    checksums: np.ndarray          # object array
+    shard_index: np.ndarray        # int64 per chunk
+    token_type: str
+
+    @property
+    def committed(self) -> int:
+        """Number of chunks in the committed prefix."""
+        return len(self.paths)
+
+
+class CatalogView:
+    """Read-only access to a lake's catalog that can be refreshed while the lake is built."""
+
+    def __init__(self, lake: Lake) -> None:
+        self.lake = lake
+        self._lock = threading.Lock()
+        self._version: int | None = None
+        self._con = self._connect()
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        writer = store.active_writer(self.lake.writer_catalog_path)
+        self._live = writer is not None
+        if writer is not None:
+            return writer.cursor()  # same process as the build driver: its live catalog
+        # Never the writer's file: a long-lived reader holding it would lock out the next build.
+        con, self._version = open_snapshot(self.lake)
+        return con
+
+    def refresh(self) -> bool:
+        """Re-open the newest published snapshot if there is a newer one; returns whether it changed."""
+        if self._live:
+            if store.active_writer(self.lake.writer_catalog_path) is not None:
+                return True  # the live catalog is always current
+            with self._lock:  # the build ended: move on to its final snapshot
+                self._con = self._connect()
+            return True
+        pointer = read_pointer(self.lake)
+        if pointer is None or pointer["version"] == self._version:
+            return False
+        with self._lock:
+            old = self._con
+            self._con, self._version = open_snapshot(self.lake)
+            old.close()
+        return True
+
+    def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
+        """Run SQL on the current view (thread-safe)."""
+        if self._live and store.active_writer(self.lake.writer_catalog_path) is None:
+            self.refresh()
+        with self._lock:
+            cursor = self._con.cursor()
+        return cursor.execute(sql, params) if params is not None else cursor.execute(sql)
+
+    def named(self, name: str, params: Any = None) -> duckdb.DuckDBPyConnection:
+        """Run a named query of catalog/queries.sql."""
+        return self.execute(query(name), params)
+
+    def dataset(self, name: str) -> DatasetChunks:
+        """The committed prefix of dataset ``name``."""
+        plan = self.named("reader_dataset", {"name": name}).fetchone()
+        if plan is None:
+            raise CatalogError(
+                f"dataset {name!r} is not in the lake {self.lake.url}: build it first "
+                "(lakeloader build CONFIG)"
+            )
+        fingerprint, token_type, planned, prefix = plan
+        frame = self.named("reader_chunks", {"name": name, "prefix": prefix}).fetchnumpy()
+        return DatasetChunks(
+            name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
+            paths=frame["path"].astype(object), num_docs=frame["num_docs"].astype(np.int64),
+            num_tokens=frame["num_tokens"].astype(np.int64), num_bytes=frame["num_bytes"].astype(np.int64),
+            checksums=frame["checksum"].astype(object), shard_index=frame["shard_index"].astype(np.int64),
+            token_type=token_type,
+        )
+
+    def row_groups(self, name: str, global_index: int) -> dict[str, np.ndarray]:
+        """First doc/token and counts of each row group of one committed chunk."""
+        return self.named("reader_row_groups", {"name": name, "global_index": global_index}).fetchnumpy()
+
+    def wait_for(self, name: str, chunk: int, timeout: float) -> DatasetChunks:
+        """Block until chunk ``chunk`` of ``name`` is committed or the dataset is complete."""
+        deadline = time.monotonic() + timeout
+        announced = False
+        while True:
+            chunks = self.dataset(name)
+            if chunk < chunks.committed or chunks.complete:
+                return chunks
+            if not announced:
+                log.info("waiting for chunk %d of dataset %r to be committed (committed prefix: %d of %d)",
+                         chunk, name, chunks.committed, chunks.planned)
+                announced = True
+            if time.monotonic() > deadline:
+                raise ChunkWaitTimeout(
+                    f"waited {timeout:.0f}s for chunk {chunk} of dataset {name!r} in lake {self.lake.url}, "
+                    f"but only chunks 0..{chunks.committed - 1} of {chunks.planned} are committed. Is its "
+                    "build running? Check with `lakeloader status CONFIG`, or raise loader.wait_timeout."
+                )
+            time.sleep(POLL_SECONDS)
+            self.refresh()
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._con.close()

@@ -1,0 +1,117 @@
+"""Chunk files: verified once against the catalog, row groups read zero-copy and cached."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lakeloader.errors import ChunkIntegrityError
+from lakeloader.lake import Lake
+from lakeloader.read.catalog_view import DatasetChunks
+
+_HASH_BLOCK = 8 << 20
+
+
+class RowGroupCache:
+    """Decoded row groups (token values and document offsets), bounded in bytes, LRU."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = (
+            collections.OrderedDict())
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def put(self, key: tuple[Any, ...], item: tuple[np.ndarray, np.ndarray]) -> None:
+        size = item[0].nbytes + item[1].nbytes
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = item
+            self._bytes += size
+            while self._bytes > self.max_bytes and len(self._items) > 1:
+                _, (values, offsets) = self._items.popitem(last=False)
+                self._bytes -= values.nbytes + offsets.nbytes
+
+
+class ChunkFiles:
+    """Opens chunk files of a lake, checks each once against the catalog, reads row groups."""
+
+    def __init__(self, lake: Lake, verify: str, cache_bytes: int) -> None:
+        self.lake = lake
+        self.verify = verify
+        self.cache = RowGroupCache(cache_bytes)
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
+        self.files_opened: set[str] = set()   # lake-relative paths this process opened
+
+    def _check(self, chunks: DatasetChunks, index: int) -> None:
+        path = chunks.paths[index]
+        if path in self._verified:
+            return
+        full = self.lake.path_of(path)
+        try:
+            size = self.lake.fs.size(full)
+        except FileNotFoundError:
+            raise ChunkIntegrityError(
+                f"chunk {index} of dataset {chunks.name!r} is missing: {self.lake.url_of(path)}. "
+                "The lake is damaged; rebuild it (delete the lake folder and run lakeloader build)."
+            ) from None
+        problem = None
+        if size != chunks.num_bytes[index]:
+            problem = f"has {size} bytes, the catalog says {chunks.num_bytes[index]}"
+        elif self.verify == "checksum":
+            digest = hashlib.sha256()
+            with self.lake.fs.open(full, "rb") as handle:
+                while block := handle.read(_HASH_BLOCK):
+                    digest.update(block)
+            if digest.hexdigest() != chunks.checksums[index]:
+                problem = f"has sha256 {digest.hexdigest()[:16]}…, the catalog says {chunks.checksums[index][:16]}…"
+        if problem:
+            raise ChunkIntegrityError(
+                f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) is corrupt: it "
+                f"{problem}. Never read as data: restore the file or rebuild the lake."
+            )
+        with self._lock:
+            self._verified.add(path)
+
+    def row_group(self, chunks: DatasetChunks, index: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token values, document offsets) of one row group of chunk ``index`` (zero-copy views)."""
+        key = (chunks.fingerprint, index, group)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        self._check(chunks, index)
+        path = chunks.paths[index]
+        with self._lock:
+            self.files_opened.add(path)
+        try:
+            if self.lake.is_local:
+                parquet = pq.ParquetFile(self.lake.path_of(path), memory_map=False)
+            else:
+                parquet = pq.ParquetFile(self.lake.fs.open(self.lake.path_of(path), "rb"))
+            column = parquet.read_row_group(group, columns=["text"]).column(0)
+        except (OSError, pa.ArrowException) as exc:
+            raise ChunkIntegrityError(
+                f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}"
+            ) from exc
+        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        offsets = array.offsets.to_numpy(zero_copy_only=True)
+        values = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
+        item = (values, offsets - offsets[0])
+        self.cache.put(key, item)
+        return item
+
