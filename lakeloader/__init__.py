@@ -1,6 +1,13 @@
-"""lakeloader: tokenized Parquet lakes built on Dask, catalogued in DuckDB, streamed into JAX."""
+"""lakeloader: tokenized Parquet lakes built on Dask, catalogued in DuckDB, streamed into JAX.
+
+The heavy parts (Dask, DuckDB, pyarrow) are imported when first used, so ``import lakeloader``
+stays fast for command-line help and config validation.
+"""
 
 from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
 
 from lakeloader.config import Config, load_config
 from lakeloader.errors import (
@@ -12,6 +19,11 @@ from lakeloader.errors import (
     LakeloaderError,
     SourceError,
 )
+
+if TYPE_CHECKING:
+    from lakeloader.build.driver import BuildReport
+    from lakeloader.feed.loader import Loader
+    from lakeloader.lake import Lake
 
 __version__ = "0.1.0"
 
@@ -27,18 +39,26 @@ __all__ = [
     "build",
     "load_config",
     "open_lake",
+    "open_loader",
 ]
 
 
-def build(config, **kwargs):  # noqa: ANN001, ANN201 - thin lazy re-export, see lakeloader.build.driver.build
-    """Build (or resume building) the lake of ``config``; see :func:`lakeloader.build.driver.build`."""
-    from lakeloader.build.driver import build as _build
+def build(config: Config | str | os.PathLike[str], **options: Any) -> BuildReport:
+    """Build or resume the lake of ``config`` (see :func:`lakeloader.build.driver.build`)."""
+    from lakeloader.build.driver import build as build_lake
 
-    return _build(config, **kwargs)
+    return build_lake(config, **options)
 
 
-def open_lake(config_or_lake, **kwargs):  # noqa: ANN001, ANN201 - see lakeloader.lake.open_lake
-    """Open a lake for queries; see :func:`lakeloader.lake.open_lake`."""
-    from lakeloader.lake import open_lake as _open_lake
+def open_lake(config_or_lake: Config | str | os.PathLike[str], **options: Any) -> Lake:
+    """The lake of a config or a lake path/URL, for SQL and status (see :func:`lakeloader.lake.open_lake`)."""
+    from lakeloader.lake import open_lake as open_lake_at
 
-    return _open_lake(config_or_lake, **kwargs)
+    return open_lake_at(config_or_lake, **options)
+
+
+def open_loader(config: Config | str | os.PathLike[str], **options: Any) -> Loader:
+    """A batch loader over the lake of ``config`` (see :class:`lakeloader.feed.loader.Loader`)."""
+    from lakeloader.feed.loader import Loader
+
+    return Loader(config, **options)

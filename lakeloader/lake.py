@@ -15,6 +15,7 @@ from fsspec.core import url_to_fs
 from lakeloader.catalog.sql import query
 from lakeloader.config import Config, load_config
 from lakeloader.errors import CatalogError, CatalogLockedError
+from lakeloader.storage import is_local
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,7 @@ class Lake:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = url_to_fs(url, **self.storage_options)
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self.is_local = "file" in protocols or "local" in protocols
+        self.is_local = is_local(self.fs)
         self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
         key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.cache_dir = os.path.join(default_cache_dir(), "lakes", key)

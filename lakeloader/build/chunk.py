@@ -6,9 +6,9 @@ import dataclasses
 import functools
 import hashlib
 import io
+import json
 import os
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
 from lakeloader.build.documents import Reject, SplitSource, read_split
+from lakeloader.storage import write_atomically
 from lakeloader.tokenizer import DocumentEncoder
 
 # Column of each document's line/row index counted from its split's first record.
@@ -57,8 +58,6 @@ class ChunkResult:
 
 @functools.lru_cache(maxsize=4)
 def _encoder(tokenizer_url: str, options: str) -> DocumentEncoder:
-    import json
-
     fs, path = url_to_fs(tokenizer_url, **json.loads(options))
     return DocumentEncoder(Tokenizer.from_str(fs.cat_file(path).decode()))
 
@@ -94,25 +93,8 @@ def encode_chunk_file(table: pa.Table, bounds: np.ndarray) -> bytes:
     return sink.getvalue()
 
 
-def write_atomically(url: str, data: bytes, storage_options: dict[str, Any]) -> None:
-    """Write ``data`` so readers see either no file or the whole file (rename; one PUT remotely)."""
-    fs, path = url_to_fs(url, **storage_options)
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    else:
-        fs.pipe_file(path, data)
-
-
 def build_chunk(task: ChunkTask) -> ChunkResult:
     """Read, tokenize and write one chunk; deterministic in its inputs."""
-    import json
-
     started = time.perf_counter()
     options = task.source.storage_options
     encoder = _encoder(task.tokenizer_url, json.dumps(options, sort_keys=True))

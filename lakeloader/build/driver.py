@@ -13,7 +13,7 @@ from distributed import Client, Future, as_completed
 from tqdm.auto import tqdm
 
 import lakeloader
-from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk, write_atomically
+from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk
 from lakeloader.build.cluster import dask_client
 from lakeloader.build.documents import SplitSource
 from lakeloader.catalog.snapshot import open_snapshot, publish_snapshot, read_pointer
@@ -22,6 +22,7 @@ from lakeloader.config import Config, load_config
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split
+from lakeloader.storage import write_atomically
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)

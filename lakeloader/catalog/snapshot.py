@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from lakeloader.build.chunk import write_atomically
+from lakeloader.storage import write_atomically
 from lakeloader.errors import CatalogError
 
 if TYPE_CHECKING:

@@ -38,7 +38,12 @@ class DatasetPlan:
     @property
     def chunk_dir(self) -> str:
         """Folder (relative to the lake root) of this dataset's chunk files."""
-        return f"{self.name}/{self.fingerprint[:16]}"
+        return chunk_folder(self.name, self.fingerprint)
+
+
+def chunk_folder(name: str, fingerprint: str) -> str:
+    """Folder of a dataset's chunk files: named by its fingerprint, so builds never mix."""
+    return f"{name}/{fingerprint[:16]}"
 
 
 def dataset_fingerprint(
@@ -56,7 +61,7 @@ def dataset_fingerprint(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def chunk_table(shards: list[Shard], splits: list[list[Split]], chunk_dir: str) -> pd.DataFrame:
+def chunk_table(splits: list[list[Split]], folder: str) -> pd.DataFrame:
     """One row per chunk in global (round-robin) order with its split and file path."""
     shard_index, split_index = round_robin_order(np.array([len(s) for s in splits], dtype=np.int64))
     rows = [splits[k][r] for k, r in zip(shard_index.tolist(), split_index.tolist())]
@@ -65,7 +70,7 @@ def chunk_table(shards: list[Shard], splits: list[list[Split]], chunk_dir: str) 
             "global_index": np.arange(len(rows), dtype=np.int64),
             "shard_index": shard_index,
             "split_index": split_index,
-            "path": [f"{chunk_dir}/{k:05d}-{r:06d}.parquet" for k, r in zip(shard_index, split_index)],
+            "path": [f"{folder}/{k:05d}-{r:06d}.parquet" for k, r in zip(shard_index, split_index)],
             "split_kind": [s.kind for s in rows],
             "split_start": np.array([s.start for s in rows], dtype=np.int64),
             "split_stop": np.array([s.stop for s in rows], dtype=np.int64),
@@ -97,7 +102,6 @@ def plan_dataset(
         raise SourceError(f"dataset {name!r}: no readable source files in {dataset.sources}")
     split_size = config.build.split_size
     fingerprint = dataset_fingerprint(dataset, shards, tokenizer_fingerprint, split_size)
-    chunk_dir = f"{name}/{fingerprint[:16]}"
     splits = [plan_splits(shard, split_size, options) for shard in shards]
     return DatasetPlan(
         name=name,
@@ -105,6 +109,6 @@ def plan_dataset(
         format=dataset.format,
         fields=("text",),
         shards=shards,
-        chunks=chunk_table(shards, splits, chunk_dir),
+        chunks=chunk_table(splits, chunk_folder(name, fingerprint)),
         missing=missing,
     )

@@ -10,6 +10,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from lakeloader.errors import SourceError
+from lakeloader.storage import is_local
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,7 @@ def layout_of(url: str) -> tuple[str, str | None]:
 
 
 def _full_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    return fs.unstrip_protocol(path) if not _is_local(fs) else path
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return path if is_local(fs) else fs.unstrip_protocol(path)
 
 
 def _version(info: dict[str, Any]) -> str:
@@ -93,7 +90,7 @@ def expand_sources(
             if info.get("type") == "directory":
                 missing.append(MissingSource(url, "is a directory, not a file"))
                 continue
-            if _is_local(fs):
+            if is_local(fs):
                 try:
                     with open(found, "rb"):
                         pass

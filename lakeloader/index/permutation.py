@@ -1,0 +1,178 @@
+"""Keyed pseudo-random permutations of ``range(size)`` for any ``size >= 1``.
+
+A balanced Feistel network on the smallest even bit width ``w >= 2`` that holds ``size - 1``,
+made a permutation of ``[0, size)`` by cycle-walking (re-applying the network until the value
+falls in range). Everything is uint64 integer arithmetic with explicit wraparound, so results
+are bitwise identical on every platform and in every process.
+
+``size`` and ``key`` may be arrays broadcastable against ``indices`` (one permutation per
+element), which lets callers permute many windows or epochs in a single vectorized call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+
+import numpy as np
+
+ROUNDS = 6
+MASK64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer of a uint64 array (a bijection of uint64; returns a new array)."""
+    x = x ^ (x >> _S30)
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
+def derive_key(*parts: int | str) -> int:
+    """A 64-bit key (an int in ``[0, 2**64)``) from ``parts`` (ints and strings).
+
+    Stable across processes, Python versions and platforms (blake2b over a typed,
+    length-prefixed encoding, so ``("ab", 1)`` and ``("a", "b1")`` differ).
+    """
+    hasher = hashlib.blake2b(digest_size=8, person=b"lakeloader-key")
+    for part in parts:
+        if isinstance(part, str):
+            tag, data = b"s", part.encode("utf-8")
+        elif isinstance(part, numbers.Integral):
+            tag, data = b"i", str(int(part)).encode("ascii")
+        else:
+            raise TypeError(f"derive_key parts must be int or str, got {type(part).__name__}: {part!r}")
+        hasher.update(tag + len(data).to_bytes(8, "little") + data)
+    return int.from_bytes(hasher.digest(), "little")
+
+
+def mix_key(key: int | np.ndarray, *parts: np.ndarray | int) -> np.ndarray:
+    """Per-element 64-bit keys (uint64 array) from a base key and integer arrays (e.g. epoch,
+    window): a vectorized, platform-independent counterpart of :func:`derive_key`."""
+    h = mix64(_as_u64(key) + _GOLDEN)
+    for i, part in enumerate(parts, start=1):
+        # Each part goes through its own odd multiplier so permuted parts give different keys.
+        p = _as_u64(part) * np.uint64((0x2545F4914F6CDD1D * (2 * i + 1)) & MASK64)
+        h = mix64(h ^ mix64(p + _GOLDEN * np.uint64(i)))
+    return h
+
+
+def _as_u64(value: int | np.ndarray) -> np.ndarray:
+    """``value`` as a uint64 array (two's complement wraparound for negative integers)."""
+    if isinstance(value, numbers.Integral):
+        return np.array([int(value) & MASK64], dtype=np.uint64)
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"keys must be integers, got dtype {array.dtype}")
+    return array.astype(np.uint64).reshape(-1) if array.ndim else array.astype(np.uint64).reshape(1)
+
+
+def _bit_length(x: np.ndarray) -> np.ndarray:
+    """Bit length of each element of a uint64 array."""
+    x = x.copy()
+    n = np.zeros(x.shape, dtype=np.uint64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        s = np.uint64(shift)
+        big = (x >> s) != 0
+        n += big.astype(np.uint64) * s
+        x = np.where(big, x >> s, x)
+    return n + (x != 0).astype(np.uint64)
+
+
+class _Network:
+    """Feistel parameters: per element (or shape-(1,) when shared) half width, mask, round keys."""
+
+    def __init__(self, sizes: np.ndarray, keys: np.ndarray) -> None:
+        bits = _bit_length(sizes - np.uint64(1))
+        width = np.maximum(bits + (bits & np.uint64(1)), np.uint64(2))
+        self.half = width >> np.uint64(1)
+        self.mask = (np.uint64(1) << self.half) - np.uint64(1)
+        # Round keys depend on the key, the round and the width, so sizes of different widths
+        # sharing a key get unrelated networks.
+        base = mix64(keys ^ mix64(width * _GOLDEN))
+        self.round_keys = [mix64(base + _GOLDEN * np.uint64(r + 1)) for r in range(ROUNDS)]
+        self.sizes = sizes
+        self.shared = sizes.shape == (1,) and keys.shape == (1,)
+
+    def take(self, idx: np.ndarray) -> _Network:
+        """The parameters of the elements ``idx`` (a no-op when shared)."""
+        if self.shared:
+            return self
+        sub = object.__new__(_Network)
+        sub.half, sub.mask, sub.sizes = self.half[idx], self.mask[idx], self.sizes[idx]
+        sub.round_keys = [k[idx] for k in self.round_keys]
+        sub.shared = False
+        return sub
+
+    def _f(self, half: np.ndarray, r: int) -> np.ndarray:
+        return mix64(half + self.round_keys[r]) & self.mask
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for r in range(ROUNDS):
+            left, right = right, left ^ self._f(right, r)
+        return (left << self.half) | right
+
+    def backward(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for r in reversed(range(ROUNDS)):
+            left, right = right ^ self._f(left, r), left
+        return (left << self.half) | right
+
+
+def _walk(indices: np.ndarray, size: int | np.ndarray, key: int | np.ndarray, inverse: bool) -> np.ndarray:
+    x = np.asarray(indices)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"indices must be an integer array, got dtype {x.dtype}")
+    shape = x.shape
+    x = x.astype(np.int64).reshape(-1)
+    size_arr = np.asarray(size)
+    if size_arr.dtype.kind not in "iu":
+        raise TypeError(f"size must be an integer, got {size!r}")
+    sizes = np.broadcast_to(size_arr.astype(np.int64), shape).reshape(-1) if size_arr.ndim else size_arr.astype(np.int64).reshape(1)
+    if sizes.size and int(sizes.min()) < 1:
+        raise ValueError(f"permutation size must be >= 1, got {int(sizes.min())}")
+    bad = (x < 0) | (x >= sizes)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"index {int(x[i])} is outside [0, {int(sizes[min(i, sizes.size - 1)])})")
+    keys = _as_u64(key)
+    if keys.size > 1 or np.ndim(key):
+        keys = np.broadcast_to(keys.reshape(np.shape(key)), shape).reshape(-1)
+        if sizes.shape == (1,):
+            sizes = np.broadcast_to(sizes, keys.shape)
+    elif sizes.size != 1:
+        keys = np.broadcast_to(keys, sizes.shape)
+    net = _Network(sizes.astype(np.uint64), keys)
+    step = net.backward if inverse else net.forward
+    out = step(x.astype(np.uint64))
+    limit = net.sizes
+    todo = np.flatnonzero(out >= limit)
+    while todo.size:
+        sub = net.take(todo)
+        walked = (sub.backward if inverse else sub.forward)(out[todo])
+        out[todo] = walked
+        todo = todo[walked >= sub.sizes]
+    return out.astype(np.int64).reshape(shape)
+
+
+def permute(indices: np.ndarray, size: int | np.ndarray, key: int | np.ndarray) -> np.ndarray:
+    """Image of ``indices`` (ints in ``[0, size)``) under the keyed permutation of ``range(size)``.
+
+    A bijection of ``range(size)`` for every ``size >= 1``; the same (size, key) always gives the
+    same permutation, on any platform. Returns int64 with the shape of ``indices``. ``size`` and
+    ``key`` may also be arrays broadcastable to ``indices`` (a permutation per element). Raises
+    ValueError naming the first index outside ``[0, size)``.
+    """
+    return _walk(indices, size, key, inverse=False)
+
+
+def inverse_permute(indices: np.ndarray, size: int | np.ndarray, key: int | np.ndarray) -> np.ndarray:
+    """The inverse of :func:`permute`: ``inverse_permute(permute(x, n, k), n, k) == x``."""
+    return _walk(indices, size, key, inverse=True)

@@ -1,0 +1,62 @@
+"""The command line: help, build, status and sql output formats, errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import stdlib_texts, write_config, write_jsonl
+
+from lakeloader.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lakeloader.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help_explains_every_command() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("build", "status", "sql", "batches", "explain"):
+        assert command in result.stdout
+    build_help = run("build", "--help").stdout
+    assert "--workers" in build_help and "--scheduler" in build_help and "resume" in build_help.lower()
+
+
+def test_build_status_sql(tmp_path: Path, dask_scheduler: str, capsys: pytest.CaptureFixture[str]) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "*.jsonl")]}})
+    assert main(["build", str(config), "--scheduler", dask_scheduler, "--no-progress"]) == 0
+    assert "tokens" in capsys.readouterr().out
+
+    assert main(["status", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "== Datasets ==" in out and "complete" in out and "a.jsonl" in out
+
+    query = "SELECT name, num_docs FROM datasets"
+    assert main(["sql", str(tmp_path / "lake"), query, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"name": "code", "num_docs": len(stdlib_texts("json"))}]
+    assert main(["sql", str(config), query, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["name,num_docs", f"code,{len(stdlib_texts('json'))}"]
+    assert main(["sql", str(config), query]) == 0
+    assert "code" in capsys.readouterr().out
+    assert main(["sql", str(config), "SELECT * FROM no_such_table"]) == 2
+    assert "no_such_table" in capsys.readouterr().err
+
+
+def test_user_errors_exit_2_with_message(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lake: x\ntokenizer: t.json\ndatasets: {}\n")
+    result = run("build", str(bad))
+    assert result.returncode == 2
+    assert "error" in result.stderr and "datasets" in result.stderr and "Traceback" not in result.stderr
+    result = run("sql", str(tmp_path / "nolake"), "SELECT 1")
+    assert result.returncode == 2 and "no lake" in result.stderr
+    config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "x.jsonl")]}})
+    (tmp_path / "lake").mkdir()
+    result = run("sql", str(config), "SELECT 1")
+    assert result.returncode == 2 and "no published catalog" in result.stderr and "lakeloader build" in result.stderr
