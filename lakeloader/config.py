@@ -192,7 +192,7 @@ def _is_url(path: str) -> bool:
 def _resolve(path: str, base: Path) -> str:
     if _is_url(path) or os.path.isabs(path):
         return path
-    return str((base / path).resolve()) if "*" not in path else str(base.resolve() / path)
+    return os.path.normpath(os.path.join(base.resolve(), path))
 
 
 def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import numpy as np
 from lakeloader.config import Config
 from lakeloader.errors import ConfigError
 from lakeloader.index.concat import cumulative
-from lakeloader.index.mixture import Stage, derive_key, staged_assignment, stop_step
+from lakeloader.index.mixture import Stage, staged_assignment, stop_step
+from lakeloader.index.permutation import derive_key
 
 if TYPE_CHECKING:
     from lakeloader.feed.examples import DatasetExamples
