@@ -57,9 +57,12 @@ class Lake:
         """A read-only catalog connection: the writer's file when no build holds it, else the
         newest published snapshot."""
         from lakeloader.catalog.snapshot import open_snapshot
-        from lakeloader.catalog.store import connect_reader
+        from lakeloader.catalog.store import active_writer, connect_reader
 
         path = self.writer_catalog_path
+        writer = active_writer(path)
+        if writer is not None:
+            return writer.cursor()  # a build runs in this process: read its live catalog
         if os.path.exists(path):
             try:
                 return connect_reader(path)

@@ -210,7 +210,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
             retries=0, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
             error=error,
         )
-        publish_snapshot(writer.con, writer.path, lake, build_id)
+        publish_snapshot(writer.con, lake, build_id)
     log.info("build %d %s: %d chunks, %d docs, %d tokens in %.1fs (%.0f tokens/s)", build_id, status,
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
     return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
@@ -244,7 +244,7 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
                 bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
                                 rejects=totals.rejects, refresh=False)
                 if time.monotonic() - last_publish >= config.build.publish_interval:
-                    publish_snapshot(writer.con, writer.path, lake, build_id)
+                    publish_snapshot(writer.con, lake, build_id)
                     last_publish = time.monotonic()
         except BaseException:
             run.cancel()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,21 +35,40 @@ def read_pointer(lake: Lake) -> dict[str, Any] | None:
         return None
 
 
-def publish_snapshot(con: duckdb.DuckDBPyConnection, catalog_path: str, lake: Lake,
-                     build_id: int | None) -> int:
-    """Checkpoint the writer's catalog and publish a copy as the lake's next snapshot version."""
-    con.execute("CHECKPOINT")
+def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str) -> None:
+    """Copy the writer's open catalog into a new DuckDB file through the writer's own connection.
+
+    The catalog file must not be opened any other way in the writer's process: DuckDB guards it
+    with a POSIX record lock, which the process loses as soon as it closes *any* descriptor of the
+    file, so a plain file copy would silently let a second build open the catalog for writing.
+    """
+    database = con.execute("SELECT current_database()").fetchone()[0]
+    con.execute("ATTACH ? AS published_snapshot", [target])
+    try:
+        con.execute(f'COPY FROM DATABASE "{database}" TO published_snapshot')
+    finally:
+        con.execute("DETACH published_snapshot")
+
+
+def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int | None) -> int:
+    """Publish a copy of the writer's catalog as the lake's next snapshot version."""
     pointer = read_pointer(lake)
     version = (pointer["version"] + 1) if pointer else 1
     name = f"catalog-{version:06d}.duckdb"
     target = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
+    staged = target if lake.is_local else os.path.join(lake.cache_dir, "publish", name)
+    os.makedirs(os.path.dirname(staged), exist_ok=True)
+    temporary = f"{staged}.tmp-{os.getpid()}"
+    if os.path.exists(temporary):
+        os.remove(temporary)
+    _copy_catalog(con, temporary)
     if lake.is_local:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        temporary = f"{target}.tmp-{os.getpid()}"
-        shutil.copyfile(catalog_path, temporary)
         os.replace(temporary, target)
     else:
-        lake.fs.put_file(catalog_path, target)
+        try:
+            lake.fs.put_file(temporary, target)
+        finally:
+            os.remove(temporary)
     payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id}
     write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
     for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
