@@ -7,8 +7,11 @@ import math
 
 import numpy as np
 
+from lakeloader.config import ShuffleConfig
 from lakeloader.errors import LakeloaderError
 from lakeloader.index.concat import cumulative, eval_examples, locate, stream_lengths, strided_chunk, train_examples
+from lakeloader.index.permutation import derive_key
+from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, shuffle_window
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.windows import Piece, StreamReader
 
@@ -42,8 +45,11 @@ class DatasetExamples:
     """
 
     def __init__(self, name: str, view: CatalogView, reader: StreamReader, *, seq_len: int,
-                 ordering: str, ideal_readers: int, wait_timeout: float) -> None:
+                 ordering: str, ideal_readers: int, wait_timeout: float,
+                 shuffle: ShuffleConfig = ShuffleConfig(), seed: int = 0) -> None:
         self.name = name
+        self.shuffle = shuffle
+        self.shuffle_key = derive_key(seed, "shuffle", name)
         self.view = view
         self.reader = reader
         self.seq_len = seq_len
@@ -98,8 +104,43 @@ class DatasetExamples:
         pieces = self.reader.window(self.chunks, np.arange(self.chunks.committed), self.offsets, start, length)
         return Window(self.name, 0, j, pieces)
 
+    def _window_starts(self, chunk_limit: int) -> np.ndarray:
+        """First example of each window of ``shuffle.window_chunks`` chunks among the first
+        ``chunk_limit`` chunks (an example belongs to the window where it starts)."""
+        boundaries = self.offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
+        return -(-boundaries // self.seq_len)
+
+    def _shuffled(self, positions: np.ndarray, per_epoch: int, starts: np.ndarray | None = None) -> np.ndarray:
+        """Example of each stream position under the configured shuffle (epoch folded in)."""
+        kind, key = self.shuffle.kind, self.shuffle_key
+        if kind == "none":
+            return shuffle_none(positions, per_epoch)
+        if kind == "full":
+            return shuffle_full(positions, per_epoch, key)
+        if kind == "block":
+            return shuffle_block(positions, per_epoch, self.shuffle.block_size, self.shuffle.window_blocks, key)
+        if starts is None:
+            starts = np.minimum(self._window_starts(self.chunks.committed), per_epoch)
+        return shuffle_window(positions, starts, per_epoch, key)
+
+    def _position_while_building(self, j: int) -> int | None:
+        """Example at position ``j`` of epoch 0 if the committed prefix already fixes it."""
+        kind = self.shuffle.kind
+        if kind == "none":
+            return j
+        if kind != "window":
+            return None  # block and full shuffles need the whole dataset
+        # Windows whose chunks and the next window's first chunk are committed are final.
+        windows = (self.chunks.committed - 1) // self.shuffle.window_chunks
+        if windows < 1:
+            return None
+        starts = self._window_starts(windows * self.shuffle.window_chunks)
+        if j >= starts[-1]:
+            return None
+        return int(self._shuffled(np.array([j]), int(starts[-1]), starts[:-1])[0])
+
     def train_window(self, j: int) -> Window:
-        """Example ``j`` of the cycled training stream."""
+        """Example ``j`` of the cycled training stream (shuffled per epoch if configured)."""
         if self.ordering == "strided":
             return self._strided_window(j)
         length = self.seq_len + 1
@@ -108,10 +149,11 @@ class DatasetExamples:
                 per_epoch = train_examples(int(self.offsets[-1]), self.seq_len)
                 if per_epoch == 0:
                     raise self._too_small()
-                epoch, k = divmod(j, per_epoch)
+                epoch, k = j // per_epoch, int(self._shuffled(np.array([j]), per_epoch)[0])
                 break
-            if j * self.seq_len + length <= self.offsets[-1]:
-                epoch, k = 0, j   # within the committed prefix: necessarily epoch 0
+            k = self._position_while_building(j)
+            if k is not None and k * self.seq_len + length <= self.offsets[-1]:
+                epoch = 0  # fixed by the committed prefix: necessarily epoch 0
                 break
             self._wait()
         pieces = self.reader.window(self.chunks, np.arange(self.chunks.committed), self.offsets,

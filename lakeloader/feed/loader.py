@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lakeloader.config import Config, load_config
+from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.errors import ConfigError, LakeloaderError
 from lakeloader.feed.examples import DatasetExamples, Window
 from lakeloader.feed.mixing import Mixer
@@ -95,9 +95,15 @@ class Loader:
         self.specials = self._specials()
         reader = StreamReader(self.view, self.files, self.specials)
         ordering = loader.ordering if mode == "train" else "global"
+        shuffle = loader.shuffle if mode == "train" else ShuffleConfig()
+        if ordering == "strided" and shuffle.kind != "none":
+            raise ConfigError(
+                f"loader.shuffle.kind = {shuffle.kind!r} needs loader.ordering: global (the strided "
+                "ordering fixes its own order); set shuffle to none or ordering to global")
         self.datasets = [
             DatasetExamples(name, self.view, reader, seq_len=loader.seq_len, ordering=ordering,
-                            ideal_readers=loader.ideal_readers, wait_timeout=loader.wait_timeout)
+                            ideal_readers=loader.ideal_readers, wait_timeout=loader.wait_timeout,
+                            shuffle=shuffle, seed=loader.seed)
             for name in self.mixer.names
         ]
         self.fingerprint = self._fingerprint()
