@@ -56,7 +56,14 @@ UPDATE builds SET
 WHERE build_id = $build_id;
 
 -- name: interrupt_stale_builds
-UPDATE builds SET status = 'interrupted' WHERE status = 'running';
+-- Runs left 'running' by a killed driver: mark them and count what they committed.
+UPDATE builds SET
+    status = 'interrupted',
+    chunks_built = (SELECT count(*) FROM chunks c WHERE c.build_id = builds.build_id),
+    docs = (SELECT coalesce(sum(num_docs), 0) FROM chunks c WHERE c.build_id = builds.build_id),
+    tokens = (SELECT coalesce(sum(num_tokens), 0) FROM chunks c WHERE c.build_id = builds.build_id),
+    rejects = (SELECT coalesce(sum(num_rejects), 0) FROM chunks c WHERE c.build_id = builds.build_id)
+WHERE status = 'running';
 
 -- name: dataset_status
 SELECT name, status, num_shards, num_chunks, chunks_done, prefix_chunks, num_docs, num_tokens,

@@ -314,11 +314,13 @@ def test_driver_sigkill_then_resume_gives_the_reference_lake(tmp_path: Path, cor
 
     assert_same_lake(lake_root, reference)
     assert_catalog_matches_files(lake_root)
-    assert half_written.exists()  # left alone, and never a chunk (checked just above)
+    assert not half_written.exists()  # the resumed build removes what a killed one left
+    assert not list(lake_root.rglob("*.tmp-*"))
 
     builds = read_catalog(lake_root, "SELECT build_id, status, chunks_built FROM builds ORDER BY build_id")
     assert builds[["build_id", "status"]].values.tolist() == [[1, "interrupted"], [2, "succeeded"]]
     assert builds["chunks_built"][1] == built_again
+    assert builds["chunks_built"][0] == len(before)  # the interrupted run is credited with its chunks
     assert 0 < built_again < total
 
     # Chunks committed before the kill were not rebuilt: same rows, same files (inode and mtime).

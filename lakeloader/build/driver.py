@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ import lakeloader
 from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk
 from lakeloader.build.cluster import dask_client
 from lakeloader.build.documents import SplitSource
-from lakeloader.catalog.snapshot import open_snapshot, publish_snapshot, read_pointer
+from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
 from lakeloader.lake import Lake
@@ -68,15 +69,22 @@ class _Totals:
 
 def _adopt_published_catalog(lake: Lake) -> None:
     """A remote lake's build on a new host resumes from the lake's published snapshot."""
-    if lake.is_local or os.path.exists(lake.writer_catalog_path) or read_pointer(lake) is None:
+    pointer = read_pointer(lake)
+    if lake.is_local or os.path.exists(lake.writer_catalog_path) or pointer is None:
         return
-    con, version = open_snapshot(lake)
-    con.close()
-    pointer = read_pointer(lake) or {}
-    source = os.path.join(lake.cache_dir, "snapshots", pointer.get("file", ""))
     os.makedirs(os.path.dirname(lake.writer_catalog_path), exist_ok=True)
-    shutil.copyfile(source, lake.writer_catalog_path)
-    log.info("resuming from the lake's published catalog (version %d)", version)
+    shutil.copyfile(local_snapshot(lake, pointer["file"]), lake.writer_catalog_path)
+    log.info("resuming from the lake's published catalog (version %d)", pointer["version"])
+
+
+def _remove_partial_files(lake: Lake, folders: list[str]) -> None:
+    """Delete temporary files a killed build left behind (safe: this build holds the lock)."""
+    if not lake.is_local:
+        return  # object stores write chunks in one PUT: nothing partial is ever visible
+    for folder in folders:
+        for leftover in glob.glob(os.path.join(lake.path_of(folder), "*.tmp-*")):
+            os.remove(leftover)
+            log.info("removed %s left by an interrupted build", leftover)
 
 
 def _publish_tokenizer(lake: Lake, tokenizer_json: str, fingerprint: str) -> str:
@@ -178,6 +186,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         )
         log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
                  len(plan.chunks), "" if new else " (plan unchanged)")
+    _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
     pending = writer.pending_chunks(names)
     total = int(writer.con.execute(
         "SELECT count(*) FROM chunks WHERE list_contains(?, dataset)", [names]).fetchone()[0])

@@ -83,24 +83,33 @@ def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
     """A read-only connection to the lake's newest published catalog, and its version.
 
     Remote lakes' snapshots are copied into the local cache first (DuckDB opens local files).
+    A snapshot pruned between reading the pointer and opening it is retried once.
     """
-    pointer = read_pointer(lake)
-    if pointer is None:
-        raise CatalogError(
-            f"lake {lake.url} has no published catalog ({POINTER} is missing): start "
-            "`lakeloader build` on it first; readers can start once its first snapshot is published"
-        )
-    name = pointer["file"]
+    for attempt in (1, 2):
+        pointer = read_pointer(lake)
+        if pointer is None:
+            raise CatalogError(
+                f"lake {lake.url} has no published catalog ({POINTER} is missing): start "
+                "`lakeloader build` on it first; readers can start once its first snapshot is published"
+            )
+        try:
+            return duckdb.connect(local_snapshot(lake, pointer["file"]), read_only=True), int(pointer["version"])
+        except (FileNotFoundError, duckdb.Error) as exc:
+            if attempt == 2:
+                raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+def local_snapshot(lake: Lake, name: str) -> str:
+    """Local path of published snapshot ``name`` (downloaded into the cache for remote lakes)."""
     remote = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
     if lake.is_local:
-        local = remote
-    else:
-        local = os.path.join(lake.cache_dir, "snapshots", name)
-        if not os.path.exists(local):
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            lake.fs.get_file(remote, f"{local}.tmp-{os.getpid()}")
-            os.replace(f"{local}.tmp-{os.getpid()}", local)
-    try:
-        return duckdb.connect(local, read_only=True), int(pointer["version"])
-    except duckdb.Error as exc:
-        raise CatalogError(f"cannot open the published catalog {local}: {exc}") from exc
+        if not os.path.exists(remote):
+            raise FileNotFoundError(remote)
+        return remote
+    local = os.path.join(lake.cache_dir, "snapshots", name)
+    if not os.path.exists(local):
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        lake.fs.get_file(remote, f"{local}.tmp-{os.getpid()}")
+        os.replace(f"{local}.tmp-{os.getpid()}", local)
+    return local

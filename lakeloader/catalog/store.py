@@ -149,6 +149,12 @@ class CatalogWriter:
             raise
         return True
 
+    def chunk_folders(self, datasets: Sequence[str]) -> list[str]:
+        """Lake-relative folders of the chunk files of ``datasets``."""
+        rows = self.con.execute("SELECT chunk_dir FROM dataset_plans WHERE list_contains(?, name)",
+                                [list(datasets)]).fetchall()
+        return [row[0] for row in rows]
+
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
         return self._run("pending_chunks", {"datasets": list(datasets)}).df()
