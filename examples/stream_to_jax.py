@@ -1,10 +1,9 @@
 """Stream a few batches of a lake into JAX devices and print throughput.
 
-    .venv/bin/python examples/stream_to_jax.py configs/demo.yaml [--steps 20]
+    .venv/bin/python examples/stream_to_jax.py configs/demo.yaml [--steps 20] [--start 0]
 
-Each batch's rows are read by the lakeloader Loader (one process here) and placed on the local
-devices sharded along the batch axis. Run with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 to see eight CPU devices.
+Batches are global ``jax.Array``s sharded along the batch axis over a ``data`` mesh axis of all
+devices (run with XLA_FLAGS=--xla_force_host_platform_device_count=8 for eight CPU devices).
 """
 
 from __future__ import annotations
@@ -15,46 +14,40 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from lakeloader.feed.loader import Loader
+from lakeloader.feed.jax import JaxFeed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--start", type=int, default=0, help="first step (seek)")
+    parser.add_argument("--start", type=int, default=0, help="first step (a seek)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    loader = Loader(args.config)
-    devices = np.array(jax.devices())
-    mesh = Mesh(devices, ("data",))
-    rows = loader.config.loader.batch_size
-    if rows % len(devices):
-        raise SystemExit(f"batch_size {rows} is not divisible by the {len(devices)} devices")
-    sharding = NamedSharding(mesh, PartitionSpec("data"))
-    print(f"devices: {len(devices)} x {devices[0].platform}; batch {rows} x {loader.config.loader.seq_len}; "
-          f"loader fingerprint {loader.fingerprint}")
-
-    tokens = 0
-    started = time.perf_counter()
-    for step, batch in enumerate(loader.iter_from(args.start)):
-        arrays = {name: jax.device_put(value, sharding) for name, value in batch.items()}
-        jax.block_until_ready(arrays)
-        tokens += int(batch["loss_mask"].sum())
-        if step == 0:
-            first = time.perf_counter() - started
-            shapes = {name: (a.shape, str(a.dtype)) for name, a in arrays.items()}
-            print(f"first batch after {first * 1e3:.0f} ms: {shapes}")
-        if step + 1 == args.steps:
-            break
-    seconds = time.perf_counter() - started
-    print(f"streamed {args.steps} batches ({tokens:,} target tokens) in {seconds:.2f}s: "
-          f"{args.steps / seconds:.1f} steps/s, {tokens / seconds:,.0f} tokens/s into {len(devices)} devices")
-    print(loader.explain(args.start + args.steps - 1).head(8)[
-        ["row", "dataset", "epoch", "chunk", "source", "location"]].to_string(index=False))
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    with JaxFeed(args.config, mesh, PartitionSpec("data")) as feed:
+        loader = feed.loader.config.loader
+        print(f"devices: {mesh.size} x {jax.devices()[0].platform}; batch {loader.batch_size} x "
+              f"{loader.seq_len}; fingerprint {feed.fingerprint}")
+        tokens = 0
+        started = time.perf_counter()
+        for step, batch in enumerate(feed.iter_from(feed.state(args.start))):
+            jax.block_until_ready(batch)
+            tokens += int(np.asarray(batch["loss_mask"]).sum())
+            if step == 0:
+                shapes = {name: tuple(a.shape) for name, a in batch.items()}
+                print(f"first batch after {(time.perf_counter() - started) * 1e3:.0f} ms: {shapes}, "
+                      f"sharding {batch['input_ids'].sharding.spec}")
+            if step + 1 == args.steps:
+                break
+        seconds = time.perf_counter() - started
+        print(f"streamed {args.steps} batches ({tokens:,} target tokens) in {seconds:.2f}s: "
+              f"{args.steps / seconds:.1f} steps/s, {tokens / seconds:,.0f} tokens/s")
+        print(feed.loader.explain(args.start + args.steps - 1).head(6)[
+            ["row", "dataset", "epoch", "chunk", "source", "location"]].to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def explain_windows(loader: Loader, step: int, windows: list[Window | None]) -> 
     cache: dict[tuple[str, int], tuple[np.ndarray, dict[str, object]]] = {}
     shard_of = {d.name: d.chunks.shard_index for d in loader.datasets}
     for row, window in enumerate(windows):
-        global_row = loader.row_start + row
+        global_row = int(loader.row_indices[row])
         if window is None:
             rows.append({"step": step, "row": global_row, "dataset": None, "segment": 0})
             continue

@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,25 +69,33 @@ class Loader:
     """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, process_index: int = 0,
-                 process_count: int = 1, mode: str = "train") -> None:
+                 process_count: int = 1, mode: str = "train", rows: Sequence[int] | None = None) -> None:
+        """``rows`` (global row numbers within each batch) overrides the contiguous block of
+        process ``process_index`` of ``process_count``, for shardings that own other rows."""
         self.config = config = load_config(config)
         loader = config.loader
         if process_count < 1 or not 0 <= process_index < process_count:
             raise LakeloaderError(
                 f"process_index {process_index} must be in [0, process_count={process_count})")
-        if loader.batch_size % process_count:
+        if rows is not None:
+            self.row_indices = np.asarray(rows, dtype=np.int64)
+            if not len(self.row_indices) or self.row_indices.min() < 0 or self.row_indices.max() >= loader.batch_size:
+                raise LakeloaderError(f"rows must be a non-empty subset of [0, batch_size={loader.batch_size})")
+        elif loader.batch_size % process_count:
             raise LakeloaderError(
                 f"loader.batch_size {loader.batch_size} is not divisible by the process count "
                 f"{process_count}: every process must get the same number of rows; choose a batch "
                 "size that is a multiple of the process count")
+        else:
+            per_process = loader.batch_size // process_count
+            self.row_indices = np.arange(process_index * per_process, (process_index + 1) * per_process)
+        self.rows = len(self.row_indices)
         if mode not in ("train", "eval"):
             raise LakeloaderError(f"mode must be 'train' or 'eval', got {mode!r}")
         if loader.packing != "concat":
             raise ConfigError(f"loader.packing = {loader.packing!r} is not supported yet; use 'concat'")
         self.mode = mode
         self.process_index, self.process_count = process_index, process_count
-        self.rows = loader.batch_size // process_count
-        self.row_start = process_index * self.rows
         self.lake = Lake(config.lake, config.storage_options)
         self.view = CatalogView(self.lake)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes)
@@ -150,12 +158,12 @@ class Loader:
     # -- batches ---------------------------------------------------------------------------------
 
     def _windows(self, step: int) -> list[Window | None]:
-        positions = step * self.config.loader.batch_size + self.row_start + np.arange(self.rows)
+        positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
             self.num_batches  # noqa: B018 - computes the pass length once
             owners, indices = self.mixer.eval_assign(positions, self.datasets)
         else:
-            owners, indices = self.mixer.assign(step, self.row_start, self.rows)
+            owners, indices = self.mixer.assign(step, self.row_indices)
         windows: list[Window | None] = []
         for owner, index in zip(owners.tolist(), indices.tolist()):
             if owner < 0:
@@ -250,3 +258,9 @@ class Loader:
     def close(self) -> None:
         """Release the catalog connection."""
         self.view.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -50,16 +50,14 @@ class Mixer:
     def single(self) -> bool:
         return len(self.names) == 1
 
-    def assign(self, step: int, row_start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(dataset number, example index within it) of rows ``[row_start, row_start+rows)`` of
-        global batch ``step`` in training."""
+    def assign(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number, example index within it) of ``rows`` of global batch ``step`` in
+        training."""
         if self.single:
-            first = step * self.batch_size + row_start
-            return np.zeros(rows, np.int64), np.arange(first, first + rows, dtype=np.int64)
+            return np.zeros(len(rows), np.int64), step * self.batch_size + rows
         owners, indices = staged_assignment(list(self.stages), self.batch_size, step,
                                             derive_key(self.seed, "mixture"))
-        return (np.asarray(owners[row_start:row_start + rows], np.int64),
-                np.asarray(indices[row_start:row_start + rows], np.int64))
+        return np.asarray(owners, np.int64)[rows], np.asarray(indices, np.int64)[rows]
 
     def stop_step(self, datasets: Sequence[DatasetExamples]) -> int | None:
         """Training batches before the stop strategy ends the stream (None: infinite)."""

@@ -1,0 +1,134 @@
+"""Global ``jax.Array`` batches laid out by the user's sharding; each process reads only its rows."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lakeloader.config import Config, load_config
+from lakeloader.feed.loader import Batch, Loader, LoaderState
+
+_DONE = object()
+
+
+def rows_of_this_process(sharding: NamedSharding, batch_size: int, seq_len: int) -> np.ndarray:
+    """Global batch rows held by this process's addressable devices under ``sharding``."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((batch_size, seq_len)).values():
+        rows.update(range(*index[0].indices(batch_size)))
+    return np.array(sorted(rows), dtype=np.int64)
+
+
+class JaxFeed:
+    """Batches of a lake as global ``jax.Array`` dicts with a ``NamedSharding`` over a ``Mesh``.
+
+    The batch axis is the first axis of ``spec`` (replication over other mesh axes is allowed).
+    Each process materializes only the rows its addressable devices hold and the arrays are
+    assembled with ``jax.make_array_from_callback``; batches are identical for any number of
+    processes. ``state``/``restore`` give a JSON-serializable loader state for checkpoints.
+    """
+
+    def __init__(self, config: Config | str | os.PathLike[str], mesh: Mesh, spec: PartitionSpec | None = None,
+                 *, mode: str = "train", prefetch: int = 2) -> None:
+        self.config = load_config(config)
+        self.mesh = mesh
+        self.spec = spec if spec is not None else PartitionSpec(mesh.axis_names[0])
+        self.sharding = NamedSharding(mesh, self.spec)
+        self.row_sharding = NamedSharding(mesh, PartitionSpec(self.spec[0] if len(self.spec) else None))
+        self.batch_size, self.seq_len = self.config.loader.batch_size, self.config.loader.seq_len
+        self.rows = rows_of_this_process(self.sharding, self.batch_size, self.seq_len)
+        self.loader = Loader(self.config, process_index=jax.process_index(),
+                             process_count=jax.process_count(), mode=mode, rows=self.rows)
+        self.prefetch = prefetch
+
+    @property
+    def fingerprint(self) -> str:
+        """Fingerprint of what defines the batches (same on every process and process count)."""
+        return self.loader.fingerprint
+
+    def to_global(self, local: Batch) -> dict[str, jax.Array]:
+        """Global arrays from this process's rows (in ``self.rows`` order)."""
+        arrays = {}
+        for name, values in local.items():
+            shape = (self.batch_size, *values.shape[1:])
+            sharding = self.sharding if values.ndim == 2 else self.row_sharding
+
+            def piece(index: tuple[slice, ...], values: np.ndarray = values) -> np.ndarray:
+                wanted = np.arange(*index[0].indices(self.batch_size))
+                return values[np.searchsorted(self.rows, wanted)][(slice(None), *index[1:])]
+
+            arrays[name] = jax.make_array_from_callback(shape, sharding, piece)
+        return arrays
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """Global batch ``step`` as sharded arrays."""
+        return self.to_global(self.loader.batch(step))
+
+    def state(self, step: int) -> dict[str, Any]:
+        """JSON-serializable state that restores to ``step`` (e.g. ``orbax.checkpoint.args.JsonSave``)."""
+        return self.loader.state(step).to_dict()
+
+    def restore(self, state: dict[str, Any]) -> Iterator[dict[str, jax.Array]]:
+        """Batches from a saved state on (checks the fingerprint), on any number of processes."""
+        return self.iter_from(LoaderState.from_dict(state))
+
+    def iter_from(self, start: int | LoaderState | dict[str, Any] = 0) -> Iterator[dict[str, jax.Array]]:
+        """Device batches from ``start`` on, ``prefetch`` of them transferred ahead in a thread."""
+        host = self.loader.iter_from(start)
+        if self.prefetch == 0:
+            for local in host:
+                yield self.to_global(local)
+            return
+        ready: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for local in host:
+                    item = self.to_global(local)
+                    while not stop.is_set():
+                        try:
+                            ready.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                ready.put(_DONE)
+            except BaseException as exc:  # handed to the consumer, which raises it
+                ready.put(exc)
+            finally:
+                host.close()
+
+        thread = threading.Thread(target=produce, name="lakeloader-device-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+        return self.iter_from(0)
+
+    def close(self) -> None:
+        """Release the loader's catalog connection."""
+        self.loader.close()
+
+    def __enter__(self) -> JaxFeed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
