@@ -47,6 +47,7 @@ class JaxFeed:
         self.loader = Loader(self.config, process_index=jax.process_index(),
                              process_count=jax.process_count(), mode=mode, rows=self.rows)
         self.prefetch = prefetch
+        self._producers: list[tuple[threading.Thread, threading.Event]] = []
 
     @property
     def fingerprint(self) -> str:
@@ -108,6 +109,7 @@ class JaxFeed:
                 host.close()
 
         thread = threading.Thread(target=produce, name="lakeloader-device-prefetch", daemon=True)
+        self._producers = [(t, e) for t, e in self._producers if t.is_alive()] + [(thread, stop)]
         thread.start()
         try:
             while True:
@@ -124,7 +126,11 @@ class JaxFeed:
         return self.iter_from(0)
 
     def close(self) -> None:
-        """Release the loader's catalog connection."""
+        """Stop background transfers and release the loader's catalog connection."""
+        for thread, stop in self._producers:
+            stop.set()
+        for thread, _ in self._producers:
+            thread.join(timeout=60)
         self.loader.close()
 
     def __enter__(self) -> JaxFeed:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -116,6 +117,7 @@ class Loader:
         ]
         self.fingerprint = self._fingerprint()
         self._eval_total: int | None = None
+        self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
 
     def _specials(self) -> Specials:
         path = self.view.execute("SELECT tokenizer_path FROM dataset_plans WHERE list_contains(?, name) "
@@ -222,7 +224,11 @@ class Loader:
 
     def iter_from(self, start: int | LoaderState | dict[str, Any] = 0) -> Iterator[Batch]:
         """Batches from ``start`` (a step or a saved state) on, read ahead in background threads."""
-        step = self._start(start)
+        iterator = self._iterate(self._start(start))
+        self._iterators.add(iterator)
+        return iterator
+
+    def _iterate(self, step: int) -> Iterator[Batch]:
         total = self.num_batches
         ahead = self.config.loader.prefetch
         if ahead == 0:
@@ -256,7 +262,9 @@ class Loader:
         return explain_windows(self, step, self._windows(step))
 
     def close(self) -> None:
-        """Release the catalog connection."""
+        """Stop open iterators' read-ahead and release the catalog connection."""
+        for iterator in list(self._iterators):
+            iterator.close()
         self.view.close()
 
     def __enter__(self) -> Loader:
