@@ -30,6 +30,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/build_throughput.py
 	$(BIN)/python benchmarks/loader_throughput.py
+	$(BIN)/python benchmarks/jax_feed.py
 
 clean:
 	rm -rf demo/lake demo/data benchmarks/out
