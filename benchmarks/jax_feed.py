@@ -16,7 +16,9 @@ import jax
 import numpy as np
 from _common import report
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from loader_throughput import BATCH, SEQ, OUT, build, config_for
+from loader_throughput import BATCH, OUT, SEQ, config_for
+
+from lakeloader.build.driver import build
 
 STEPS = 30
 
