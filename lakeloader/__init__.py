@@ -36,18 +36,20 @@ __all__ = [
     "InputError",
     "LakeloaderError",
     "SourceError",
-    "build",
+    "build_lake",
     "load_config",
     "open_lake",
     "open_loader",
 ]
 
 
-def build(config: Config | str | os.PathLike[str], **options: Any) -> BuildReport:
-    """Build or resume the lake of ``config`` (see :func:`lakeloader.build.driver.build`)."""
-    from lakeloader.build.driver import build as build_lake
+def build_lake(config: Config | str | os.PathLike[str], **options: Any) -> BuildReport:
+    """Build or resume the lake of ``config`` (see :func:`lakeloader.build.driver.build`).
 
-    return build_lake(config, **options)
+    (Not named ``build``: that is the name of the build stage's subpackage.)"""
+    from lakeloader.build.driver import build
+
+    return build(config, **options)
 
 
 def open_lake(config_or_lake: Config | str | os.PathLike[str], **options: Any) -> Lake:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 import pandas as pd
 from distributed import Client, Future, as_completed
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 import lakeloader
 from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk

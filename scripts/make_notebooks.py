@@ -1,0 +1,148 @@
+"""Write the notebooks in notebooks/ from the cell sources below and execute them in place.
+
+    .venv/bin/python scripts/make_notebooks.py [--no-execute]
+
+The committed notebooks carry the outputs of a clean run on the demo lake (run `make demo`'s
+corpus step first; notebook 01 builds the lake). tests/test_notebooks.py executes them again.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).resolve().parents[1] / "notebooks"
+
+SETUP = '''\
+import os
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+CONFIG = os.environ.get("LAKELOADER_DEMO_CONFIG", "../configs/demo.yaml")
+DATA = os.environ.get("LAKELOADER_DEMO_DATA", "../demo/data")'''
+
+NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
+    "01_build_lake": [
+        ("markdown", "# 1. Build a lake\n\nFrom a YAML config to a tokenized Parquet lake with a DuckDB "
+                     "catalog, built by a local Dask cluster. Re-running the build resumes: committed "
+                     "chunks are never tokenized again."),
+        ("code", SETUP),
+        ("code", "import logging\nimport lakeloader\nfrom lakeloader.demo import prepare_corpus\n\n"
+                 "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
+                 "for noisy in ('distributed', 'tornado', 'bokeh'):\n"
+                 "    logging.getLogger(noisy).setLevel(logging.WARNING)"),
+        ("markdown", "The demo corpus is real text from the Python standard library: source files "
+                     "(`code`), help topics and docstrings (`docs`) and plain text lines (`notes`)."),
+        ("code", "corpus = prepare_corpus(DATA)\n{name: [p.name for p in files] for name, files in corpus.items()}"),
+        ("code", "config = lakeloader.load_config(CONFIG)\nprint(open(CONFIG).read())"),
+        ("markdown", "`build_lake` plans every dataset, prints the Dask dashboard address, shows a progress "
+                     "bar with chunks, documents and tokens/s, and returns a report."),
+        ("code", "report = lakeloader.build_lake(config, workers=2)\nreport"),
+        ("code", "print(f'{report.tokens:,} tokens in {report.seconds:.1f}s = {report.tokens_per_s:,.0f} tokens/s')\n"
+                 "lake = lakeloader.open_lake(config)\nlake.status()['datasets']"),
+        ("markdown", "A second build finds nothing to do:"),
+        ("code", "lakeloader.build_lake(config, workers=2, progress=False).chunks_built"),
+    ],
+    "02_catalog_sql": [
+        ("markdown", "# 2. Ask the catalog\n\nThe catalog is a DuckDB database: `lake.sql` returns pandas "
+                     "DataFrames. Tables: `datasets`, `shards`, `chunks`, `row_groups`, `rejects`, `builds`."),
+        ("code", SETUP),
+        ("code", "import duckdb\nimport matplotlib.pyplot as plt\nimport lakeloader\n\n"
+                 "lake = lakeloader.open_lake(CONFIG)\n"
+                 "lake.sql('SELECT name, num_shards, num_chunks, num_docs, num_tokens, num_rejects FROM datasets ORDER BY name')"),
+        ("markdown", "## Tokens per dataset"),
+        ("code", "tokens = lake.sql('SELECT name, num_tokens FROM datasets ORDER BY num_tokens DESC')\n"
+                 "ax = tokens.plot.bar(x='name', y='num_tokens', legend=False, title='tokens per dataset')\n"
+                 "ax.set_ylabel('tokens');"),
+        ("markdown", "## Document lengths\n\nChunk files are plain Parquet (one row per document, a "
+                     "`text` column of token ids), so DuckDB reads them directly."),
+        ("code", "chunks = lake.sql(\"SELECT dataset, path FROM chunks WHERE status = 'committed'\")\n"
+                 "lengths = {\n"
+                 "    name: duckdb.sql(f\"SELECT len(text) AS tokens FROM read_parquet({[lake.path_of(p) for p in group.path]})\").df().tokens\n"
+                 "    for name, group in chunks.groupby('dataset')\n"
+                 "}\n"
+                 "fig, axes = plt.subplots(1, len(lengths), figsize=(12, 3))\n"
+                 "for ax, (name, values) in zip(axes, lengths.items()):\n"
+                 "    ax.hist(values, bins=40, log=True)\n"
+                 "    ax.set_title(f'{name}: median {values.median():.0f} tokens')\n"
+                 "fig.tight_layout()"),
+        ("markdown", "## Shard progress and the global order"),
+        ("code", "lake.sql('SELECT dataset, shard_index, source, status, num_splits, chunks_done, docs_done, tokens_done FROM shards ORDER BY dataset, shard_index')"),
+        ("code", "lake.sql(\"SELECT global_index, shard_index, split_index, num_docs, num_tokens FROM chunks WHERE dataset = 'code' ORDER BY global_index LIMIT 12\")"),
+        ("markdown", "Cumulative offsets (what a seek binary-searches) and the builds:"),
+        ("code", "lake.sql(\"SELECT dataset, global_index, first_doc, first_token, num_tokens FROM chunk_offsets WHERE dataset = 'docs' LIMIT 5\")"),
+        ("code", "lake.sql('SELECT build_id, status, workers, chunks_built, tokens, round(tokens_per_s) AS tokens_per_s FROM builds')"),
+    ],
+    "03_stream_to_jax": [
+        ("markdown", "# 3. Stream into JAX\n\nGlobal `jax.Array` batches sharded over a device mesh; "
+                     "each process reads only the rows its devices hold."),
+        ("code", SETUP),
+        ("code", "import time\nimport jax\nimport numpy as np\nimport matplotlib.pyplot as plt\n"
+                 "from jax.sharding import Mesh, PartitionSpec\nfrom tokenizers import Tokenizer\n"
+                 "from lakeloader.feed.jax import JaxFeed\n\n"
+                 "mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))\n"
+                 "feed = JaxFeed(CONFIG, mesh, PartitionSpec('data', None))\nmesh"),
+        ("code", "batch = feed.batch(0)\n{name: (a.shape, a.dtype, a.sharding.spec) for name, a in batch.items()}"),
+        ("markdown", "Decode the first row: documents come from the lake without special tokens; "
+                     "EOS is added at collation."),
+        ("code", "lake = feed.loader.lake\n"
+                 "tokenizer_path = lake.sql('SELECT tokenizer_path FROM dataset_plans LIMIT 1').tokenizer_path[0]\n"
+                 "tokenizer = Tokenizer.from_file(lake.path_of(tokenizer_path))\n"
+                 "print(tokenizer.decode(np.asarray(batch['input_ids'][0])[:160].tolist(), skip_special_tokens=False))"),
+        ("code", "fig, ax = plt.subplots(2, 1, figsize=(12, 4), sharex=True)\n"
+                 "ax[0].imshow(np.asarray(batch['segment_ids']), aspect='auto', interpolation='nearest')\n"
+                 "ax[0].set_title('segment_ids (one colour per document)')\n"
+                 "ax[1].imshow(np.asarray(batch['positions']), aspect='auto', interpolation='nearest')\n"
+                 "ax[1].set_title('positions (restart at each document)'); fig.tight_layout()"),
+        ("markdown", "## Where did a row come from?"),
+        ("code", "feed.loader.explain(0).query('row == 0')[['dataset', 'epoch', 'chunk', 'source', 'location', 'window_start', 'window_stop']]"),
+        ("markdown", "## Throughput, and an instant seek"),
+        ("code", "steps, started = 50, time.perf_counter()\n"
+                 "for _, b in zip(range(steps), feed.iter_from(0)):\n"
+                 "    jax.block_until_ready(b)\n"
+                 "seconds = time.perf_counter() - started\n"
+                 "tokens = steps * b['input_ids'].size\n"
+                 "print(f'{steps / seconds:.0f} steps/s, {tokens / seconds:,.0f} tokens/s')\n"
+                 "started = time.perf_counter(); far = feed.batch(10**6)\n"
+                 "print(f'batch 1,000,000 after {(time.perf_counter() - started) * 1e3:.0f} ms')"),
+        ("markdown", "Save and restore: the loader state is two values."),
+        ("code", "state = feed.state(7)\nprint(state)\nrestored = next(feed.restore(state))\n"
+                 "all(np.array_equal(restored[k], feed.batch(7)[k]) for k in restored)"),
+        ("code", "feed.close()"),
+    ],
+}
+
+
+def write(name: str, cells: list[tuple[str, str]]) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
+                      for kind, src in cells]
+    path = HERE / f"{name}.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def execute(path: Path, cwd: Path | None = None) -> None:
+    """Run a notebook top to bottom and save its outputs in place."""
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(cwd or path.parent)}}).execute()
+    nbformat.write(notebook, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-execute", action="store_true")
+    args = parser.parse_args()
+    for name, cells in NOTEBOOKS.items():
+        path = write(name, cells)
+        if not args.no_execute:
+            execute(path)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
