@@ -103,8 +103,9 @@ class LoaderConfig(_Strict):
     prefetch: int = Field(default=2, ge=0)  # batches read ahead in background threads
     verify: Literal["checksum", "size"] = "checksum"  # check each chunk file once before use
     cache_bytes: int = 512 * 2**20          # decoded row groups kept in memory
+    disk_cache_bytes: int = 10 * 2**30      # local copies of a remote lake's chunk files
 
-    @field_validator("cache_bytes", mode="before")
+    @field_validator("cache_bytes", "disk_cache_bytes", mode="before")
     @classmethod
     def _cache_size(cls, value: Any) -> int:
         return parse_size(value)

@@ -99,7 +99,7 @@ class Loader:
         self.process_index, self.process_count = process_index, process_count
         self.lake = Lake(config.lake, config.storage_options)
         self.view = CatalogView(self.lake)
-        self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes)
+        self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes)
         self.mixer = Mixer.from_config(config)
         self.specials = self._specials()
         reader = StreamReader(self.view, self.files, self.specials)
@@ -140,7 +140,8 @@ class Loader:
         payload = {
             "datasets": {d.name: d.fingerprint for d in self.datasets},
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
-            "loader": loader.model_dump(exclude={"wait_timeout", "prefetch", "verify", "cache_bytes"}),
+            "loader": loader.model_dump(
+                exclude={"wait_timeout", "prefetch", "verify", "cache_bytes", "disk_cache_bytes"}),
             "specials": dataclasses.asdict(self.specials),
             "mode": self.mode,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import threading
 from typing import Any
 
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 from lakeloader.errors import ChunkIntegrityError
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import DatasetChunks
+from lakeloader.read.disk_cache import DiskCache
 
 _HASH_BLOCK = 8 << 20
 
@@ -50,21 +52,28 @@ class RowGroupCache:
 class ChunkFiles:
     """Opens chunk files of a lake, checks each once against the catalog, reads row groups."""
 
-    def __init__(self, lake: Lake, verify: str, cache_bytes: int) -> None:
+    def __init__(self, lake: Lake, verify: str, cache_bytes: int, disk_cache_bytes: int) -> None:
         self.lake = lake
         self.verify = verify
         self.cache = RowGroupCache(cache_bytes)
+        self.disk = None if lake.is_local else DiskCache(lake, disk_cache_bytes)
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
+
+    def _local_path(self, chunks: DatasetChunks, index: int) -> str:
+        """A local file with chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
+        if self.disk is None:
+            return self.lake.path_of(chunks.paths[index])
+        return self.disk.path(chunks.paths[index], int(chunks.num_bytes[index]))
 
     def _check(self, chunks: DatasetChunks, index: int) -> None:
         path = chunks.paths[index]
         if path in self._verified:
             return
-        full = self.lake.path_of(path)
         try:
-            size = self.lake.fs.size(full)
+            full = self._local_path(chunks, index)
+            size = os.path.getsize(full)
         except FileNotFoundError:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} is missing: {self.lake.url_of(path)}. "
@@ -75,7 +84,7 @@ class ChunkFiles:
             problem = f"has {size} bytes, the catalog says {chunks.num_bytes[index]}"
         elif self.verify == "checksum":
             digest = hashlib.sha256()
-            with self.lake.fs.open(full, "rb") as handle:
+            with open(full, "rb") as handle:
                 while block := handle.read(_HASH_BLOCK):
                     digest.update(block)
             if digest.hexdigest() != chunks.checksums[index]:
@@ -99,10 +108,7 @@ class ChunkFiles:
         with self._lock:
             self.files_opened.add(path)
         try:
-            if self.lake.is_local:
-                parquet = pq.ParquetFile(self.lake.path_of(path), memory_map=False)
-            else:
-                parquet = pq.ParquetFile(self.lake.fs.open(self.lake.path_of(path), "rb"))
+            parquet = pq.ParquetFile(self._local_path(chunks, index))
             column = parquet.read_row_group(group, columns=["text"]).column(0)
         except (OSError, pa.ArrowException) as exc:
             raise ChunkIntegrityError(
