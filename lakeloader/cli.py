@@ -69,6 +69,18 @@ def _cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from lakeloader.read.verify import verify_lake
+
+    report = verify_lake(args.target, progress=not args.no_progress)
+    bad = report[report.status != "ok"]
+    if len(bad):
+        _print_frame(bad, args.format)
+    counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
+    print(f"verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
+    return 1 if len(bad) else 0
+
+
 def _steps(text: str) -> tuple[int, int]:
     try:
         first, last = (int(part) for part in text.split(":"))
@@ -154,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("query", metavar="QUERY")
     sql.add_argument("--format", choices=formats, default="table")
     sql.set_defaults(func=_cmd_sql)
+
+    verify = commands.add_parser(
+        "verify", help="check every chunk file against the catalog",
+        description="Read every committed chunk file and compare its size, sha256 checksum and "
+        "document count with the catalog. Lists each problem (missing, size, checksum, "
+        "unreadable, rows) and exits with status 1 if there is any.")
+    verify.add_argument("target", metavar="CONFIG|LAKE")
+    verify.add_argument("--format", choices=formats, default="table")
+    verify.add_argument("--no-progress", action="store_true", help="no progress bar")
+    verify.set_defaults(func=_cmd_verify)
 
     batches = commands.add_parser(
         "batches", help="write global batches A..B-1 (this process's rows) to an .npz file",
