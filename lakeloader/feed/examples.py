@@ -139,10 +139,9 @@ class DatasetExamples:
             return None
         return int(self._shuffled(np.array([j]), int(starts[-1]), starts[:-1])[0])
 
-    def train_window(self, j: int) -> Window:
-        """Example ``j`` of the cycled training stream (shuffled per epoch if configured)."""
-        if self.ordering == "strided":
-            return self._strided_window(j)
+    def train_example(self, j: int) -> tuple[int, int]:
+        """(epoch, example) at position ``j`` of the cycled, shuffled training stream (global
+        ordering): index arithmetic only, waiting while building only if the prefix can't fix it."""
         length = self.seq_len + 1
         while True:
             if self.chunks.complete:
@@ -156,8 +155,15 @@ class DatasetExamples:
                 epoch = 0  # fixed by the committed prefix: necessarily epoch 0
                 break
             self._wait()
+        return epoch, k
+
+    def train_window(self, j: int) -> Window:
+        """Example ``j`` of the cycled training stream (shuffled per epoch if configured)."""
+        if self.ordering == "strided":
+            return self._strided_window(j)
+        epoch, k = self.train_example(j)
         pieces = self.reader.window(self.chunks, np.arange(self.chunks.committed), self.offsets,
-                                    k * self.seq_len, length)
+                                    k * self.seq_len, self.seq_len + 1)
         return Window(self.name, epoch, k, pieces)
 
     def _period(self, reader: int) -> tuple[np.ndarray, np.ndarray]:
