@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/build_throughput.py
 	$(BIN)/python benchmarks/loader_throughput.py
 	$(BIN)/python benchmarks/jax_feed.py
+	$(BIN)/python benchmarks/build_scaling.py
 
 clean:
 	rm -rf demo/lake demo/data benchmarks/out

@@ -1,0 +1,142 @@
+"""Build scaling with 1 and 2 workers, catalog open+seek latency at 1k/10k/200k chunks, and
+planning of 20,000 shards.
+
+- Build throughput of the same corpus (the demo `code` documents, small splits) with 1 and with
+  2 local Dask workers: their ratio (target >= 1.7 on 2 cores) and tokens/s per worker.
+- Catalog open + seek: a catalog of N generated chunks over N/10 shards (generated rows, a real
+  DuckDB file published as a snapshot); time to open a Loader on it (snapshot open + arrays of
+  cumulative counts) and to resolve a seek to a random step (example -> chunk -> row group ->
+  token range), medians of 5.
+- Planning: 20,000 small local shards, time of `plan_dataset`.
+
+    .venv/bin/python benchmarks/build_scaling.py
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+from _common import OUT, REPO, report
+
+from lakeloader.build.driver import build
+from lakeloader.catalog.snapshot import publish_snapshot
+from lakeloader.catalog.store import CatalogWriter
+from lakeloader.config import load_config
+from lakeloader.demo import prepare_corpus
+from lakeloader.feed.loader import Loader
+from lakeloader.index.concat import locate
+from lakeloader.lake import Lake
+from lakeloader.plan.planner import DatasetPlan, plan_dataset
+from lakeloader.plan.sources import Shard
+from lakeloader.storage import write_atomically
+
+TOKENIZER = REPO / "demo" / "tokenizer.json"
+
+
+def build_rate(workers: int) -> float:
+    corpus = prepare_corpus(OUT / "demo-corpus", size="demo")
+    lake = OUT / f"scaling-lake-{workers}"
+    shutil.rmtree(lake, ignore_errors=True)
+    config = OUT / f"scaling-{workers}.yaml"
+    config.write_text(yaml.safe_dump({
+        "lake": str(lake), "tokenizer": str(TOKENIZER),
+        "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
+        "build": {"split_size": "256KB"}}))
+    started = time.perf_counter()
+    result = build(config, workers=workers, progress=False)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(lake, ignore_errors=True)
+    return result.tokens / seconds
+
+
+def generated_catalog(chunks: int) -> Path:
+    """A lake whose catalog holds ``chunks`` committed chunks over chunks/10 shards (no files)."""
+    folder = OUT / f"generated-{chunks}"
+    shutil.rmtree(folder, ignore_errors=True)
+    lake = Lake(str(folder))
+    shards = max(1, chunks // 10)
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame({
+        "global_index": np.arange(chunks), "shard_index": np.arange(chunks) % shards,
+        "split_index": np.arange(chunks) // shards,
+        "path": [f"d/x/{i % shards:05d}-{i // shards:06d}.parquet" for i in range(chunks)],
+        "split_kind": "bytes", "split_start": 0, "split_stop": 1, "first_row": 0})
+    plan = DatasetPlan("d", "f" * 64, "text", ("text",),
+                       [Shard(f"/data/{i}.jsonl", 1, "0", "jsonl", None) for i in range(shards)], table, [])
+    tokenizer = TOKENIZER.read_text()
+    write_atomically(lake.url_of("_tokenizer/t.json"), tokenizer.encode(), {})
+    with CatalogWriter(lake.writer_catalog_path) as writer:
+        writer.register_plan(plan, tokenizer_path="_tokenizer/t.json", token_type="uint16",
+                             vocab_size=8204, split_size=1, on_error="raise")
+        docs = rng.integers(50, 200, chunks)
+        tokens = rng.integers(50_000, 200_000, chunks)
+        writer.con.register("stats", pd.DataFrame({"global_index": np.arange(chunks), "docs": docs, "tokens": tokens}))
+        writer.con.execute("UPDATE chunks SET status = 'committed', num_docs = s.docs, num_tokens = s.tokens, "
+                           "num_bytes = 1, checksum = '0', num_records = s.docs FROM stats s "
+                           "WHERE chunks.global_index = s.global_index")
+        writer.con.execute("INSERT INTO row_groups SELECT 'd', global_index, 0, 0, docs, 0, tokens FROM stats")
+        publish_snapshot(writer.con, lake, None)
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "lake": str(folder), "tokenizer": str(TOKENIZER), "datasets": {"d": {"sources": ["/data/*.jsonl"]}},
+        "loader": {"seq_len": 2048, "batch_size": 64}}))
+    return config
+
+
+def open_and_seek(config: Path, step: int) -> tuple[float, float]:
+    started = time.perf_counter()
+    loader = Loader(config)
+    opened = time.perf_counter()
+    examples = loader.datasets[0]
+    positions = step * 64 + np.arange(64)
+    for j in positions.tolist():
+        epoch, k = examples.train_example(j)
+        chunk = int(locate(examples.offsets, np.array([k * 2048]))[0])
+        loader.view.row_groups("d", chunk)
+    resolved = time.perf_counter()
+    loader.close()
+    return opened - started, resolved - opened
+
+
+def planning_seconds(shards: int) -> float:
+    folder = OUT / "many-shards"
+    if not folder.exists() or len(list(folder.iterdir())) != shards:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for i in range(shards):
+            (folder / f"{i:05d}.jsonl").write_text('{"text": "x"}\n' * 20)
+    config = OUT / "many-shards.yaml"
+    config.write_text(yaml.safe_dump({"lake": str(OUT / "many-lake"), "tokenizer": str(TOKENIZER),
+                                      "datasets": {"d": {"sources": [str(folder / "*.jsonl")]}}}))
+    started = time.perf_counter()
+    plan = plan_dataset("d", load_config(config), "0")
+    assert len(plan.shards) == shards
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    figures: dict[str, object] = {}
+    one, two = build_rate(1), build_rate(2)
+    figures.update({"build_1_worker_tokens_per_s": round(one), "build_2_workers_tokens_per_s": round(two),
+                    "per_worker_tokens_per_s (2 workers)": round(two / 2),
+                    "scaling 2/1 (target >= 1.7)": round(two / one, 3)})
+    rng = np.random.default_rng(1)
+    for chunks in (1_000, 10_000, 200_000):
+        config = generated_catalog(chunks)
+        samples = [open_and_seek(config, int(rng.integers(0, 10**7))) for _ in range(5)]
+        figures[f"catalog_{chunks}_open_ms"] = round(statistics.median(s[0] for s in samples) * 1e3, 1)
+        figures[f"catalog_{chunks}_seek_64_rows_ms"] = round(statistics.median(s[1] for s in samples) * 1e3, 1)
+    figures["plan_20000_shards_s"] = round(planning_seconds(20_000), 2)
+    report("build_scaling", figures)
+
+
+if __name__ == "__main__":
+    main()
