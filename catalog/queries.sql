@@ -48,6 +48,9 @@ INSERT INTO builds (started_at, status, workers, scheduler, dashboard, host, pid
 VALUES (now()::TIMESTAMP, 'running', $workers, $scheduler, $dashboard, $host, $pid, $version)
 RETURNING build_id;
 
+-- name: set_build_cluster
+UPDATE builds SET workers = $workers, dashboard = $dashboard WHERE build_id = $build_id;
+
 -- name: finish_build
 UPDATE builds SET
     ended_at = now()::TIMESTAMP, status = $status, chunks_built = $chunks_built, docs = $docs,

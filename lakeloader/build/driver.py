@@ -196,7 +196,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     totals = _Totals()
     dashboard = None
     build_id = writer.start_build(
-        workers=worker_count or 0, scheduler=scheduler or "local", dashboard="",
+        workers=0, scheduler=scheduler or "local", dashboard="",
         version=lakeloader.__version__,
     )
     status, error = "failed", None
@@ -236,6 +236,7 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
     with dask_client(workers, scheduler) as client:
         dashboard = client.dashboard_link
         threads = max(1, sum(client.nthreads().values()))
+        writer.set_build_cluster(build_id, workers=len(client.nthreads()), dashboard=dashboard)
         run = _Scheduler(client, _tasks(pending, config, lake, tokenizer_url), window=2 * threads + 2)
         bar = tqdm(total=len(pending), unit="chunk", desc="build", disable=not progress, smoothing=0.1)
         if progress:

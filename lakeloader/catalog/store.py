@@ -212,6 +212,10 @@ class CatalogWriter:
         }).fetchone()
         return int(row[0])
 
+    def set_build_cluster(self, build_id: int, *, workers: int, dashboard: str) -> None:
+        """Record the Dask cluster a build runs on once it is up."""
+        self._run("set_build_cluster", {"build_id": build_id, "workers": workers, "dashboard": dashboard})
+
     def finish_build(self, build_id: int, **stats: Any) -> None:
         """Record the end of a build run with its totals."""
         self._run("finish_build", {"build_id": build_id, **stats})
