@@ -9,7 +9,6 @@ import io
 import json
 import os
 import time
-from typing import Any
 
 import numpy as np
 import pyarrow as pa

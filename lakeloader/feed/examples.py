@@ -9,7 +9,7 @@ import numpy as np
 
 from lakeloader.config import ShuffleConfig
 from lakeloader.errors import LakeloaderError
-from lakeloader.index.concat import cumulative, eval_examples, locate, stream_lengths, strided_chunk, train_examples
+from lakeloader.index.concat import cumulative, eval_examples, stream_lengths, strided_chunk, train_examples
 from lakeloader.index.permutation import derive_key
 from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, shuffle_window
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
@@ -46,9 +46,9 @@ class DatasetExamples:
 
     def __init__(self, name: str, view: CatalogView, reader: StreamReader, *, seq_len: int,
                  ordering: str, ideal_readers: int, wait_timeout: float,
-                 shuffle: ShuffleConfig = ShuffleConfig(), seed: int = 0) -> None:
+                 shuffle: ShuffleConfig | None = None, seed: int = 0) -> None:
         self.name = name
-        self.shuffle = shuffle
+        self.shuffle = shuffle or ShuffleConfig()
         self.shuffle_key = derive_key(seed, "shuffle", name)
         self.view = view
         self.reader = reader

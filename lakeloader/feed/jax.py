@@ -127,7 +127,7 @@ class JaxFeed:
 
     def close(self) -> None:
         """Stop background transfers and release the loader's catalog connection."""
-        for thread, stop in self._producers:
+        for _, stop in self._producers:
             stop.set()
         for thread, _ in self._producers:
             thread.join(timeout=60)
