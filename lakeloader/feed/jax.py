@@ -80,9 +80,17 @@ class JaxFeed:
         """Batches from a saved state on (checks the fingerprint), on any number of processes."""
         return self.iter_from(LoaderState.from_dict(state))
 
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the lake's tokenizer, special tokens included."""
+        return self.loader.vocab_size
+
     def iter_from(self, start: int | LoaderState | dict[str, Any] = 0) -> Iterator[dict[str, jax.Array]]:
-        """Device batches from ``start`` on, ``prefetch`` of them transferred ahead in a thread."""
-        host = self.loader.iter_from(start)
+        """Device batches from ``start`` on, ``prefetch`` of them transferred ahead in a thread.
+        A saved state from another config fails here, not at the first batch."""
+        return self._device_batches(self.loader.iter_from(start))
+
+    def _device_batches(self, host: Iterator[Batch]) -> Iterator[dict[str, jax.Array]]:
         if self.prefetch == 0:
             for local in host:
                 yield self.to_global(local)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from tokenizers import Tokenizer
 
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.errors import ConfigError, LakeloaderError
@@ -127,8 +128,8 @@ class Loader:
         if self.lake.is_local:
             tokenizer = cached_tokenizer(self.lake.path_of(path[0]))
         else:
-            from tokenizers import Tokenizer
             tokenizer = Tokenizer.from_str(self.lake.fs.cat_file(self.lake.path_of(path[0])).decode())
+        self.tokenizer = tokenizer
         loader = self.config.loader
         eos = _token_id(tokenizer, "eos_token", loader.eos_token)
         bos = _token_id(tokenizer, "bos_token", loader.bos_token) if loader.bos_token else None
@@ -148,6 +149,11 @@ class Loader:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
     # -- sizes -----------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the lake's tokenizer, special tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
     def num_batches(self) -> int | None:

@@ -1,0 +1,370 @@
+"""Train a tiny decoder-only transformer LM on a lake, data parallel, with resumable checkpoints.
+
+    .venv/bin/python examples/train_tiny_lm.py --config configs/demo.yaml --steps 200 \\
+        --seq-len 128 --checkpoint-dir /tmp/tiny-lm --checkpoint-every 50
+    .venv/bin/python examples/train_tiny_lm.py --config configs/demo.yaml --steps 300 \\
+        --seq-len 128 --checkpoint-dir /tmp/tiny-lm --checkpoint-every 50 --resume
+
+On CPU the cost of a step is set by the tokens per batch, not by the (tiny) model: the softmax
+over the 8192-token vocabulary and the [L, L] attention scores dominate. With the demo's
+16 x 512 batches two CPU cores manage about 2 steps/s (200 steps: ~1.5-2 minutes);
+``--seq-len 128`` (a derived config, with its own fingerprint) runs 200 steps in ~20 s.
+
+Plain JAX + optax, no model library. Batches come from ``JaxFeed`` as global ``jax.Array``s
+sharded along the batch axis over a ``data`` mesh axis of all devices (run with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 for eight CPU devices); parameters and
+optimizer state are replicated and the gradient all-reduce is inserted by XLA.
+
+Packed rows hold several documents: attention is causal *within* a document (``segment_ids``)
+and rotary position embeddings use the per-document ``positions``; the loss is cross entropy
+weighted by ``loss_mask``.
+
+Every ``--checkpoint-every`` steps (and at the last step) an Orbax ``CheckpointManager`` saves
+the train state (parameters + optimizer state) and the loader state ``{step, fingerprint}``.
+``--resume`` restores the latest checkpoint and continues the batch stream from the saved loader
+state, so an interrupted run and an uninterrupted one see the same batches and losses.
+``--steps`` is the total number of steps of the run (a resumed run stops at the same step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lakeloader.config import load_config
+from lakeloader.errors import LakeloaderError
+from lakeloader.feed.jax import JaxFeed
+from lakeloader.tokenizer import load_tokenizer
+
+log = logging.getLogger("train_tiny_lm")
+
+# The model: 0.62M parameters with the demo's 8192-token vocabulary (0.52M of them the tied
+# embedding).
+D_MODEL = 64
+NUM_HEADS = 4
+NUM_LAYERS = 2
+D_FF = 4 * D_MODEL
+ROPE_BASE = 10_000.0
+
+FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+def init_params(key: jax.Array, vocab_size: int) -> dict[str, Any]:
+    """Parameters of a pre-norm transformer with tied input/output embeddings."""
+    keys = jax.random.split(key, 1 + 4 * NUM_LAYERS)
+    normal = jax.nn.initializers.normal(0.02)
+    out_std = 0.02 / math.sqrt(2 * NUM_LAYERS)  # GPT-2 style scaling of residual projections
+    layers = []
+    for i in range(NUM_LAYERS):
+        k_qkv, k_o, k_up, k_down = keys[1 + 4 * i:5 + 4 * i]
+        layers.append({
+            "attn_norm": jnp.ones((D_MODEL,), jnp.float32),
+            "wqkv": normal(k_qkv, (D_MODEL, 3 * D_MODEL), jnp.float32),
+            "wo": jax.random.normal(k_o, (D_MODEL, D_MODEL), jnp.float32) * out_std,
+            "mlp_norm": jnp.ones((D_MODEL,), jnp.float32),
+            "w_up": normal(k_up, (D_MODEL, D_FF), jnp.float32),
+            "w_down": jax.random.normal(k_down, (D_FF, D_MODEL), jnp.float32) * out_std,
+        })
+    return {"embed": normal(keys[0], (vocab_size, D_MODEL), jnp.float32), "layers": layers,
+            "final_norm": jnp.ones((D_MODEL,), jnp.float32)}
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary embedding of ``x`` [B, L, H, Dh] at per-token ``positions`` [B, L]."""
+    half = x.shape[-1] // 2
+    freqs = ROPE_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None].astype(jnp.float32) * freqs  # [B, L, half]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal attention within documents: query i sees key j iff j <= i and both have the same
+    segment id. q, k, v: [B, L, H, Dh]."""
+    length, head_dim = q.shape[1], q.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    mask = (causal[None] & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, H, L, Dh]
+    scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(head_dim))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    return (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3)
+
+
+def hidden_states(params: dict[str, Any], input_ids: jax.Array, segment_ids: jax.Array,
+                  positions: jax.Array) -> jax.Array:
+    """Final normalized hidden states [B, L, D] (logits are ``h @ embed.T``)."""
+    batch, length = input_ids.shape
+    head_dim = D_MODEL // NUM_HEADS
+    x = params["embed"][input_ids]
+    for layer in params["layers"]:
+        h = rms_norm(x, layer["attn_norm"])
+        q, k, v = jnp.split(h @ layer["wqkv"], 3, axis=-1)
+        q, k, v = (t.reshape(batch, length, NUM_HEADS, head_dim) for t in (q, k, v))
+        q, k = rope(q, positions), rope(k, positions)
+        x = x + attention(q, k, v, segment_ids).reshape(batch, length, D_MODEL) @ layer["wo"]
+        h = rms_norm(x, layer["mlp_norm"])
+        x = x + jax.nn.gelu(h @ layer["w_up"]) @ layer["w_down"]
+    return rms_norm(x, params["final_norm"])
+
+
+def forward(params: dict[str, Any], input_ids: jax.Array, segment_ids: jax.Array,
+            positions: jax.Array) -> jax.Array:
+    """Logits [B, L, V] (for inspection; training never materializes them all at once)."""
+    return hidden_states(params, input_ids, segment_ids, positions) @ params["embed"].T
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_cross_entropy(h: jax.Array, embed: jax.Array, targets: jax.Array, weights: jax.Array,
+                          chunk: int) -> jax.Array:
+    """``sum(weights * cross_entropy(h @ embed.T, targets))`` computed ``chunk`` positions of
+    every row at a time, never holding the whole [B, L, V] logits (on CPU, streaming those
+    through memory costs more than the matmuls); the backward pass recomputes each chunk's
+    logits. h: [B, L, D], embed: [V, D], targets/weights: [B, L]."""
+    return _ce_forward(h, embed, targets, weights, chunk)[0]
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, L, ...] -> [L // chunk, B, chunk, ...] (the batch axis stays where its sharding is)."""
+    b, length = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, length // chunk, chunk, *x.shape[2:]), 1, 0)
+
+
+def _ce_forward(h, embed, targets, weights, chunk):
+    def body(total, xs):
+        hb, tb, wb = xs
+        logits = hb @ embed.T
+        top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+        lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
+        target = jnp.take_along_axis(logits, tb[..., None], -1)[..., 0]
+        return total + jnp.sum(wb * (lse - target)), lse
+
+    total, lse = jax.lax.scan(body, jnp.zeros((), h.dtype),
+                              (_chunks(h, chunk), _chunks(targets, chunk), _chunks(weights, chunk)))
+    return total, (h, embed, targets, weights, lse)
+
+
+def _ce_backward(chunk, residuals, grad):
+    h, embed, targets, weights, lse = residuals
+
+    def body(d_embed_t, xs):
+        hb, tb, wb, lb = xs
+        probs = jnp.exp(hb @ embed.T - lb[..., None])
+        d_logits = (probs - jax.nn.one_hot(tb, embed.shape[0], dtype=probs.dtype)) * (grad * wb)[..., None]
+        # d_embed^T = h^T @ d_logits keeps both products in plain (untransposed) layouts.
+        flat_h, flat_d = hb.reshape(-1, hb.shape[-1]), d_logits.reshape(-1, embed.shape[0])
+        return d_embed_t + flat_h.T @ flat_d, d_logits @ embed
+
+    d_embed_t, d_h = jax.lax.scan(body, jnp.zeros((h.shape[-1], embed.shape[0]), h.dtype),
+                                  (_chunks(h, chunk), _chunks(targets, chunk), _chunks(weights, chunk), lse))
+    d_h = jnp.moveaxis(d_h, 0, 1).reshape(h.shape)
+    return d_h, d_embed_t.T, None, None
+
+
+chunked_cross_entropy.defvjp(_ce_forward, _ce_backward)
+
+
+def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array], chunk: int) -> jax.Array:
+    """Mean cross entropy over the tokens with ``loss_mask`` set."""
+    h = hidden_states(params, batch["input_ids"], batch["segment_ids"], batch["positions"])
+    mask = batch["loss_mask"]
+    weights = mask / jnp.maximum(jnp.sum(mask), 1.0)
+    return chunked_cross_entropy(h, params["embed"], batch["targets"], weights, chunk)
+
+
+def loss_chunk(seq_len: int, rows_per_device: int, tokens: int = 256) -> int:
+    """Largest divisor of ``seq_len`` giving each device at most ``tokens`` positions per chunk."""
+    return max(c for c in range(1, seq_len + 1) if seq_len % c == 0 and (c * rows_per_device <= tokens or c == 1))
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def make_optimizer(learning_rate: float, warmup_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warmup to a constant rate: the schedule does not depend on ``--steps``,
+    so a run stopped early and resumed follows the same schedule as an uninterrupted one."""
+    schedule = optax.linear_schedule(0.0, learning_rate, max(1, warmup_steps))
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
+
+
+def vocab_size_of(feed: JaxFeed) -> int:
+    tokenizer = load_tokenizer(feed.config.tokenizer)
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def batch_digest(array: jax.Array) -> str:
+    """SHA-256 of this process's rows of a batch array (all of it on one process)."""
+    if array.is_fully_addressable:
+        data = np.asarray(array)
+    else:
+        shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+        data = np.concatenate([np.asarray(s.data) for s in shards if s.replica_id == 0])
+    return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/demo.yaml",
+                        help="lakeloader config (its loader section sets the batch)")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="total steps of the run (a resumed run stops here too)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="Orbax checkpoint folder (none: no checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="parameter initialization seed")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="override loader.seq_len of the config (another fingerprint: resume with the same)")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--losses-out", type=Path, default=None,
+                        help='write {"loss": {step: loss}, "input_ids_sha256": {step: digest}} of the steps run')
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    if args.resume and args.checkpoint_dir is None:
+        parser.error("--resume needs --checkpoint-dir")
+
+    import orbax.checkpoint as ocp
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    config = load_config(args.config)
+    if args.seq_len is not None:
+        config = config.model_copy(update={"loader": config.loader.model_copy(update={"seq_len": args.seq_len})})
+    with JaxFeed(config, mesh, PartitionSpec("data")) as feed:
+        loader = feed.config.loader
+        if loader.batch_size % mesh.size:
+            raise SystemExit(f"loader.batch_size {loader.batch_size} must be a multiple of the {mesh.size} devices")
+        vocab_size = vocab_size_of(feed)
+        optimizer = make_optimizer(args.learning_rate, args.warmup_steps)
+        chunk = loss_chunk(loader.seq_len, loader.batch_size // mesh.size)
+
+        def init(key: jax.Array) -> dict[str, Any]:
+            params = init_params(key, vocab_size)
+            return {"params": params, "opt_state": optimizer.init(params)}
+
+        def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, chunk)
+            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+            return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+        # Fixed shardings in and out: a fresh and a restored state run the very same program.
+        state = jax.jit(init, out_shardings=replicated)(jax.random.key(args.seed))
+        step_fn = jax.jit(train_step, in_shardings=(replicated, feed.sharding),
+                          out_shardings=(replicated, replicated))
+        num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+        log.info("model: %d layers, d_model %d, %d heads, vocab %d: %.2fM parameters; %d x %s devices; "
+                 "batch %d x %d; fingerprint %s", NUM_LAYERS, D_MODEL, NUM_HEADS, vocab_size, num_params / 1e6,
+                 mesh.size, jax.devices()[0].platform, loader.batch_size, loader.seq_len, feed.fingerprint)
+
+        manager = None
+        start = 0
+        loader_state = feed.state(0)
+        if args.checkpoint_dir is not None:
+            options = ocp.CheckpointManagerOptions(max_to_keep=3, create=True)
+            manager = ocp.CheckpointManager(args.checkpoint_dir.resolve(), options=options,
+                                            item_names=("state", "loader"))
+            latest = manager.latest_step()
+            if not args.resume and latest is not None:
+                raise SystemExit(f"{args.checkpoint_dir} already holds checkpoints (latest: step {latest}); pass "
+                                 "--resume to continue from it, or choose an empty --checkpoint-dir")
+            if args.resume:
+                if latest is None:
+                    log.warning("--resume: no checkpoint in %s; starting from step 0", args.checkpoint_dir)
+                else:
+                    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+                    restored = manager.restore(latest, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target), loader=ocp.args.JsonRestore()))
+                    state, loader_state = restored.state, restored.loader
+                    start = int(loader_state["step"])
+                    if start != latest:
+                        raise SystemExit(f"checkpoint {latest} holds loader state for step {start}")
+                    log.info("resumed from checkpoint %d in %s (loader state %s)", latest, args.checkpoint_dir,
+                             loader_state)
+
+        def save(step: int) -> None:
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       loader=ocp.args.JsonSave(feed.state(step))), force=True)
+            log.info("checkpoint %d saved", step)
+
+        losses: dict[int, jax.Array] = {}
+        digests: dict[int, str] = {}
+        pending: list[int] = []
+        compiled_at = None
+        started = time.perf_counter()
+        batches = feed.restore(loader_state)
+        try:
+            for step, batch in zip(range(start, args.steps), batches):
+                if args.losses_out is not None:
+                    digests[step] = batch_digest(batch["input_ids"])
+                state, loss = step_fn(state, {name: batch[name] for name in FIELDS})
+                losses[step] = loss
+                pending.append(step)
+                if compiled_at is None:
+                    jax.block_until_ready(loss)
+                    compiled_at = time.perf_counter()
+                done = step + 1
+                if done % args.log_every == 0 or done == args.steps:
+                    values = jax.device_get([losses[s] for s in pending])
+                    for s, value in zip(pending, values):
+                        losses[s] = float(value)
+                    pending = []
+                    window = [losses[s] for s in range(max(start, done - args.log_every), done)]
+                    log.info("step %d/%d: loss %.4f (mean of the last %d steps: %.4f)", done, args.steps,
+                             losses[step], len(window), float(np.mean(window)))
+                if manager is not None and (done % args.checkpoint_every == 0 or done == args.steps):
+                    save(done)
+        finally:
+            batches.close()
+            if manager is not None:
+                manager.wait_until_finished()
+                manager.close()
+        finished = time.perf_counter()
+
+    ran = sorted(losses)
+    for s in pending:
+        losses[s] = float(losses[s])
+    if args.losses_out is not None and jax.process_index() == 0:
+        args.losses_out.write_text(json.dumps({"loss": {str(s): losses[s] for s in ran},
+                                               "input_ids_sha256": {str(s): digests[s] for s in ran}}, indent=1))
+    if ran:
+        first_loss = float(np.mean([losses[s] for s in ran[:10]]))
+        last_loss = float(np.mean([losses[s] for s in ran[-10:]]))
+        timed = len(ran) - 1
+        rate = timed / (finished - compiled_at) if timed and compiled_at else float("nan")
+        tokens = loader.batch_size * loader.seq_len
+        print(f"trained steps {ran[0]}..{ran[-1]} ({len(ran)} steps, {num_params / 1e6:.2f}M params, "
+              f"{mesh.size} devices): loss {first_loss:.3f} (mean of first 10) -> {last_loss:.3f} "
+              f"(mean of last 10); {rate:.2f} steps/s, {rate * tokens:,.0f} tokens/s after compilation "
+              f"({compiled_at - started:.1f}s to the first step); total {finished - started:.1f}s")
+    else:
+        print(f"nothing to train: already at step {start} of {args.steps}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except LakeloaderError as exc:  # e.g. resuming with another config: say why, without a traceback
+        raise SystemExit(f"error: {exc}") from None
