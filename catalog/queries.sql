@@ -106,3 +106,23 @@ SELECT s.source, s.layout, c.split_kind, c.first_row,
           AND e.status = 'committed') AS committed_before
 FROM chunks c JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 WHERE c.dataset = $name AND c.global_index = $global_index;
+
+-- name: touch_mixture
+UPDATE mixtures SET last_registered_at = now()::TIMESTAMP WHERE mixture_id = $mixture_id RETURNING mixture_id;
+
+-- name: insert_mixture
+INSERT INTO mixtures VALUES (
+    $mixture_id, $batch_size, $stop, $datasets, $num_stages, now()::TIMESTAMP, now()::TIMESTAMP);
+
+-- name: insert_mixture_stage
+INSERT INTO mixture_stages VALUES (
+    $mixture_id, $stage, $start_step, $end_step, $weights, $quanta, $total_weight);
+
+-- name: insert_mixture_node
+INSERT INTO mixture_nodes VALUES (
+    $mixture_id, $stage, $node, $parent, $is_first, $weight, $parent_weight, $split_weight,
+    $dataset, $depth);
+
+-- name: mixture_proportions
+SELECT dataset, target_weight, examples, share, first_index, end_index, max_deviation
+FROM mixture_proportions($mixture_id, $first_step, $last_step);

@@ -110,3 +110,46 @@ CREATE TABLE IF NOT EXISTS builds (
     tokens_per_s   DOUBLE,
     error          VARCHAR
 );
+
+-- Mixture schedules registered by builds (lakeloader.index.mixture), queryable with the
+-- mixture_plan and mixture_proportions macros of views.sql. mixture_id hashes the datasets,
+-- each stage's start and quantised weights, the batch size and the stop strategy, so the same
+-- mixture is stored once however often it is built.
+CREATE TABLE IF NOT EXISTS mixtures (
+    mixture_id         VARCHAR PRIMARY KEY,
+    batch_size         BIGINT NOT NULL,        -- global batch, in examples
+    stop               VARCHAR NOT NULL,       -- restart | first_exhausted | all_exhausted
+    datasets           VARCHAR[] NOT NULL,     -- dataset order of the schedule (dataset number = position - 1)
+    num_stages         INTEGER NOT NULL,
+    registered_at      TIMESTAMP NOT NULL,     -- first build that used it
+    last_registered_at TIMESTAMP NOT NULL      -- latest build that used it
+);
+
+-- One row per stage: its weights from start_step until end_step (exclusive; NULL for the last).
+CREATE TABLE IF NOT EXISTS mixture_stages (
+    mixture_id   VARCHAR NOT NULL,
+    stage        INTEGER NOT NULL,             -- 0, 1, ...
+    start_step   BIGINT NOT NULL,
+    end_step     BIGINT,
+    weights      DOUBLE[] NOT NULL,            -- the config's weights, in dataset order
+    quanta       BIGINT[] NOT NULL,            -- the integer weights the schedule uses (about w / sum(w) * 2^40)
+    total_weight BIGINT NOT NULL,              -- sum(quanta): target share of dataset d = quanta[d] / total_weight
+    PRIMARY KEY (mixture_id, stage)
+);
+
+-- The Huffman tree of each stage. After n examples of the stage the root holds n; a node with
+-- count C gives its parent's first child floor((2 * split_weight * C + parent_weight) /
+-- (2 * parent_weight)) and the second child the rest. Leaves carry their dataset number.
+CREATE TABLE IF NOT EXISTS mixture_nodes (
+    mixture_id    VARCHAR NOT NULL,
+    stage         INTEGER NOT NULL,
+    node          INTEGER NOT NULL,
+    parent        INTEGER,                     -- NULL for the root
+    is_first      BOOLEAN NOT NULL,            -- first child (rounded share) or second (the rest)
+    weight        BIGINT NOT NULL,             -- sum of the quanta of the leaves below
+    parent_weight BIGINT,
+    split_weight  BIGINT,                      -- weight of the parent's first child
+    dataset       INTEGER,                     -- leaf: dataset number (0-based); NULL inside
+    depth         INTEGER NOT NULL,
+    PRIMARY KEY (mixture_id, stage, node)
+);

@@ -117,6 +117,23 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from lakeloader.feed.audit import audit, plot_audit
+
+    first, stop = args.steps
+    frame = audit(args.config, first, stop - 1)
+    if args.format == "table":
+        info = frame.attrs
+        print(f"mixture {info['mixture_id']}, steps {first}..{stop - 1} "
+              f"({(stop - first) * info['batch_size']:,} examples of batch {info['batch_size']}), "
+              f"from the {info['source']}")
+    _print_frame(frame, args.format)
+    if args.plot:
+        plot_audit(args.config, first, stop - 1, args.plot)
+        print(f"plot -> {args.plot}", file=sys.stderr)
+    return 0
+
+
 def _add_loader_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="YAML config file")
     parser.add_argument("--process-index", type=int, default=0, metavar="p",
@@ -159,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     sql = commands.add_parser(
         "sql", help="run SQL against the catalog",
         description="Run one SQL statement against the lake's DuckDB catalog (read-only). Tables: "
-        "datasets, shards, chunks, row_groups, rejects, builds; views: committed_prefix, "
-        "chunk_offsets. Example: lakeloader sql configs/demo.yaml "
+        "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
+        "mixture_nodes; views: committed_prefix, chunk_offsets; table macros: mixture_plan(id, "
+        "first_step, last_step), mixture_proportions(id, first_step, last_step). Example: lakeloader sql configs/demo.yaml "
         "\"SELECT name, num_docs, num_tokens FROM datasets\"")
     sql.add_argument("target", metavar="CONFIG|LAKE")
     sql.add_argument("query", metavar="QUERY")
@@ -187,6 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
     batches.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
     batches.add_argument("--out", required=True, metavar="FILE.npz", help="output file")
     batches.set_defaults(func=_cmd_batches)
+
+    audit = commands.add_parser(
+        "audit", help="realized vs target mixture proportions over steps A..B-1",
+        description="For each dataset of the config's mixture over global steps A..B-1: the target "
+        "weight (the stage's; across stages, the example-weighted mean), the realized share of "
+        "examples and of non-padding tokens (packing concat: seq_len tokens per example), the "
+        "largest |count - weight * n| over the whole-batch prefixes of the range (counted from the "
+        "start of each stage; the schedule keeps it below 2) and the dataset's stream indices "
+        "[first_index, end_index) that fed the steps. Reads the mixture's plan from the catalog when "
+        "a build registered it (SQL: mixture_plan, mixture_proportions), else computes the same "
+        "closed form; reads no data.")
+    audit.add_argument("config", metavar="CONFIG", help="YAML config file")
+    audit.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
+    audit.add_argument("--format", choices=formats, default="table")
+    audit.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="also draw realized vs target share over the steps into a PNG (matplotlib)")
+    audit.set_defaults(func=_cmd_audit)
 
     explain = commands.add_parser(
         "explain", help="where every row of batch S came from",

@@ -20,6 +20,7 @@ from lakeloader.build.documents import SplitSource
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
+from lakeloader.feed.mixing import Mixer
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split
@@ -186,6 +187,10 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         )
         log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
                  len(plan.chunks), "" if new else " (plan unchanged)")
+    if config.mixture is not None or len(names) == 1:  # several datasets need a mixture to mix
+        mixer = Mixer.from_config(config)
+        new = writer.register_mixture(mixer)
+        log.info("mixture %s%s", mixer.mixture_id, " registered" if new else " (registered already)")
     _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
     pending = writer.pending_chunks(names)
     total = int(writer.con.execute(

@@ -6,7 +6,7 @@ import os
 import re
 import socket
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pandas as pd
@@ -14,7 +14,11 @@ import pandas as pd
 from lakeloader.build.chunk import ChunkResult
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.errors import CatalogError, CatalogLockedError
+from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
+
+if TYPE_CHECKING:
+    from lakeloader.feed.mixing import Mixer
 
 SCHEMA_VERSION = "1"
 _LOCK_PID = re.compile(r"PID (\d+)")
@@ -148,6 +152,40 @@ class CatalogWriter:
             self.con.execute("ROLLBACK")
             raise
         return True
+
+    def register_mixture(self, mixer: Mixer) -> bool:
+        """Store ``mixer``'s schedule (stages, quantised weights, Huffman trees) under its
+        ``mixture_id`` unless it is there already; returns whether it was new. Registering it
+        again only updates ``last_registered_at``."""
+        mixture_id = mixer.mixture_id
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            known = self._run("touch_mixture", {"mixture_id": mixture_id}).fetchone()
+            if not known:
+                self._run("insert_mixture", {
+                    "mixture_id": mixture_id, "batch_size": mixer.batch_size, "stop": mixer.stop,
+                    "datasets": list(mixer.names), "num_stages": len(mixer.stages),
+                })
+                ends = [s.start_step for s in mixer.stages[1:]] + [None]
+                for number, (stage, end) in enumerate(zip(mixer.stages, ends)):
+                    quanta = quantized_weights(stage.weights)
+                    self._run("insert_mixture_stage", {
+                        "mixture_id": mixture_id, "stage": number, "start_step": stage.start_step,
+                        "end_step": end, "weights": list(stage.weights), "quanta": list(quanta),
+                        "total_weight": sum(quanta),
+                    })
+                    for node in huffman_tree(stage.weights):
+                        self._run("insert_mixture_node", {
+                            "mixture_id": mixture_id, "stage": number, "node": node.node,
+                            "parent": node.parent, "is_first": node.first, "weight": node.weight,
+                            "parent_weight": node.parent_weight, "split_weight": node.split_weight,
+                            "dataset": node.dataset, "depth": node.depth,
+                        })
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return not known
 
     def chunk_folders(self, datasets: Sequence[str]) -> list[str]:
         """Lake-relative folders of the chunk files of ``datasets``."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -11,7 +13,7 @@ import numpy as np
 from lakeloader.config import Config
 from lakeloader.errors import ConfigError
 from lakeloader.index.concat import cumulative
-from lakeloader.index.mixture import Stage, staged_assignment, stop_step
+from lakeloader.index.mixture import Stage, quantized_weights, staged_assignment, stop_step
 from lakeloader.index.permutation import derive_key
 
 if TYPE_CHECKING:
@@ -45,6 +47,18 @@ class Mixer:
         names = tuple(n for n in config.datasets if any(w.get(n, 0) > 0 for w in stage_weights))
         stages = tuple(Stage(start, [w.get(n, 0.0) for n in names]) for start, w in zip(starts, stage_weights))
         return cls(names, stages, config.loader.batch_size, mixture.stop, config.loader.seed)
+
+    @property
+    def mixture_id(self) -> str:
+        """The mixture's id in the catalog (table ``mixtures``): a hash of the dataset names, each
+        stage's start step and quantised weights, the batch size and the stop strategy."""
+        payload = {
+            "datasets": list(self.names),
+            "stages": [[s.start_step, list(quantized_weights(s.weights))] for s in self.stages],
+            "batch_size": self.batch_size,
+            "stop": self.stop,
+        }
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
     @property
     def single(self) -> bool:

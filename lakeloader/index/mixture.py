@@ -28,9 +28,11 @@ from lakeloader.index.permutation import derive_key, permute
 
 __all__ = [
     "Stage",
+    "TreeNode",
     "batch_assignment",
     "batch_assignments",
     "derive_key",
+    "huffman_tree",
     "mixture_counts",
     "quantized_weights",
     "stage_totals",
@@ -108,6 +110,47 @@ def _tree(values: tuple[float, ...]) -> _Tree:
         heapq.heappush(heap, (w1 + w2, node))
         node += 1
     return _Tree(len(values), leaves, heap[0][1], tuple(reversed(splits)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeNode:
+    """One node of the Huffman tree that :func:`mixture_counts` evaluates.
+
+    The root (``parent is None``) holds all ``n`` examples. A node with count ``C`` gives its
+    first child ``floor((2 * first_weight * C + weight) / (2 * weight))`` and its second child
+    the rest, so a child's count is computed from its parent's with ``split_weight`` (the weight
+    of the parent's first child) and ``parent_weight``. Leaves carry their dataset number.
+    """
+
+    node: int
+    parent: int | None
+    first: bool                 # the parent's first child (rounded share) or its second (the rest); root: True
+    weight: int                 # quantised weight: the sum of the leaves below
+    parent_weight: int | None
+    split_weight: int | None    # weight of the parent's first child
+    dataset: int | None         # dataset number of a leaf, None for an internal node
+    depth: int
+
+
+def huffman_tree(weights: Sequence[float]) -> tuple[TreeNode, ...]:
+    """The nodes of the schedule's Huffman tree for ``weights``, top-down (root first, a parent
+    before its children), with the exact integer weights :func:`mixture_counts` uses. Zero
+    weights have no leaf. Raises ValueError on invalid weights."""
+    values = _check_weights(weights)
+    tree, quanta = _tree(values), _quantize(values)
+    weight = {node: quanta[d] for node, d in enumerate(tree.leaves)}
+    for split in reversed(tree.splits):  # bottom-up: children before parents
+        weight[split.parent] = split.parent_weight
+    nodes = [TreeNode(tree.root, None, True, weight[tree.root], None, None,
+                      tree.leaves[tree.root] if tree.root < len(tree.leaves) else None, 0)]
+    depth = {tree.root: 0}
+    for split in tree.splits:
+        for child, first in ((split.first, True), (split.second, False)):
+            depth[child] = depth[split.parent] + 1
+            dataset = tree.leaves[child] if child < len(tree.leaves) else None
+            nodes.append(TreeNode(child, split.parent, first, weight[child], split.parent_weight,
+                                  split.first_weight, dataset, depth[child]))
+    return tuple(nodes)
 
 
 def _first_share(parent: np.ndarray, first_weight: int, parent_weight: int) -> np.ndarray:

@@ -1,0 +1,300 @@
+"""Audit a mixture: realized vs target proportions over a range of global steps.
+
+The schedule is closed form (:mod:`lakeloader.index.mixture`), so an audit never reads data.
+When a build has registered the config's mixture in the catalog, the numbers come from the
+catalog's SQL (macros ``mixture_plan`` and ``mixture_proportions`` of ``catalog/views.sql``);
+otherwise from the same closed form in Python. Both give the same integers, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from lakeloader.catalog.sql import query
+from lakeloader.config import Config, load_config
+from lakeloader.errors import CatalogError, ConfigError, LakeloaderError
+from lakeloader.feed.mixing import Mixer
+from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
+from lakeloader.lake import open_lake
+
+__all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
+           "registered"]
+
+PLAN_COLUMNS = ["step", "stage", "dataset", "dataset_index", "examples", "before", "after",
+                "stage_before", "stage_after", "stage_examples", "target_weight", "deviation"]
+AUDIT_COLUMNS = ["dataset", "target_weight", "share", "token_share", "examples", "tokens",
+                 "max_deviation", "first_index", "end_index"]
+_BLOCK = 65_536  # steps per block of the Python closed form
+
+
+def _check_steps(first: int, last: int) -> tuple[int, int]:
+    if int(first) != first or int(last) != last or not 0 <= first <= last:
+        raise LakeloaderError(f"audit needs steps 0 <= first <= last, got first={first!r}, last={last!r}")
+    return int(first), int(last)
+
+
+def _schedule(mixer: Mixer, steps: np.ndarray) -> dict[str, np.ndarray]:
+    """The closed-form schedule at global ``steps`` (sorted int64): arrays ``[len(steps), D]``."""
+    stages = list(mixer.stages)
+    size = mixer.batch_size
+    starts = np.array([s.start_step for s in stages], np.int64)
+    quanta = np.array([quantized_weights(s.weights) for s in stages], np.int64)
+    totals = quanta.sum(axis=1)
+    stage = np.searchsorted(starts, steps, side="right") - 1
+    relative = steps - starts[stage]
+    stage_after = np.empty((len(steps), len(mixer.names)), np.int64)
+    stage_before = np.empty_like(stage_after)
+    for number in np.unique(stage):
+        rows = stage == number
+        weights = stages[number].weights
+        stage_after[rows] = mixture_counts(weights, size, relative[rows])
+        stage_before[rows] = mixture_counts(weights, size, relative[rows] - 1)
+    n = (relative + 1) * size
+    q, w = quanta[stage], totals[stage][:, None]
+    # |C*W - q*n| < 2W < 2**63, so wrapping uint64 arithmetic gives it exactly.
+    numerator = (stage_after.astype(np.uint64) * w.astype(np.uint64)
+                 - q.astype(np.uint64) * n.astype(np.uint64)[:, None]).view(np.int64)
+    return {
+        "step": steps, "stage": stage, "n": n,
+        "before": stage_totals(stages, size, steps), "after": stage_totals(stages, size, steps + 1),
+        "stage_before": stage_before, "stage_after": stage_after,
+        "target_weight": q / w, "deviation": np.abs(numerator) / w,
+    }
+
+
+def _blocks(mixer: Mixer, first: int, last: int) -> Iterator[dict[str, np.ndarray]]:
+    """:func:`_schedule` of steps ``first..last`` in blocks of at most ``_BLOCK`` steps."""
+    for lo in range(first, last + 1, _BLOCK):
+        yield _schedule(mixer, np.arange(lo, min(lo + _BLOCK, last + 1), dtype=np.int64))
+
+
+def _plan_frame(mixer: Mixer, block: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Rows of ``mixture_plan`` of a :func:`_schedule` block: one per (step, dataset)."""
+    steps, datasets = len(block["step"]), len(mixer.names)
+    return pd.DataFrame({
+        "step": np.repeat(block["step"], datasets),
+        "stage": np.repeat(block["stage"], datasets).astype(np.int32),
+        "dataset": np.tile(np.array(mixer.names, dtype=object), steps),
+        "dataset_index": np.tile(np.arange(datasets, dtype=np.int32), steps),
+        "examples": (block["stage_after"] - block["stage_before"]).reshape(-1),
+        "before": block["before"].reshape(-1),
+        "after": block["after"].reshape(-1),
+        "stage_before": block["stage_before"].reshape(-1),
+        "stage_after": block["stage_after"].reshape(-1),
+        "stage_examples": np.repeat(block["n"], datasets),
+        "target_weight": block["target_weight"].reshape(-1),
+        "deviation": block["deviation"].reshape(-1),
+    })
+
+
+def closed_form_plan(mixer: Mixer, first: int, last: int) -> pd.DataFrame:
+    """The rows of the catalog macro ``mixture_plan`` for steps ``first..last`` (both included),
+    computed in Python with :mod:`lakeloader.index.mixture`: one row per (step, dataset)."""
+    first, last = _check_steps(first, last)
+    return pd.concat([_plan_frame(mixer, block) for block in _blocks(mixer, first, last)],
+                     ignore_index=True)
+
+
+def closed_form_proportions(mixer: Mixer, first: int, last: int) -> pd.DataFrame:
+    """The rows of the catalog macro ``mixture_proportions`` for steps ``first..last``, computed
+    in Python (in blocks, so long ranges need little memory): one row per dataset. Integers and
+    ``share``/``max_deviation`` equal the macro's bit for bit; the mean target is summed in
+    another order, so it agrees to rounding."""
+    first, last = _check_steps(first, last)
+    target = np.zeros(len(mixer.names))
+    deviation = np.zeros(len(mixer.names))
+    first_index = end_index = None
+    for block in _blocks(mixer, first, last):
+        if first_index is None:
+            first_index = block["before"][0]
+        end_index = block["after"][-1]
+        target += block["target_weight"].sum(axis=0)
+        deviation = np.maximum(deviation, block["deviation"].max(axis=0))
+    examples = end_index - first_index
+    return pd.DataFrame({
+        "dataset": list(mixer.names),
+        "target_weight": target / (last - first + 1),
+        "examples": examples,
+        "share": examples / examples.sum(),
+        "first_index": first_index,
+        "end_index": end_index,
+        "max_deviation": deviation,
+    })
+
+
+def _mean_target(mixer: Mixer, first: int, steps: np.ndarray) -> np.ndarray:
+    """Target share of each dataset over steps ``first..k`` for each ``k`` in ``steps``: the mean
+    of the stages' (quantised) weights weighted by their steps in the range, ``[len(steps), D]``."""
+    total = np.zeros((len(steps), len(mixer.names)))
+    ends = [s.start_step for s in mixer.stages[1:]] + [None]
+    for stage, end in zip(mixer.stages, ends):
+        quanta = np.array(quantized_weights(stage.weights), np.int64)
+        last = steps if end is None else np.minimum(steps, end - 1)
+        inside = np.maximum(last - max(first, stage.start_step) + 1, 0)
+        total += inside[:, None] * (quanta / quanta.sum())[None, :]
+    return total / (steps - first + 1)[:, None]
+
+
+def registered(con: duckdb.DuckDBPyConnection, mixture_id: str) -> bool:
+    """Whether the catalog behind ``con`` holds mixture ``mixture_id`` (registered by a build)."""
+    try:
+        return con.execute("SELECT count(*) FROM mixtures WHERE mixture_id = ?", [mixture_id]).fetchone()[0] > 0
+    except duckdb.CatalogException:
+        return False  # a catalog from before mixtures were registered
+
+
+def _catalog(config: Config, mixer: Mixer) -> duckdb.DuckDBPyConnection | None:
+    """A read-only connection to the lake's catalog if it holds ``mixer``'s schedule."""
+    try:
+        con = open_lake(config).connect()
+    except (CatalogError, OSError):
+        return None  # no lake yet: the closed form needs none
+    if registered(con, mixer.mixture_id):
+        return con
+    con.close()
+    return None
+
+
+def mixture_plan(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.DataFrame:
+    """One row per (step, dataset) of steps ``first..last`` (both included): the dataset's
+    examples in the step's batch, the stream indices ``[before, after)`` that fed it, the counts
+    from the start of the step's stage, the target weight and the deviation from it (columns as
+    the catalog macro ``mixture_plan``). Read from the catalog when the mixture is registered
+    (``frame.attrs["source"] == "catalog"``), else from the closed form."""
+    config = load_config(config)
+    first, last = _check_steps(first, last)
+    mixer = Mixer.from_config(config)
+    con = _catalog(config, mixer)
+    if con is None:
+        frame = closed_form_plan(mixer, first, last)
+        frame.attrs["source"] = "closed form"
+    else:
+        try:
+            frame = con.execute("SELECT * FROM mixture_plan(?, ?, ?)", [mixer.mixture_id, first, last]).df()
+        finally:
+            con.close()
+        frame.attrs["source"] = "catalog"
+    frame.attrs["mixture_id"] = mixer.mixture_id
+    return frame
+
+
+def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.DataFrame:
+    """Realized vs target proportions of the config's mixture over global steps ``first..last``
+    (both included), one row per dataset:
+
+    - ``target_weight``: the stage's weight; over steps of several stages, the mean of the
+      stages' weights weighted by their examples in the range;
+    - ``share``: the dataset's share of the examples of those steps (``examples`` of them);
+    - ``token_share``: its share of their non-padding target tokens (``tokens``). With
+      ``packing: concat`` every training example has exactly ``seq_len`` non-padding target
+      tokens, so this is computed without reading any data and equals ``share``;
+    - ``max_deviation``: the largest ``|count_d(n) - w_d * n|`` over the whole-batch prefixes
+      ending at each step of the range, counted from the start of the step's stage (what the
+      schedule keeps below 2);
+    - ``first_index``, ``end_index``: the dataset's stream indices ``[first_index, end_index)``
+      that fed the range (example ``i % N_d`` of epoch ``i // N_d`` of a dataset of ``N_d``).
+
+    The numbers come from the catalog's ``mixture_proportions`` macro when a build registered
+    the mixture (``frame.attrs["source"] == "catalog"``), else from the closed form in Python
+    (``"closed form"``); both agree. A config without a ``mixture`` section audits its single
+    dataset at share 1.0.
+    """
+    config = load_config(config)
+    first, last = _check_steps(first, last)
+    if config.loader.packing != "concat":
+        raise ConfigError(f"loader.packing = {config.loader.packing!r} is not supported yet; use 'concat'")
+    mixer = Mixer.from_config(config)
+    con = _catalog(config, mixer)
+    if con is None:
+        frame = closed_form_proportions(mixer, first, last)
+        source = "closed form"
+    else:
+        try:
+            frame = con.execute(query("mixture_proportions"), {
+                "mixture_id": mixer.mixture_id, "first_step": first, "last_step": last}).df()
+        finally:
+            con.close()
+        source = "catalog"
+    seq_len = config.loader.seq_len
+    frame["examples"] = frame["examples"].astype(np.int64)
+    frame["tokens"] = frame["examples"] * seq_len
+    frame["token_share"] = frame["tokens"] / frame["tokens"].sum()
+    frame = frame[AUDIT_COLUMNS].reset_index(drop=True)
+    frame.attrs.update(source=source, mixture_id=mixer.mixture_id, first_step=first, last_step=last,
+                       batch_size=mixer.batch_size, seq_len=seq_len)
+    return frame
+
+
+def plot_audit(config: Config | str | os.PathLike[str], first: int, last: int,
+               path: str | os.PathLike[str], *, max_steps: int = 20_000) -> None:
+    """Draw the realized vs target share of each dataset over steps ``first..last`` (top: share
+    of the examples of steps ``first..k`` as solid lines, the target as dashed lines; bottom: the
+    deviation from the start of the stage against the bound of 2) into the PNG ``path``.
+
+    Ranges longer than ``max_steps`` are drawn at ``max_steps`` evenly spaced steps (each exact,
+    from the closed form). Needs matplotlib (drawn with its Agg backend, without pyplot).
+    """
+    try:  # a bare Figure on the Agg canvas: no pyplot, so no global backend switch
+        from matplotlib import colormaps
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+    except ImportError as exc:
+        raise LakeloaderError("plotting an audit needs matplotlib: pip install matplotlib") from exc
+
+    config = load_config(config)
+    first, last = _check_steps(first, last)
+    mixer = Mixer.from_config(config)
+    if last - first + 1 <= max_steps:
+        plan = mixture_plan(config, first, last)
+        source = plan.attrs["source"]
+    else:  # evenly spaced steps, each exact (the closed form seeks at no cost)
+        picks = np.unique(np.linspace(first, last, max_steps).round().astype(np.int64))
+        plan = _plan_frame(mixer, _schedule(mixer, picks))
+        source = f"closed form at {len(picks):,} evenly spaced steps"
+    sampled = last - first + 1 > max_steps
+    size = mixer.batch_size
+    start = plan[plan["step"] == first].set_index("dataset")["before"]
+    target = _mean_target(mixer, first, np.unique(plan["step"].to_numpy()))
+    figure = Figure(figsize=(11, 7.5))
+    FigureCanvasAgg(figure)
+    top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    colors = colormaps["tab10" if len(mixer.names) <= 10 else "tab20"]
+    for number, name in enumerate(mixer.names):
+        rows = plan[plan["dataset"] == name].sort_values("step")
+        steps = rows["step"].to_numpy()
+        done = (steps - first + 1) * size
+        color = colors(number % colors.N)
+        top.plot(steps, (rows["after"].to_numpy() - start[name]) / done, color=color, lw=3.0,
+                 alpha=0.45, label=name)
+        top.plot(steps, target[:, number], color=color, lw=1.1, ls="--", zorder=3)
+        bottom.plot(steps, rows["deviation"].to_numpy(), color=color, lw=0.9,
+                    **({"ls": "none", "marker": ".", "ms": 1.5} if sampled else {}))
+    bottom.axhline(2.0, color="black", lw=1.0, ls=":", label="bound (2 examples)")
+    top.set_ylabel(f"share of the examples of steps {first}..k")
+    top.set_title(f"mixture {mixer.mixture_id}: realized vs target share\n"
+                  f"batch {size}, steps {first:,}..{last:,}, from the {source}", fontsize="medium")
+    top.grid(alpha=0.3)
+    datasets = top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+                          ncol=1 if len(mixer.names) <= 16 else 2, title="dataset")
+    top.add_artist(datasets)
+    styles = [Line2D([], [], color="grey", lw=3.0, alpha=0.45), Line2D([], [], color="grey", lw=1.1, ls="--")]
+    top.legend(styles, ["realized", "target"], loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize="small")
+    bottom.set_ylabel("|count - weight × n|\n(from the stage start)")
+    bottom.set_xlabel("global step k")
+    bottom.set_ylim(0, 2.2)
+    bottom.grid(alpha=0.3)
+    bottom.legend(loc="upper right", fontsize="small")
+    for number, stage in enumerate(mixer.stages):
+        if first < stage.start_step <= last:
+            for axis in (top, bottom):
+                axis.axvline(stage.start_step - 0.5, color="grey", lw=0.8, ls="-.")
+            top.annotate(f"stage {number}", (stage.start_step, 1.0), xycoords=("data", "axes fraction"),
+                         xytext=(3, -12), textcoords="offset points", fontsize="small", color="grey")
+    figure.tight_layout()
+    figure.savefig(os.fspath(path), dpi=110)
