@@ -19,7 +19,7 @@ from lakeloader.cli import main
 from lakeloader.config import load_config
 from lakeloader.feed.audit import audit, closed_form_plan, closed_form_proportions, mixture_plan
 from lakeloader.feed.loader import Loader
-from lakeloader.feed.mixing import Mixer
+from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import Stage, huffman_tree, mixture_counts, quantized_weights, stage_totals
 from lakeloader.lake import open_lake
 

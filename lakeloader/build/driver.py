@@ -20,7 +20,7 @@ from lakeloader.build.documents import SplitSource
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
-from lakeloader.feed.mixing import Mixer
+from lakeloader.index.mixing import Mixer
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split

@@ -18,7 +18,7 @@ from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
 
 if TYPE_CHECKING:
-    from lakeloader.feed.mixing import Mixer
+    from lakeloader.index.mixing import Mixer
 
 SCHEMA_VERSION = "1"
 _LOCK_PID = re.compile(r"PID (\d+)")

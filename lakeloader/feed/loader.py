@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.errors import ConfigError, LakeloaderError
 from lakeloader.feed.examples import DatasetExamples, Window
-from lakeloader.feed.mixing import Mixer
+from lakeloader.index.mixing import Mixer
 from lakeloader.index.concat import segments
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import CatalogView

@@ -1,4 +1,5 @@
-"""Which dataset and which of its examples fills each position of each global batch."""
+"""Which dataset and which of its examples fills each position of each global batch (the
+config's mixture as index maps; used by the loader, the audit and the build's catalog)."""
 
 from __future__ import annotations
 
