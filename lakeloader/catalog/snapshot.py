@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -110,6 +111,12 @@ def local_snapshot(lake: Lake, name: str) -> str:
     local = os.path.join(lake.cache_dir, "snapshots", name)
     if not os.path.exists(local):
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        lake.fs.get_file(remote, f"{local}.tmp-{os.getpid()}")
-        os.replace(f"{local}.tmp-{os.getpid()}", local)
+        # Unique per call: threads of one process may fetch the same snapshot at once.
+        temporary = f"{local}.tmp-{uuid.uuid4().hex}"
+        try:
+            lake.fs.get_file(remote, temporary)
+            os.replace(temporary, local)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
     return local

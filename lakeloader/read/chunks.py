@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import threading
 from typing import Any
 
@@ -61,32 +60,33 @@ class ChunkFiles:
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
 
-    def _local_path(self, chunks: DatasetChunks, index: int) -> str:
-        """A local file with chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
-        if self.disk is None:
-            return self.lake.path_of(chunks.paths[index])
-        return self.disk.path(chunks.paths[index], int(chunks.num_bytes[index]))
-
-    def _check(self, chunks: DatasetChunks, index: int) -> None:
+    def _open(self, chunks: DatasetChunks, index: int) -> pa.NativeFile:
+        """An open handle of chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
         path = chunks.paths[index]
-        if path in self._verified:
-            return
         try:
-            full = self._local_path(chunks, index)
-            size = os.path.getsize(full)
+            if self.disk is None:
+                return pa.OSFile(self.lake.path_of(path))
+            return self.disk.open(path, int(chunks.num_bytes[index]))
         except FileNotFoundError:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} is missing: {self.lake.url_of(path)}. "
                 "The lake is damaged; rebuild it (delete the lake folder and run lakeloader build)."
             ) from None
+
+    def _check(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
+        path = chunks.paths[index]
+        if path in self._verified:
+            return
+        size = handle.size()
         problem = None
         if size != chunks.num_bytes[index]:
             problem = f"has {size} bytes, the catalog says {chunks.num_bytes[index]}"
         elif self.verify == "checksum":
             digest = hashlib.sha256()
-            with open(full, "rb") as handle:
-                while block := handle.read(_HASH_BLOCK):
-                    digest.update(block)
+            handle.seek(0)
+            while block := handle.read(_HASH_BLOCK):
+                digest.update(block)
+            handle.seek(0)
             if digest.hexdigest() != chunks.checksums[index]:
                 problem = f"has sha256 {digest.hexdigest()[:16]}…, the catalog says {chunks.checksums[index][:16]}…"
         if problem:
@@ -103,17 +103,17 @@ class ChunkFiles:
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        self._check(chunks, index)
         path = chunks.paths[index]
-        with self._lock:
-            self.files_opened.add(path)
-        try:
-            parquet = pq.ParquetFile(self._local_path(chunks, index))
-            column = parquet.read_row_group(group, columns=["text"]).column(0)
-        except (OSError, pa.ArrowException) as exc:
-            raise ChunkIntegrityError(
-                f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}"
-            ) from exc
+        with self._open(chunks, index) as handle:
+            self._check(chunks, index, handle)
+            with self._lock:
+                self.files_opened.add(path)
+            try:
+                column = pq.ParquetFile(handle).read_row_group(group, columns=["text"]).column(0)
+            except (OSError, pa.ArrowException) as exc:
+                raise ChunkIntegrityError(
+                    f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}"
+                ) from exc
         array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         offsets = array.offsets.to_numpy(zero_copy_only=True)
         values = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]

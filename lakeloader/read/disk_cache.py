@@ -11,6 +11,8 @@ import os
 import threading
 import uuid
 
+import pyarrow as pa
+
 from lakeloader.lake import Lake
 
 log = logging.getLogger(__name__)
@@ -31,35 +33,50 @@ class DiskCache:
     def _local(self, relative: str) -> str:
         return os.path.join(self.folder, relative.replace("/", "__"))
 
-    def path(self, relative: str, size: int) -> str:
-        """Local path of lake file ``relative`` of ``size`` bytes, downloading it if needed."""
+    def open(self, relative: str, size: int) -> pa.NativeFile:
+        """An open handle of lake file ``relative`` of ``size`` bytes, downloading it if needed.
+
+        The file is opened under the same lock as eviction, so a concurrent reader's eviction can
+        never remove it between "it is cached" and "it is open"; an open handle stays readable
+        after its file is evicted.
+        """
         local = self._local(relative)
-        if os.path.exists(local) and os.path.getsize(local) == size:
-            os.utime(local)  # mark as recently used
-            with self._lock:
-                self.hits += 1
-            return local
-        temporary = f"{local}.tmp-{uuid.uuid4().hex}"
-        self.lake.fs.get_file(self.lake.path_of(relative), temporary)
-        os.replace(temporary, local)
         with self._lock:
+            try:
+                if os.path.getsize(local) == size:
+                    handle = pa.OSFile(local)
+                    os.utime(local)  # mark as recently used
+                    self.hits += 1
+                    return handle
+            except FileNotFoundError:
+                pass
+        temporary = f"{local}.tmp-{uuid.uuid4().hex}"
+        try:
+            self.lake.fs.get_file(self.lake.path_of(relative), temporary)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+            raise
+        with self._lock:
+            os.replace(temporary, local)
+            handle = pa.OSFile(local)
             self.downloads += 1
-        self._evict(keep=local)
-        return local
+            self._evict(keep=local)
+        return handle
 
     def _evict(self, keep: str) -> None:
-        with self._lock:
-            entries = []
-            for name in os.listdir(self.folder):
-                full = os.path.join(self.folder, name)
-                if ".tmp-" in name or full == keep:
-                    continue
-                stat = os.stat(full)
-                entries.append((stat.st_atime, stat.st_mtime, stat.st_size, full))
-            total = sum(e[2] for e in entries) + os.path.getsize(keep)
-            for _, _, size, full in sorted(entries):
-                if total <= self.max_bytes:
-                    break
-                os.remove(full)
-                total -= size
-                log.debug("evicted %s from the chunk cache", full)
+        """Remove least recently used files until the folder fits ``max_bytes`` (holding the lock)."""
+        entries = []
+        for name in os.listdir(self.folder):
+            full = os.path.join(self.folder, name)
+            if ".tmp-" in name or full == keep:
+                continue
+            stat = os.stat(full)
+            entries.append((stat.st_atime, stat.st_mtime, stat.st_size, full))
+        total = sum(e[2] for e in entries) + os.path.getsize(keep)
+        for _, _, size, full in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            os.remove(full)
+            total -= size
+            log.debug("evicted %s from the chunk cache", full)
