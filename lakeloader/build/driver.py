@@ -243,7 +243,8 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
         threads = max(1, sum(client.nthreads().values()))
         writer.set_build_cluster(build_id, workers=len(client.nthreads()), dashboard=dashboard)
         run = _Scheduler(client, _tasks(pending, config, lake, tokenizer_url), window=2 * threads + 2)
-        bar = tqdm(total=len(pending), unit="chunk", desc="build", disable=not progress, smoothing=0.1)
+        bar = tqdm(total=len(pending), unit="chunk", desc="build", disable=not progress, smoothing=0.1,
+                   mininterval=0.5)
         if progress:
             bar.write(f"Dask dashboard: {dashboard}")
         last_publish = time.monotonic()
