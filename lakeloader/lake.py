@@ -54,8 +54,8 @@ class Lake:
         return os.path.join(self.cache_dir, WRITER_CATALOG)
 
     def connect(self) -> duckdb.DuckDBPyConnection:
-        """A read-only catalog connection: the writer's file when no build holds it, else the
-        newest published snapshot."""
+        """A read-only catalog connection: a local lake's catalog file when no build holds it,
+        else the newest published snapshot."""
         from lakeloader.catalog.snapshot import open_snapshot
         from lakeloader.catalog.store import active_writer, connect_reader
 
@@ -63,7 +63,7 @@ class Lake:
         writer = active_writer(path)
         if writer is not None:
             return writer.cursor()  # a build runs in this process: read its live catalog
-        if os.path.exists(path):
+        if self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
             try:
                 return connect_reader(path)
             except CatalogLockedError:

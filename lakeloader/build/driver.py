@@ -224,7 +224,13 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
             retries=0, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
             error=error,
         )
-        publish_snapshot(writer.con, lake, build_id)
+        try:
+            publish_snapshot(writer.con, lake, build_id)
+        except Exception:
+            if status == "succeeded":
+                raise
+            # Keep the build's own error visible; the catalog on disk holds the committed chunks.
+            log.exception("could not publish the final catalog snapshot of failed build %d", build_id)
     log.info("build %d %s: %d chunks, %d docs, %d tokens in %.1fs (%.0f tokens/s)", build_id, status,
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
     return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
