@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 import pytest
 from conftest import stdlib_texts, write_config, write_jsonl
 
@@ -111,3 +112,50 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path) -> None:
     assert not errors, errors
     assert any(c < d.chunks.planned for c, d in zip(committed_at_start, during_loader.datasets))
     assert_equal(during, global_batches(config, 1))
+
+
+def test_resume_across_a_stage_boundary(tmp_path: Path, dask_scheduler: str) -> None:
+    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2})
+    staged = write_config(
+        tmp_path, yaml.safe_load(config.read_text())["datasets"],
+        build={"split_size": "8KB"},
+        loader={"seq_len": 32, "batch_size": 16, "shuffle": {"kind": "window", "window_chunks": 2}, "seed": 7},
+        mixture={"stages": [{"start_step": 0, "weights": {"code": 0.9, "notes": 0.1}},
+                            {"start_step": 5, "weights": {"code": 0.2, "notes": 0.8}}]})
+    build(staged, scheduler=dask_scheduler, progress=False)
+    reference = global_batches(staged, 1)
+    assert_equal(global_batches(staged, 4), reference)
+    loader = Loader(staged)
+    for start in (3, 4, 5, 6):
+        got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start)))]
+        assert_equal(got, reference[start:])
+    owners = [{w.dataset for w in loader._windows(step)} for step in (4, 5)]
+    shares = [sum(w.dataset == "notes" for w in loader._windows(step)) for step in (4, 5)]
+    assert owners[0] and shares[0] < shares[1]  # the second stage favours notes
+
+
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
+def test_stop_strategies_end_the_stream_exactly(tmp_path: Path, dask_scheduler: str, stop: str) -> None:
+    from lakeloader.index.mixture import stop_step
+
+    config = mixed_config(tmp_path, {"kind": "none"})
+    raw = yaml.safe_load(config.read_text())
+    raw["mixture"]["stop"] = stop
+    config.write_text(yaml.safe_dump(raw))
+    build(config, scheduler=dask_scheduler, progress=False)
+    loader = Loader(config)
+    sizes = [d.train_count() for d in loader.datasets]
+    expected = stop_step(list(loader.mixer.stages), 16, sizes, stop)
+    assert loader.num_batches == expected > 0
+    batches = list(loader.iter_from(max(0, expected - 2)))
+    assert len(batches) == min(2, expected)
+    used = {name: 0 for name in loader.mixer.names}
+    for step in range(expected):
+        for window in loader._windows(step):
+            used[window.dataset] = max(used[window.dataset], window.epoch * 10**9 + window.example + 1)
+    if stop == "first_exhausted":  # nothing is read twice, and some dataset is (nearly) used up
+        assert all(v <= size for v, size in zip(used.values(), sizes))
+    else:  # every dataset was read completely at least once
+        assert all(v >= size for v, size in zip(used.values(), sizes))
+    with pytest.raises(IndexError):
+        loader.batch(expected)
