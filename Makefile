@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/python -m lakeloader.demo prepare demo/data
 	$(BIN)/lakeloader build configs/demo.yaml
 	$(BIN)/lakeloader sql configs/demo.yaml "SELECT name, num_shards, num_chunks, num_docs, num_tokens, round(num_tokens / num_docs) AS tokens_per_doc, num_rejects FROM datasets ORDER BY name"
-	$(BIN)/lakeloader sql configs/demo.yaml "SELECT dataset, count(*) AS chunks, sum(num_bytes) AS chunk_bytes, max(num_tokens) AS max_chunk_tokens FROM chunks GROUP BY dataset ORDER BY dataset"
+	$(BIN)/lakeloader sql configs/demo.yaml "SELECT dataset, count(*) AS chunks, sum(num_bytes)::BIGINT AS chunk_bytes, max(num_tokens) AS max_chunk_tokens FROM chunks GROUP BY dataset ORDER BY dataset"
 	$(BIN)/python examples/stream_to_jax.py configs/demo.yaml --steps 20
 
 test: $(STAMP)
