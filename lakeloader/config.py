@@ -154,6 +154,7 @@ class Config(_Strict):
     tokenizer: str
     datasets: dict[str, DatasetConfig] = Field(min_length=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    io_retry_deadline: float = Field(default=120.0, ge=0)  # seconds of retrying unreachable storage
     build: BuildConfig = BuildConfig()
     loader: LoaderConfig = LoaderConfig()
     mixture: MixtureConfig | None = None

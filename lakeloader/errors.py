@@ -32,3 +32,7 @@ class CatalogError(LakeloaderError):
 
 class ChunkIntegrityError(LakeloaderError):
     """A chunk file is missing or does not match its catalog record."""
+
+
+class StorageUnavailableError(LakeloaderError):
+    """Object storage stayed unreachable past the configured retry deadline."""

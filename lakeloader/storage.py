@@ -2,12 +2,80 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
+
+from lakeloader.errors import StorageUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from botocore import exceptions as boto
+
+        types += [boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ReadTimeoutError,
+                  boto.ConnectionClosedError]
+    except ImportError:  # no S3 support installed: nothing of botocore can be raised
+        pass
+    try:
+        import aiohttp
+
+        types.append(aiohttp.ClientConnectionError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_TRANSIENT = _transient_types()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a connection-level failure that a
+    retry may cure, as opposed to a missing file, a permission problem or bad data."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            return False
+        if isinstance(seen, _TRANSIENT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def with_retries(call: Callable[[], T], *, what: str, deadline: float,
+                 on_retry: Callable[[], None] | None = None) -> T:
+    """``call()``, retried with exponential backoff while it fails with transient storage errors,
+    for at most ``deadline`` seconds; then :class:`StorageUnavailableError` naming ``what``."""
+    started = time.monotonic()
+    delay = 0.25
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            waited = time.monotonic() - started
+            if waited + delay > deadline:
+                raise StorageUnavailableError(
+                    f"{what}: storage unreachable for {waited:.0f}s ({type(exc).__name__}: {exc}). "
+                    "Check the endpoint and credentials, then re-run (builds resume, readers restore "
+                    "from their saved step), or raise io_retry_deadline in the config."
+                ) from exc
+            log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+            if on_retry is not None:
+                on_retry()
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -17,7 +17,7 @@ from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
 from lakeloader.build.documents import Reject, SplitSource, read_split
-from lakeloader.storage import write_atomically
+from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import DocumentEncoder
 
 # Column of each document's line/row index counted from its split's first record.
@@ -34,6 +34,8 @@ class ChunkTask:
     chunk_url: str          # where the chunk file goes
     tokenizer_url: str      # the lake's copy of the tokenizer
     row_group_tokens: int
+    io_retry_deadline: float = 0.0   # seconds of retrying transient storage errors
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ChunkResult:
     source_bytes: int
     seconds: float
     worker: str
+    retries: int = 0        # attempts repeated after transient storage errors
 
 
 @functools.lru_cache(maxsize=4)
@@ -93,7 +96,19 @@ def encode_chunk_file(table: pa.Table, bounds: np.ndarray) -> bytes:
 
 
 def build_chunk(task: ChunkTask) -> ChunkResult:
-    """Read, tokenize and write one chunk; deterministic in its inputs."""
+    """Read, tokenize and write one chunk; deterministic in its inputs, so a whole attempt is
+    repeated while storage is unreachable (up to ``task.io_retry_deadline`` seconds)."""
+    retries = [0]
+
+    def count() -> None:
+        retries[0] += 1
+
+    result = with_retries(lambda: _build_chunk(task), on_retry=count, deadline=task.io_retry_deadline,
+                          what=f"chunk {task.global_index} of dataset {task.dataset!r} ({task.source.url})")
+    return dataclasses.replace(result, retries=retries[0])
+
+
+def _build_chunk(task: ChunkTask) -> ChunkResult:
     started = time.perf_counter()
     options = task.source.storage_options
     encoder = _encoder(task.tokenizer_url, json.dumps(options, sort_keys=True))

@@ -24,7 +24,7 @@ from lakeloader.index.mixing import Mixer
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split
-from lakeloader.storage import write_atomically
+from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class _Totals:
     tokens: int = 0
     source_bytes: int = 0
     rejects: int = 0
+    retries: int = 0
 
     def add(self, result: ChunkResult) -> None:
         self.chunks += 1
@@ -66,6 +67,7 @@ class _Totals:
         self.tokens += result.num_tokens
         self.source_bytes += result.source_bytes
         self.rejects += len(result.rejects)
+        self.retries += result.retries
 
 
 def _adopt_published_catalog(lake: Lake) -> None:
@@ -76,6 +78,11 @@ def _adopt_published_catalog(lake: Lake) -> None:
     os.makedirs(os.path.dirname(lake.writer_catalog_path), exist_ok=True)
     shutil.copyfile(local_snapshot(lake, pointer["file"]), lake.writer_catalog_path)
     log.info("resuming from the lake's published catalog (version %d)", pointer["version"])
+
+
+def _publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config) -> None:
+    with_retries(lambda: publish_snapshot(writer.con, lake, build_id),
+                 what=f"publishing the catalog snapshot of {lake.url}", deadline=config.io_retry_deadline)
 
 
 def _remove_partial_files(lake: Lake, folders: list[str]) -> None:
@@ -113,6 +120,7 @@ def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str
             chunk_url=lake.url_of(row.path),
             tokenizer_url=tokenizer_url,
             row_group_tokens=config.build.row_group_tokens,
+            io_retry_deadline=config.io_retry_deadline,
         )
 
 
@@ -221,11 +229,11 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         writer.finish_build(
             build_id, status=status, chunks_built=totals.chunks, docs=totals.docs,
             tokens=totals.tokens, source_bytes=totals.source_bytes, rejects=totals.rejects,
-            retries=0, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
+            retries=totals.retries, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
             error=error,
         )
         try:
-            publish_snapshot(writer.con, lake, build_id)
+            _publish(writer, lake, build_id, config)
         except Exception:
             if status == "succeeded":
                 raise
@@ -266,7 +274,7 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
                 bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
                                 rejects=totals.rejects, refresh=False)
                 if time.monotonic() - last_publish >= config.build.publish_interval:
-                    publish_snapshot(writer.con, lake, build_id)
+                    _publish(writer, lake, build_id, config)
                     last_publish = time.monotonic()
         except BaseException:
             run.cancel()

@@ -99,8 +99,9 @@ class Loader:
         self.mode = mode
         self.process_index, self.process_count = process_index, process_count
         self.lake = Lake(config.lake, config.storage_options)
-        self.view = CatalogView(self.lake)
-        self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes)
+        self.view = CatalogView(self.lake, config.io_retry_deadline)
+        self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
+                                config.io_retry_deadline)
         self.mixer = Mixer.from_config(config)
         self.specials = self._specials()
         reader = StreamReader(self.view, self.files, self.specials)

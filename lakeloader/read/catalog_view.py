@@ -10,7 +10,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
@@ -20,10 +21,12 @@ from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.sql import query
 from lakeloader.errors import CatalogError, LakeloaderError
 from lakeloader.lake import Lake
+from lakeloader.storage import with_retries
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
+T = TypeVar("T")
 
 
 class ChunkWaitTimeout(LakeloaderError):
@@ -55,8 +58,9 @@ class DatasetChunks:
 class CatalogView:
     """Read-only access to a lake's catalog that can be refreshed while the lake is built."""
 
-    def __init__(self, lake: Lake) -> None:
+    def __init__(self, lake: Lake, io_retry_deadline: float = 0.0) -> None:
         self.lake = lake
+        self.io_retry_deadline = io_retry_deadline
         self._lock = threading.Lock()
         self._version: int | None = None
         self._con = self._connect()
@@ -67,8 +71,12 @@ class CatalogView:
         if writer is not None:
             return writer.cursor()  # same process as the build driver: its live catalog
         # Never the writer's file: a long-lived reader holding it would lock out the next build.
-        con, self._version = open_snapshot(self.lake)
+        con, self._version = self._retrying(lambda: open_snapshot(self.lake))
         return con
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        return with_retries(call, what=f"reading the published catalog of {self.lake.url}",
+                            deadline=self.io_retry_deadline)
 
     def refresh(self) -> bool:
         """Re-open the newest published snapshot if there is a newer one; returns whether it changed."""
@@ -78,12 +86,12 @@ class CatalogView:
             with self._lock:  # the build ended: move on to its final snapshot
                 self._con = self._connect()
             return True
-        pointer = read_pointer(self.lake)
+        pointer = self._retrying(lambda: read_pointer(self.lake))
         if pointer is None or pointer["version"] == self._version:
             return False
         with self._lock:
             old = self._con
-            self._con, self._version = open_snapshot(self.lake)
+            self._con, self._version = self._retrying(lambda: open_snapshot(self.lake))
             old.close()
         return True
 

@@ -15,6 +15,7 @@ from lakeloader.errors import ChunkIntegrityError
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
+from lakeloader.storage import with_retries
 
 _HASH_BLOCK = 8 << 20
 
@@ -51,8 +52,10 @@ class RowGroupCache:
 class ChunkFiles:
     """Opens chunk files of a lake, checks each once against the catalog, reads row groups."""
 
-    def __init__(self, lake: Lake, verify: str, cache_bytes: int, disk_cache_bytes: int) -> None:
+    def __init__(self, lake: Lake, verify: str, cache_bytes: int, disk_cache_bytes: int,
+                 io_retry_deadline: float = 0.0) -> None:
         self.lake = lake
+        self.io_retry_deadline = io_retry_deadline
         self.verify = verify
         self.cache = RowGroupCache(cache_bytes)
         self.disk = None if lake.is_local else DiskCache(lake, disk_cache_bytes)
@@ -66,7 +69,10 @@ class ChunkFiles:
         try:
             if self.disk is None:
                 return pa.OSFile(self.lake.path_of(path))
-            return self.disk.open(path, int(chunks.num_bytes[index]))
+            disk = self.disk
+            return with_retries(lambda: disk.open(path, int(chunks.num_bytes[index])),
+                                what=f"reading chunk {index} of dataset {chunks.name!r}",
+                                deadline=self.io_retry_deadline)
         except FileNotFoundError:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} is missing: {self.lake.url_of(path)}. "
