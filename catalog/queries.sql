@@ -79,7 +79,8 @@ FROM shards ORDER BY dataset, shard_index;
 
 -- name: recent_builds
 SELECT build_id, status, started_at, ended_at, workers, chunks_built, docs, tokens,
-       round(tokens_per_s) AS tokens_per_s, rejects, retries, error
+       round(tokens_per_s) AS tokens_per_s, round(tokens_per_s / nullif(workers, 0)) AS tokens_per_s_per_worker,
+       rejects, retries, error
 FROM builds ORDER BY build_id DESC LIMIT 5;
 
 -- name: reader_dataset

@@ -76,3 +76,9 @@ def test_parse_size(text: str | int, size: int) -> None:
 def test_parse_size_rejects(text: str | int) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")))
+def test_shipped_configs_are_valid(path: Path) -> None:
+    config = load_config(path)
+    assert config.datasets and config.lake

@@ -1,0 +1,64 @@
+"""A reader process killed mid-run and restarted from its saved state continues exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from conftest import stdlib_texts, write_config, write_jsonl
+
+from lakeloader.build.driver import build
+from lakeloader.feed.loader import Loader
+
+READER = """
+import json, sys, time
+from pathlib import Path
+import numpy as np
+from lakeloader.feed.loader import Loader
+
+config, out = sys.argv[1], Path(sys.argv[2])
+state_file = out / "state.json"
+loader = Loader(config)
+state = json.loads(state_file.read_text()) if state_file.exists() else loader.state(0).to_dict()
+for batch in loader.iter_from(state):
+    step = state["step"]
+    np.savez(out / f"step-{step:04d}.npz", **batch)
+    state = loader.state(step + 1).to_dict()
+    state_file.write_text(json.dumps(state))   # saved after the batch is consumed
+    if step + 1 == 40:
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_killed_reader_resumes_from_its_saved_step(tmp_path: Path, dask_scheduler: str) -> None:
+    write_jsonl(tmp_path / "d.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=10))
+    config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "d.jsonl")]}},
+                          build={"split_size": "16KB"},
+                          loader={"seq_len": 32, "batch_size": 8, "shuffle": {"kind": "full"}, "seed": 5})
+    build(config, scheduler=dask_scheduler, progress=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, "-c", READER, str(config), str(out)]
+    first = subprocess.Popen(command, env=os.environ.copy())
+    while len(list(out.glob("step-*.npz"))) < 12:
+        assert first.poll() is None, "the reader ended before it was killed"
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    saved = json.loads((out / "state.json").read_text())["step"]
+    assert 12 <= saved < 40
+    subprocess.run(command, check=True, env=os.environ.copy(), timeout=120)
+    loader = Loader(config)
+    for step in range(40):
+        with np.load(out / f"step-{step:04d}.npz") as got:
+            expected = loader.batch(step)
+            assert set(got.files) == set(expected)
+            for name in expected:
+                assert np.array_equal(got[name], expected[name]), (step, name)
