@@ -9,6 +9,8 @@ planning of 20,000 shards.
   cumulative counts) and to resolve a seek to a random step (example -> chunk -> row group ->
   token range), medians of 5.
 - Planning: 20,000 small local shards, time of `plan_dataset`.
+- Loader throughput from a lake in a local S3 server (moto, loopback) with a cold and a warm
+  local disk cache.
 
     .venv/bin/python benchmarks/build_scaling.py
 """
@@ -129,6 +131,49 @@ def planning_seconds(shards: int) -> float:
     return time.perf_counter() - started
 
 
+def s3_loader_rates() -> tuple[float, float]:
+    """Loader tokens/s (B=64, L=2048) from a lake in a local S3 server (moto) with a cold and a
+    warm local disk cache."""
+    import os
+    import tempfile
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    credentials = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(credentials)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket="bench")
+        corpus = prepare_corpus(OUT / "demo-corpus", size="demo")
+        config = OUT / "s3-loader.yaml"
+        config.write_text(yaml.safe_dump({
+            "lake": "s3://bench/lake", "tokenizer": str(TOKENIZER),
+            "storage_options": {"endpoint_url": url, "key": "bench", "secret": "bench"},
+            "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
+            "build": {"split_size": "1MB"}, "loader": {"seq_len": 2048, "batch_size": 64}}))
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["LAKELOADER_CACHE"] = cache
+            build(config, workers=2, progress=False)
+            rates = []
+            for _ in ("cold", "warm"):
+                loader = Loader(config)
+                steps = max(1, int(loader.datasets[0].offsets[-1]) // (64 * 2048))
+                started = time.perf_counter()
+                for _, _batch in zip(range(steps), loader.iter_from(0)):
+                    pass
+                rates.append(steps * 64 * 2048 / (time.perf_counter() - started))
+                loader.close()
+            os.environ.pop("LAKELOADER_CACHE")
+        return rates[0], rates[1]
+    finally:
+        server.stop()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     figures: dict[str, object] = {}
@@ -143,6 +188,10 @@ def main() -> None:
         figures[f"catalog_{chunks}_open_ms"] = round(statistics.median(s[0] for s in samples) * 1e3, 1)
         figures[f"catalog_{chunks}_seek_64_rows_ms"] = round(statistics.median(s[1] for s in samples) * 1e3, 1)
     figures["plan_20000_shards_s"] = round(planning_seconds(20_000), 2)
+    cold, warm = s3_loader_rates()
+    figures["s3_loader_cold_cache_tokens_per_s"] = round(cold)
+    figures["s3_loader_warm_cache_tokens_per_s"] = round(warm)
+    figures["s3 warm/cold"] = round(warm / cold, 2)
     report("build_scaling", figures)
 
 
