@@ -7,10 +7,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from lakeloader.errors import LakeloaderError
+
+if TYPE_CHECKING:
+    from lakeloader.feed.loader import Loader
 
 DESCRIPTION = """\
 lakeloader turns raw text corpora into a tokenized Parquet data lake (built on Dask,
@@ -91,7 +95,7 @@ def _steps(text: str) -> tuple[int, int]:
     return first, last
 
 
-def _loader(args: argparse.Namespace):  # noqa: ANN202 - lakeloader.feed.Loader, imported lazily
+def _loader(args: argparse.Namespace) -> Loader:
     from lakeloader.feed.loader import Loader
 
     return Loader(args.config, process_index=args.process_index, process_count=args.process_count,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -118,7 +119,6 @@ class Loader:
             for name in self.mixer.names
         ]
         self.fingerprint = self._fingerprint()
-        self._eval_total: int | None = None
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
 
     def _specials(self) -> Specials:
@@ -156,21 +156,19 @@ class Loader:
         """Vocabulary size of the lake's tokenizer, special tokens included."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @property
+    @functools.cached_property
     def num_batches(self) -> int | None:
-        """Batches of an evaluation pass (same on every process); None in training (infinite)."""
+        """Batches of an evaluation pass, or of training under a stop strategy (the same on every
+        process; waits for the complete lake); None when training cycles forever."""
         if self.mode == "train":
             return self.mixer.stop_step(self.datasets)
-        if self._eval_total is None:
-            self._eval_total = self.mixer.eval_total(self.datasets)
-        return -(-self._eval_total // self.config.loader.batch_size)
+        return -(-self.mixer.eval_total(self.datasets) // self.config.loader.batch_size)
 
     # -- batches ---------------------------------------------------------------------------------
 
     def _windows(self, step: int) -> list[Window | None]:
         positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
-            self.num_batches  # noqa: B018 - computes the pass length once
             owners, indices = self.mixer.eval_assign(positions, self.datasets)
         else:
             owners, indices = self.mixer.assign(step, self.row_indices)
