@@ -98,7 +98,7 @@ FROM row_groups WHERE dataset = $name AND global_index = $global_index ORDER BY 
 
 -- name: chunk_records
 -- First line (1-based, text/JSONL) or row (0-based, Parquet) of a chunk's split in its source file.
-SELECT s.source, s.layout, c.split_kind, c.first_row,
+SELECT c.path, c.split_index, s.source, s.layout, c.split_kind, c.first_row,
        (SELECT sum(e.num_records) FROM chunks e
         WHERE e.dataset = c.dataset AND e.shard_index = c.shard_index AND e.split_index < c.split_index)
            AS records_before,
@@ -127,3 +127,39 @@ INSERT INTO mixture_nodes VALUES (
 -- name: mixture_proportions
 SELECT dataset, target_weight, examples, share, first_index, end_index, max_deviation
 FROM mixture_proportions($mixture_id, $first_step, $last_step);
+
+-- name: schema_version
+SELECT value FROM lake_meta WHERE key = 'schema_version';
+
+-- name: set_schema_version
+INSERT OR REPLACE INTO lake_meta VALUES ('schema_version', $version);
+
+-- name: insert_shard_plans
+-- From the DataFrame registered as new_shards (columns in table order).
+INSERT INTO shard_plans SELECT * FROM new_shards;
+
+-- name: insert_chunk_plans
+-- From the DataFrame registered as new_chunks (the planner's chunk table plus dataset).
+INSERT INTO chunks (dataset, global_index, shard_index, split_index, path, split_kind,
+                    split_start, split_stop, first_row)
+SELECT dataset, global_index, shard_index, split_index, path, split_kind, split_start, split_stop, first_row
+FROM new_chunks;
+
+-- name: chunk_folders
+SELECT chunk_dir FROM dataset_plans WHERE list_contains($datasets, name);
+
+-- name: chunk_count
+SELECT count(*) FROM chunks WHERE list_contains($datasets, dataset);
+
+-- name: committed_chunk_files
+SELECT dataset, global_index, path, num_bytes, checksum, num_docs FROM chunks
+WHERE status = 'committed' ORDER BY dataset, global_index;
+
+-- name: tokenizer_path
+SELECT tokenizer_path FROM dataset_plans WHERE list_contains($datasets, name) LIMIT 1;
+
+-- name: mixture_registered
+SELECT count(*) > 0 FROM mixtures WHERE mixture_id = $mixture_id;
+
+-- name: mixture_plan_rows
+SELECT * FROM mixture_plan($mixture_id, $first, $last);

@@ -201,8 +201,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         log.info("mixture %s%s", mixer.mixture_id, " registered" if new else " (registered already)")
     _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
     pending = writer.pending_chunks(names)
-    total = int(writer.con.execute(
-        "SELECT count(*) FROM chunks WHERE list_contains(?, dataset)", [names]).fetchone()[0])
+    total = writer.chunk_count(names)
     log.info("%d of %d chunks to build", len(pending), total)
     worker_count = workers or config.build.workers
     started = time.perf_counter()
@@ -265,8 +264,11 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
         started = time.perf_counter()
         try:
             for batch in run.finished():
-                results: list[ChunkResult] = [future.result() for future in batch]
-                writer.commit(results, sources, build_id)
+                failed = [future for future in batch if future.status == "error"]
+                results: list[ChunkResult] = [future.result() for future in batch if future not in failed]
+                writer.commit(results, sources, build_id)  # keep what finished beside a failure
+                if failed:
+                    failed[0].result()  # raises the task's own error
                 for result in results:
                     totals.add(result)
                 bar.update(len(results))

@@ -69,15 +69,13 @@ class CatalogWriter:
 
     def _apply_schema(self) -> None:
         self.con.execute(sql_file("schema"))
-        found = self.con.execute("SELECT value FROM lake_meta WHERE key = 'schema_version'").fetchone()
+        found = self._run("schema_version").fetchone()
         if found and found[0] != SCHEMA_VERSION:
             raise CatalogError(
                 f"catalog {self.path} has schema version {found[0]}, this lakeloader writes "
                 f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version"
             )
-        self.con.execute(
-            "INSERT OR REPLACE INTO lake_meta VALUES ('schema_version', ?)", [SCHEMA_VERSION]
-        )
+        self._run("set_schema_version", {"version": SCHEMA_VERSION})
         self.con.execute(sql_file("views"))
 
     def close(self) -> None:
@@ -131,15 +129,11 @@ class CatalogWriter:
                 "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
             })
             self.con.register("new_shards", shard_rows)
-            self.con.execute("INSERT INTO shard_plans SELECT * FROM new_shards")
+            self._run("insert_shard_plans")
             self.con.unregister("new_shards")
             chunk_rows = plan.chunks.assign(dataset=plan.name)
             self.con.register("new_chunks", chunk_rows)
-            self.con.execute(
-                "INSERT INTO chunks (dataset, global_index, shard_index, split_index, path, split_kind, "
-                "split_start, split_stop, first_row) SELECT dataset, global_index, shard_index, "
-                "split_index, path, split_kind, split_start, split_stop, first_row FROM new_chunks"
-            )
+            self._run("insert_chunk_plans")
             self.con.unregister("new_chunks")
             for missing in plan.missing:
                 self._run("insert_reject", {
@@ -189,9 +183,12 @@ class CatalogWriter:
 
     def chunk_folders(self, datasets: Sequence[str]) -> list[str]:
         """Lake-relative folders of the chunk files of ``datasets``."""
-        rows = self.con.execute("SELECT chunk_dir FROM dataset_plans WHERE list_contains(?, name)",
-                                [list(datasets)]).fetchall()
+        rows = self._run("chunk_folders", {"datasets": list(datasets)}).fetchall()
         return [row[0] for row in rows]
+
+    def chunk_count(self, datasets: Sequence[str]) -> int:
+        """Planned chunks of ``datasets``."""
+        return int(self._run("chunk_count", {"datasets": list(datasets)}).fetchone()[0])
 
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""

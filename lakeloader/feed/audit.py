@@ -143,7 +143,7 @@ def _mean_target(mixer: Mixer, first: int, steps: np.ndarray) -> np.ndarray:
 def registered(con: duckdb.DuckDBPyConnection, mixture_id: str) -> bool:
     """Whether the catalog behind ``con`` holds mixture ``mixture_id`` (registered by a build)."""
     try:
-        return con.execute("SELECT count(*) FROM mixtures WHERE mixture_id = ?", [mixture_id]).fetchone()[0] > 0
+        return bool(con.execute(query("mixture_registered"), {"mixture_id": mixture_id}).fetchone()[0])
     except duckdb.CatalogException:
         return False  # a catalog from before mixtures were registered
 
@@ -175,7 +175,8 @@ def mixture_plan(config: Config | str | os.PathLike[str], first: int, last: int)
         frame.attrs["source"] = "closed form"
     else:
         try:
-            frame = con.execute("SELECT * FROM mixture_plan(?, ?, ?)", [mixer.mixture_id, first, last]).df()
+            frame = con.execute(query("mixture_plan_rows"),
+                                {"mixture_id": mixer.mixture_id, "first": first, "last": last}).df()
         finally:
             con.close()
         frame.attrs["source"] = "catalog"

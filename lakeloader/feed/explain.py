@@ -18,14 +18,10 @@ if TYPE_CHECKING:
 def _records(loader: Loader, dataset: str, chunk: int) -> tuple[np.ndarray, dict[str, object]]:
     """Each document's record index within its split, and where the split starts in its source."""
     view = loader.view
-    path = view.execute("SELECT path FROM chunks WHERE dataset = ? AND global_index = ?",
-                        [dataset, chunk]).fetchone()[0]
+    path, split_index, source, _layout, kind, first_row, before, committed_before = view.named(
+        "chunk_records", {"name": dataset, "global_index": chunk}).fetchone()
     with loader.lake.fs.open(loader.lake.path_of(path), "rb") as handle:
         records = pq.read_table(handle, columns=[RECORD_COLUMN]).column(0).to_numpy()
-    source, layout, kind, first_row, before, committed_before = view.named(
-        "chunk_records", {"name": dataset, "global_index": chunk}).fetchone()
-    split_index = view.execute("SELECT split_index FROM chunks WHERE dataset = ? AND global_index = ?",
-                               [dataset, chunk]).fetchone()[0]
     if kind == "row_group":
         base, unit = first_row, "row"
     elif kind == "file" or split_index == 0:

@@ -122,8 +122,7 @@ class Loader:
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
 
     def _specials(self) -> Specials:
-        path = self.view.execute("SELECT tokenizer_path FROM dataset_plans WHERE list_contains(?, name) "
-                                 "LIMIT 1", [list(self.mixer.names)]).fetchone()
+        path = self.view.named("tokenizer_path", {"datasets": list(self.mixer.names)}).fetchone()
         if path is None:
             raise LakeloaderError(f"the lake {self.lake.url} has none of the datasets {self.mixer.names}")
         if self.lake.is_local:

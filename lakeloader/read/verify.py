@@ -9,6 +9,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from lakeloader.catalog.sql import query
 from lakeloader.config import Config
 from lakeloader.lake import Lake, open_lake
 
@@ -42,8 +43,7 @@ def _problem(lake: Lake, path: str, num_bytes: int, checksum: str, num_docs: int
 def verify_lake(target: Config | str | os.PathLike[str], progress: bool = True) -> pd.DataFrame:
     """One row per committed chunk: ``status`` is ok, missing, size, checksum, unreadable or rows."""
     lake = open_lake(target)
-    chunks = lake.sql("SELECT dataset, global_index, path, num_bytes, checksum, num_docs FROM chunks "
-                      "WHERE status = 'committed' ORDER BY dataset, global_index")
+    chunks = lake.sql(query("committed_chunk_files"))
     findings = [
         _problem(lake, row.path, int(row.num_bytes), row.checksum, int(row.num_docs))
         for row in tqdm(chunks.itertuples(), total=len(chunks), unit="chunk", desc="verify", disable=not progress)
