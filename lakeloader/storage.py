@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -82,6 +83,14 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether ``fs`` is the local filesystem."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocols or "local" in protocols
+
+
+def sha256_of(handle: Any, block_size: int = 8 << 20) -> str:
+    """Hex sha256 of everything an open binary file yields from its current position on."""
+    digest = hashlib.sha256()
+    while block := handle.read(block_size):
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def write_atomically(url: str, data: bytes, storage_options: dict[str, Any]) -> None:

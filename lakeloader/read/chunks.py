@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 from typing import Any
 
@@ -15,9 +14,8 @@ from lakeloader.errors import ChunkIntegrityError
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
-from lakeloader.storage import with_retries
+from lakeloader.storage import sha256_of, with_retries
 
-_HASH_BLOCK = 8 << 20
 
 
 class RowGroupCache:
@@ -88,13 +86,11 @@ class ChunkFiles:
         if size != chunks.num_bytes[index]:
             problem = f"has {size} bytes, the catalog says {chunks.num_bytes[index]}"
         elif self.verify == "checksum":
-            digest = hashlib.sha256()
             handle.seek(0)
-            while block := handle.read(_HASH_BLOCK):
-                digest.update(block)
+            digest = sha256_of(handle)
             handle.seek(0)
-            if digest.hexdigest() != chunks.checksums[index]:
-                problem = f"has sha256 {digest.hexdigest()[:16]}…, the catalog says {chunks.checksums[index][:16]}…"
+            if digest != chunks.checksums[index]:
+                problem = f"has sha256 {digest[:16]}…, the catalog says {chunks.checksums[index][:16]}…"
         if problem:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) is corrupt: it "

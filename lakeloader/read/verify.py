@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pandas as pd
@@ -12,8 +11,8 @@ from tqdm import tqdm
 from lakeloader.catalog.sql import query
 from lakeloader.config import Config
 from lakeloader.lake import Lake, open_lake
+from lakeloader.storage import sha256_of
 
-_BLOCK = 8 << 20
 
 
 def _problem(lake: Lake, path: str, num_bytes: int, checksum: str, num_docs: int) -> tuple[str, str]:
@@ -24,17 +23,15 @@ def _problem(lake: Lake, path: str, num_bytes: int, checksum: str, num_docs: int
         return "missing", "the file does not exist"
     if size != num_bytes:
         return "size", f"{size} bytes, the catalog says {num_bytes}"
-    digest = hashlib.sha256()
     with lake.fs.open(full, "rb") as handle:
-        while block := handle.read(_BLOCK):
-            digest.update(block)
-    if digest.hexdigest() != checksum:
-        return "checksum", f"sha256 {digest.hexdigest()[:16]}…, the catalog says {checksum[:16]}…"
-    try:
-        with lake.fs.open(full, "rb") as handle:
+        digest = sha256_of(handle)
+        if digest != checksum:
+            return "checksum", f"sha256 {digest[:16]}…, the catalog says {checksum[:16]}…"
+        try:
+            handle.seek(0)
             rows = pq.ParquetFile(handle).metadata.num_rows
-    except Exception as exc:  # reported as a finding, not raised: verify lists every problem
-        return "unreadable", f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # reported as a finding, not raised: verify lists every problem
+            return "unreadable", f"{type(exc).__name__}: {exc}"
     if rows != num_docs:
         return "rows", f"{rows} documents, the catalog says {num_docs}"
     return "ok", ""
