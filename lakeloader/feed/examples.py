@@ -61,7 +61,9 @@ class DatasetExamples:
     def _set(self, chunks: DatasetChunks) -> None:
         self.chunks = chunks
         self.offsets = cumulative(stream_lengths(chunks.num_tokens, chunks.num_docs, self.reader.specials.count))
+        self.sequence = np.arange(chunks.committed)  # the global order: chunk c is the c-th
         self._periods: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._epoch_window_starts: np.ndarray | None = None
 
     def _wait(self) -> None:
         """Wait for the next chunk of the committed prefix (or for the dataset to be complete)."""
@@ -101,7 +103,7 @@ class DatasetExamples:
         total = int(self.offsets[-1])
         start = j * self.seq_len
         length = min(self.seq_len + 1, total - start)
-        pieces = self.reader.window(self.chunks, np.arange(self.chunks.committed), self.offsets, start, length)
+        pieces = self.reader.window(self.chunks, self.sequence, self.offsets, start, length)
         return Window(self.name, 0, j, pieces)
 
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
@@ -120,7 +122,9 @@ class DatasetExamples:
         if kind == "block":
             return shuffle_block(positions, per_epoch, self.shuffle.block_size, self.shuffle.window_blocks, key)
         if starts is None:
-            starts = np.minimum(self._window_starts(self.chunks.committed), per_epoch)
+            if self._epoch_window_starts is None:  # fixed once the dataset is complete
+                self._epoch_window_starts = np.minimum(self._window_starts(self.chunks.committed), per_epoch)
+            starts = self._epoch_window_starts
         return shuffle_window(positions, starts, per_epoch, key)
 
     def _position_while_building(self, j: int) -> int | None:
@@ -162,7 +166,7 @@ class DatasetExamples:
         if self.ordering == "strided":
             return self._strided_window(j)
         epoch, k = self.train_example(j)
-        pieces = self.reader.window(self.chunks, np.arange(self.chunks.committed), self.offsets,
+        pieces = self.reader.window(self.chunks, self.sequence, self.offsets,
                                     k * self.seq_len, self.seq_len + 1)
         return Window(self.name, epoch, k, pieces)
 
