@@ -46,7 +46,7 @@ def raw_read(config: str) -> tuple[int, float]:
     paths = [lake.path_of(p) for p in lake.sql("SELECT path FROM chunks ORDER BY global_index").path]
     started, tokens = time.perf_counter(), 0
     for path in paths:
-        column = pq.read_table(path, columns=["text"]).column(0).combine_chunks()
+        column = pq.read_table(path, columns=["tokens"]).column(0).combine_chunks()
         tokens += len(column.values.to_numpy(zero_copy_only=True))
     return tokens, time.perf_counter() - started
 

@@ -5,6 +5,8 @@ SELECT fingerprint FROM dataset_plans WHERE name = $name;
 
 -- name: forget_dataset
 DELETE FROM row_groups WHERE dataset = $name;
+DELETE FROM chunk_examples WHERE dataset = $name;
+DELETE FROM packing_plans WHERE dataset = $name;
 DELETE FROM chunks WHERE dataset = $name;
 DELETE FROM shard_plans WHERE dataset = $name;
 DELETE FROM rejects WHERE dataset = $name;
@@ -32,11 +34,28 @@ UPDATE chunks SET
     status = 'committed', num_docs = $num_docs, num_tokens = $num_tokens,
     num_records = $num_records, num_bytes = $num_bytes, checksum = $checksum,
     num_rejects = $num_rejects, source_bytes = $source_bytes, build_id = $build_id,
-    worker = $worker, seconds = $seconds, committed_at = now()::TIMESTAMP
+    worker = $worker, seconds = $seconds, committed_at = now()::TIMESTAMP,
+    num_parts = $num_parts, part_tokens = $part_tokens
 WHERE dataset = $dataset AND global_index = $global_index AND status <> 'committed';
 
 -- name: insert_row_group
-INSERT INTO row_groups VALUES ($dataset, $global_index, $row_group, $first_doc, $num_docs, $first_token, $num_tokens);
+INSERT INTO row_groups VALUES ($dataset, $global_index, $row_group, $first_doc, $num_docs, $first_token,
+                               $num_tokens, $num_parts, $part_tokens);
+
+-- name: insert_packing_plan
+INSERT OR IGNORE INTO packing_plans VALUES ($plan_key, $dataset, $seq_len, $mode, $spec, now()::TIMESTAMP);
+
+-- name: insert_chunk_examples
+INSERT OR IGNORE INTO chunk_examples VALUES ($dataset, $global_index, $plan_key, $num_examples, $num_tokens,
+                                             $truncated_docs, $dropped_tokens, $split_docs);
+
+-- name: chunks_without_plan
+-- Committed chunks of a dataset whose counts under a packing plan are not kept yet.
+SELECT c.global_index, c.path FROM chunks c
+WHERE c.dataset = $name AND c.status = 'committed' AND NOT EXISTS (
+    SELECT 1 FROM chunk_examples e
+    WHERE e.dataset = c.dataset AND e.global_index = c.global_index AND e.plan_key = $plan_key)
+ORDER BY c.global_index;
 
 -- name: insert_reject
 INSERT INTO rejects VALUES (
@@ -88,12 +107,26 @@ SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks
 FROM dataset_plans d JOIN committed_prefix p ON p.dataset = d.name
 WHERE d.name = $name;
 
+-- name: reader_dataset_fields
+SELECT format, fields FROM dataset_plans WHERE name = $name;
+
 -- name: reader_chunks
-SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index
+SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index, num_parts
 FROM chunks WHERE dataset = $name AND global_index < $prefix ORDER BY global_index;
 
+-- name: packing_plan_registered
+SELECT count(*) > 0 FROM packing_plans WHERE dataset = $name AND plan_key = $plan_key;
+
+-- name: reader_chunk_examples
+-- Examples per chunk of the committed prefix under a packing plan; the prefix ends at the first
+-- chunk without counts (a build commits a chunk and its counts in one transaction).
+SELECT e.global_index, e.num_examples, e.num_tokens
+FROM chunk_examples e
+WHERE e.dataset = $name AND e.plan_key = $plan_key AND e.global_index < $prefix
+ORDER BY e.global_index;
+
 -- name: reader_row_groups
-SELECT row_group, first_doc, num_docs, first_token, num_tokens
+SELECT row_group, first_doc, num_docs, first_token, num_tokens, num_parts
 FROM row_groups WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
 
 -- name: chunk_records
@@ -163,3 +196,10 @@ SELECT count(*) > 0 FROM mixtures WHERE mixture_id = $mixture_id;
 
 -- name: mixture_plan_rows
 SELECT * FROM mixture_plan($mixture_id, $first, $last);
+
+-- name: plan_example_tokens
+-- Non-padding tokens and examples of a dataset under a packing plan, and how many of its chunks
+-- are counted (token-weighted mixtures need them all).
+SELECT coalesce(sum(e.num_tokens), 0)::BIGINT, coalesce(sum(e.num_examples), 0)::BIGINT,
+       count(e.global_index), (SELECT count(*) FROM chunks c WHERE c.dataset = $name)
+FROM chunk_examples e WHERE e.dataset = $name AND e.plan_key = $plan_key;

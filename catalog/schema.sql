@@ -11,7 +11,7 @@ CREATE TABLE IF NOT EXISTS dataset_plans (
     name           VARCHAR PRIMARY KEY,
     fingerprint    VARCHAR NOT NULL,       -- hash of sources, tokenizer, format, fields, split size
     format         VARCHAR NOT NULL,       -- text | chat | supervised | fim | interleaved
-    fields         VARCHAR[] NOT NULL,     -- token columns of the chunk files
+    fields         VARCHAR[] NOT NULL,     -- part kinds: text | roles (chat) | prompt, response | text, image
     chunk_dir      VARCHAR NOT NULL,       -- folder of the chunk files, relative to the lake root
     tokenizer_path VARCHAR NOT NULL,       -- the lake's copy of the tokenizer, relative to the lake root
     token_type     VARCHAR NOT NULL,       -- uint16 | uint32: fits the vocabulary
@@ -57,6 +57,8 @@ CREATE TABLE IF NOT EXISTS chunks (
     worker       VARCHAR,
     seconds      DOUBLE,
     committed_at TIMESTAMP,
+    num_parts    BIGINT[],                 -- parts of each kind (dataset_plans.fields order)
+    part_tokens  BIGINT[],                 -- stored tokens of each kind
     PRIMARY KEY (dataset, global_index)
 );
 
@@ -69,7 +71,35 @@ CREATE TABLE IF NOT EXISTS row_groups (
     num_docs     BIGINT NOT NULL,
     first_token  BIGINT NOT NULL,          -- within the chunk
     num_tokens   BIGINT NOT NULL,
+    num_parts    BIGINT[] NOT NULL,        -- parts of each kind
+    part_tokens  BIGINT[] NOT NULL,        -- stored tokens of each kind
     PRIMARY KEY (dataset, global_index, row_group)
+);
+
+-- Packing plans (loader.packing pack | pad) whose per-chunk counts are kept: one row per plan.
+-- plan_key hashes seq_len, mode, algorithm, window, long-document policy and the collation
+-- template (special tokens and their lengths), so a loader finds the counts that fit it.
+CREATE TABLE IF NOT EXISTS packing_plans (
+    plan_key    VARCHAR NOT NULL,
+    dataset     VARCHAR NOT NULL,
+    seq_len     BIGINT NOT NULL,
+    mode        VARCHAR NOT NULL,          -- pack | pad
+    spec        VARCHAR NOT NULL,          -- the settings, as JSON
+    created_at  TIMESTAMP NOT NULL,
+    PRIMARY KEY (plan_key, dataset)
+);
+
+-- Examples of each committed chunk under a packing plan.
+CREATE TABLE IF NOT EXISTS chunk_examples (
+    dataset        VARCHAR NOT NULL,
+    global_index   BIGINT NOT NULL,
+    plan_key       VARCHAR NOT NULL,
+    num_examples   BIGINT NOT NULL,
+    num_tokens     BIGINT NOT NULL,        -- non-padding tokens of those examples (specials included)
+    truncated_docs BIGINT NOT NULL,        -- long_documents: truncate
+    dropped_tokens BIGINT NOT NULL,
+    split_docs     BIGINT NOT NULL,        -- long_documents: split
+    PRIMARY KEY (dataset, global_index, plan_key)
 );
 
 -- Inputs skipped under on_error: skip (and sources missing at planning).

@@ -42,25 +42,122 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RoleTemplate(_Strict):
+    """Text put around one chat message's content at collation (may contain special tokens)."""
+
+    prefix: str = ""
+    suffix: str = ""
+
+
+def _chatml() -> dict[str, RoleTemplate]:
+    return {role: RoleTemplate(prefix=f"<|im_start|>{role}\n", suffix="<|im_end|>\n")
+            for role in ("system", "user", "assistant", "tool")}
+
+
+class ChatFormat(_Strict):
+    """``format: chat``: a list of messages with roles. Field keys are read at build time; the
+    template and loss roles apply at collation (change them without rebuilding)."""
+
+    messages_field: str = "messages"
+    role_key: str = "role"
+    content_key: str = "content"
+    roles: list[str] = Field(default_factory=lambda: ["system", "user", "assistant", "tool"], min_length=1)
+    template: dict[str, RoleTemplate] = Field(default_factory=_chatml)
+    loss_roles: list[str] = Field(default_factory=lambda: ["assistant"])
+
+    @model_validator(mode="after")
+    def _roles_known(self) -> ChatFormat:
+        for key, names in (("template", list(self.template)), ("loss_roles", self.loss_roles)):
+            unknown = sorted(set(names) - set(self.roles))
+            if unknown:
+                raise ValueError(f"{key} names role(s) {unknown} that are not in roles {self.roles}")
+        return self
+
+
+class SupervisedFormat(_Strict):
+    """``format: supervised``: a prompt and a response; loss on the response only.
+
+    Rendered as ``prompt_prefix + prompt + separator + response + response_suffix`` (then EOS).
+    ``output: seq2seq`` gives ``inputs`` (the prompt side) and ``targets`` (the response side)
+    as separate arrays instead of one causal sequence."""
+
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    prompt_prefix: str = ""
+    separator: str = "<|sep|>"
+    response_suffix: str = ""
+    output: Literal["causal", "seq2seq"] = "causal"
+
+
+class FimFormat(_Strict):
+    """``format: fim``: text documents of which a seeded fraction ``rate`` is cut into prefix,
+    middle and suffix at collation and reordered (PSM, or SPM for a fraction ``spm_rate``)."""
+
+    text_field: str | None = None     # default: the dataset's text_field
+    rate: float = Field(default=0.5, ge=0, le=1)
+    spm_rate: float = Field(default=0.0, ge=0, le=1)
+    prefix_token: str = "<|fim_prefix|>"
+    middle_token: str = "<|fim_middle|>"
+    suffix_token: str = "<|fim_suffix|>"
+
+
+class InterleavedFormat(_Strict):
+    """``format: interleaved``: a list of items, each text or an image reference. Each image
+    becomes ``image_start + image_token * image_tokens + image_end`` at collation; its
+    reference travels with the example in the ``image_refs`` side field."""
+
+    items_field: str = "items"
+    text_key: str = "text"
+    image_key: str = "image"
+    image_tokens: int = Field(default=64, ge=1)
+    image_token: str = "<|image|>"
+    image_start: str = "<|image_start|>"
+    image_end: str = "<|image_end|>"
+    max_images: int = Field(default=8, ge=1)   # images per example
+
+
+FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
+
+
 class DatasetConfig(_Strict):
-    """One dataset: where its documents come from and how to read them."""
+    """One dataset: where its documents come from and how to read and render them."""
 
     sources: list[str] = Field(min_length=1)
     format: Literal["text", "chat", "supervised", "fim", "interleaved"] = "text"
     text_field: str = "text"
     on_error: Literal["raise", "skip"] = "raise"
+    chat: ChatFormat = ChatFormat()
+    supervised: SupervisedFormat = SupervisedFormat()
+    fim: FimFormat = FimFormat()
+    interleaved: InterleavedFormat = InterleavedFormat()
 
     @field_validator("sources", mode="before")
     @classmethod
     def _one_source_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("format")
-    @classmethod
-    def _format_is_built(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"format {value!r} is not supported yet; use 'text'")
-        return value
+    @model_validator(mode="after")
+    def _sections_match_format(self) -> DatasetConfig:
+        for section in FORMAT_SECTIONS:
+            if section in self.model_fields_set and section != self.format:
+                raise ValueError(
+                    f"section {section!r} applies to format: {section}, but this dataset has format: "
+                    f"{self.format}; remove the section or change the format")
+        return self
+
+    @property
+    def build_fields(self) -> dict[str, Any]:
+        """The keys that decide what the build stores (part of the dataset fingerprint); the
+        rest of the format's section is applied at collation and never needs a rebuild."""
+        if self.format == "chat":
+            return self.chat.model_dump(include={"messages_field", "role_key", "content_key", "roles"})
+        if self.format == "supervised":
+            return self.supervised.model_dump(include={"prompt_field", "response_field"})
+        if self.format == "interleaved":
+            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key"})
+        if self.format == "fim":
+            return {"text_field": self.fim.text_field or self.text_field}
+        return {"text_field": self.text_field}
 
 
 class BuildConfig(_Strict):
@@ -86,12 +183,21 @@ class ShuffleConfig(_Strict):
     window_blocks: int = Field(default=16, ge=1)
 
 
+class PackConfig(_Strict):
+    """How ``packing: pack`` fills examples with whole documents (``pad`` uses ``long_documents``)."""
+
+    algorithm: Literal["first_fit", "best_fit"] = "first_fit"
+    window: int = Field(default=64, ge=1)        # open examples a document may join
+    long_documents: Literal["truncate", "split", "error"] = "split"   # documents longer than seq_len
+
+
 class LoaderConfig(_Strict):
     """How examples and batches are formed."""
 
     seq_len: int = Field(default=2048, ge=1)
     batch_size: int = Field(default=256, ge=1)
     packing: Literal["concat", "pack", "pad"] = "concat"
+    pack: PackConfig = PackConfig()
     shuffle: ShuffleConfig = ShuffleConfig()
     seed: int = 0
     eos_token: str = "<|endoftext|>"        # appended to every document at collation
@@ -129,6 +235,7 @@ class MixtureConfig(_Strict):
     weights: dict[str, float] | None = None
     stages: list[StageConfig] | None = None
     stop: Literal["restart", "first_exhausted", "all_exhausted"] = "restart"
+    unit: Literal["examples", "tokens"] = "examples"   # weights count examples or non-padding tokens
 
     @model_validator(mode="after")
     def _weights_or_stages(self) -> MixtureConfig:

@@ -6,11 +6,13 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import duckdb
 import pandas as pd
 from fsspec.core import url_to_fs
+from tokenizers import Tokenizer
 
 from lakeloader.catalog.sql import query
 from lakeloader.config import Config, load_config
@@ -69,6 +71,18 @@ class Lake:
             except CatalogLockedError:
                 log.info("catalog is being written by a build; reading the published snapshot")
         return open_snapshot(self)[0]
+
+    def tokenizer(self, con: Any, datasets: Sequence[str]) -> Tokenizer:
+        """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
+        or view)."""
+        from lakeloader.tokenizer import cached_tokenizer
+
+        path = con.execute(query("tokenizer_path"), {"datasets": list(datasets)}).fetchone()
+        if path is None:
+            raise CatalogError(f"the lake {self.url} has none of the datasets {list(datasets)}: build them first")
+        if self.is_local:
+            return cached_tokenizer(self.path_of(path[0]))
+        return Tokenizer.from_str(self.fs.cat_file(self.path_of(path[0])).decode())
 
     def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
         """Run one SQL statement against the catalog and return the result as a DataFrame."""

@@ -86,5 +86,5 @@ def lake_documents(config_path: Path, dataset: str) -> list[list[int]]:
     )["path"]
     documents: list[list[int]] = []
     for path in paths:
-        documents.extend(pq.read_table(lake.path_of(path)).column("text").to_pylist())
+        documents.extend(pq.read_table(lake.path_of(path)).column("tokens").to_pylist())
     return documents

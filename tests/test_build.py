@@ -12,6 +12,8 @@ from tokenizers import Tokenizer
 
 from lakeloader.build.documents import SplitSource, read_split
 from lakeloader.build.driver import build
+from lakeloader.build.formats import RecordFormat
+from lakeloader.config import DatasetConfig
 from lakeloader.lake import open_lake
 from lakeloader.plan.sources import expand_sources
 from lakeloader.plan.splits import plan_splits
@@ -35,8 +37,9 @@ def expected_documents(tokenizer: Tokenizer, config_path: Path, dataset: str) ->
     for row in chunks.itertuples():
         split = Split(row.split_kind, row.split_start, row.split_stop, row.first_row)
         compression = row.compression if isinstance(row.compression, str) else None
-        docs = read_split(SplitSource(row.source, row.layout, compression, split, "text", "raise", {}))
-        out.extend(tokenizer.encode(t, add_special_tokens=False).ids for t in docs.texts)
+        text_format = RecordFormat.from_config(DatasetConfig(sources=["x"]))
+        docs = read_split(SplitSource(row.source, row.layout, compression, split, text_format, "raise", {}))
+        out.extend(tokenizer.encode(parts[0].text, add_special_tokens=False).ids for parts in docs.documents)
     return out
 
 

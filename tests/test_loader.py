@@ -107,7 +107,7 @@ def chunk_table(root: Path, dataset: str) -> pd.DataFrame:
 def chunk_documents(root: Path, dataset: str) -> list[list[list[int]]]:
     """Each chunk's documents (token lists), read directly with pyarrow, in global chunk order."""
     lake = open_lake(root / "config.yaml")
-    return [pq.read_table(lake.path_of(p)).column("text").to_pylist() for p in chunk_table(root, dataset).path]
+    return [pq.read_table(lake.path_of(p)).column("tokens").to_pylist() for p in chunk_table(root, dataset).path]
 
 
 @dataclasses.dataclass

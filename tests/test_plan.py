@@ -9,9 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lakeloader.build.documents import SplitSource, _read_byte_range, read_split
+from lakeloader.build.formats import RecordFormat
+from lakeloader.config import DatasetConfig
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import expand_sources
 from lakeloader.plan.splits import plan_splits
+
+TEXT = RecordFormat.from_config(DatasetConfig(sources=["x"]))
 
 
 def brute_force_order(counts: list[int]) -> list[tuple[int, int]]:
@@ -53,7 +57,7 @@ def test_every_line_in_exactly_one_split(tmp_path: Path, lines: list[str], split
     assert not missing
     recovered: list[bytes] = []
     for split in plan_splits(shard, split_size, {}):
-        source = SplitSource(str(path), "text", None, split, "text", "skip", {})
+        source = SplitSource(str(path), "text", None, split, TEXT, "skip", {})
         body, first = _read_byte_range(source)
         assert split.start <= first or body == b""
         recovered.extend(body.split(b"\n")[:-1] if body.endswith(b"\n") else body.split(b"\n") if body else [])
@@ -69,9 +73,9 @@ def test_record_numbers_count_from_the_split(tmp_path: Path) -> None:
     [shard], _ = expand_sources([str(path)], {})
     seen = []
     for split in plan_splits(shard, 97, {}):
-        docs = read_split(SplitSource(str(path), "text", None, split, "text", "raise", {}))
+        docs = read_split(SplitSource(str(path), "text", None, split, TEXT, "raise", {}))
         assert len(docs.records) == docs.num_records
-        seen.extend(docs.texts)
+        seen.extend(parts[0].text for parts in docs.documents)
     assert seen == [f"line {i}" for i in range(100)]
 
 

@@ -17,11 +17,17 @@ from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
 from lakeloader.build.documents import Reject, SplitSource, read_split
+from lakeloader.build.formats import Part
+from lakeloader.index.layout import ChunkParts, PackingSpec, PlanStats, plan_stats
 from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import DocumentEncoder
 
-# Column of each document's line/row index counted from its split's first record.
-RECORD_COLUMN = "record"
+# Columns of a chunk file (one row per document). Tokens are stored without special tokens.
+RECORD_COLUMN = "record"              # the document's line/row index from its split's first record
+TOKENS_COLUMN = "tokens"              # the contents of all its parts, back to back
+PART_LENGTHS_COLUMN = "part_lengths"  # tokens of each part
+PART_KINDS_COLUMN = "part_kinds"      # kind of each part (index into dataset_plans.fields)
+PART_REFS_COLUMN = "part_refs"        # interleaved only: each image part's reference (null for text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +41,7 @@ class ChunkTask:
     tokenizer_url: str      # the lake's copy of the tokenizer
     row_group_tokens: int
     io_retry_deadline: float = 0.0   # seconds of retrying transient storage errors
-
+    packing: tuple[PackingSpec, ...] = ()   # plans whose per-chunk counts the catalog keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +57,14 @@ class ChunkResult:
     checksum: str
     row_group_docs: list[int]
     row_group_tokens: list[int]
+    row_group_parts: list[list[int]]    # parts of each kind, per row group
+    row_group_part_tokens: list[list[int]]
     rejects: list[Reject]
     source_bytes: int
     seconds: float
     worker: str
     retries: int = 0        # attempts repeated after transient storage errors
+    plans: tuple[PlanStats, ...] = ()
 
 
 @functools.lru_cache(maxsize=4)
@@ -73,12 +82,88 @@ def row_group_bounds(lengths: np.ndarray, target_tokens: int) -> np.ndarray:
     return np.append(first_of_group, len(lengths)).astype(np.int64)
 
 
-def chunk_table(records: list[int], ids: np.ndarray, lengths: np.ndarray) -> pa.Table:
-    """The Parquet table of one chunk: a row per document with its token list."""
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(ids))
-    return pa.table({RECORD_COLUMN: pa.array(records, type=pa.int64()), "text": tokens})
+@dataclasses.dataclass(frozen=True)
+class EncodedParts:
+    """A split's documents as token ids: every part's tokens back to back, and their layout."""
+
+    ids: np.ndarray             # all parts' tokens
+    part_lengths: np.ndarray    # int64 per part
+    part_kinds: np.ndarray      # int8 per part
+    part_refs: list[str | None]
+    parts_per_doc: np.ndarray   # int64 per document
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        """Stored tokens of each document (int64)."""
+        part_doc = np.repeat(np.arange(len(self.parts_per_doc)), self.parts_per_doc)
+        return np.bincount(part_doc, weights=self.part_lengths, minlength=len(self.parts_per_doc)).astype(np.int64)
+
+    def chunk_parts(self) -> ChunkParts:
+        """The layout without tokens (what packing plans need)."""
+        docs = len(self.parts_per_doc)
+        return ChunkParts(self.part_lengths.astype(np.int64), self.part_kinds.astype(np.int64),
+                          np.repeat(np.arange(docs, dtype=np.int64), self.parts_per_doc), docs)
+
+
+def encode_parts(encoder: DocumentEncoder, documents: list[list[Part]]) -> EncodedParts:
+    """Tokenize every part of ``documents`` in one batch (without special tokens)."""
+    parts = [part for document in documents for part in document]
+    ids, lengths = encoder.encode([part.text for part in parts])
+    return EncodedParts(
+        ids=ids, part_lengths=lengths,
+        part_kinds=np.fromiter((part.kind for part in parts), dtype=np.int8, count=len(parts)),
+        part_refs=[part.ref for part in parts],
+        parts_per_doc=np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents)),
+    )
+
+
+def _lists(values: pa.Array, counts: np.ndarray) -> pa.Array:
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values)
+
+
+def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool) -> pa.Table:
+    """The Parquet table of one chunk: a row per document with its tokens and part layout."""
+    columns = {
+        RECORD_COLUMN: pa.array(records, type=pa.int64()),
+        TOKENS_COLUMN: _lists(pa.array(encoded.ids), encoded.doc_lengths),
+        PART_LENGTHS_COLUMN: _lists(pa.array(encoded.part_lengths.astype(np.int32)), encoded.parts_per_doc),
+        PART_KINDS_COLUMN: _lists(pa.array(encoded.part_kinds), encoded.parts_per_doc),
+    }
+    if with_refs:
+        columns[PART_REFS_COLUMN] = _lists(pa.array(encoded.part_refs, pa.string()), encoded.parts_per_doc)
+    return pa.table(columns)
+
+
+def _per_group(bounds: np.ndarray, encoded: EncodedParts, kinds: int, weights: np.ndarray | None) -> list[list[int]]:
+    """Parts (or their tokens, with ``weights``) of each kind in each row group."""
+    part_bounds = np.concatenate([[0], np.cumsum(encoded.parts_per_doc)])[bounds]
+    group = np.repeat(np.arange(len(bounds) - 1), np.diff(part_bounds))
+    cell = group * kinds + encoded.part_kinds.astype(np.int64)
+    counts = np.bincount(cell, weights=weights, minlength=(len(bounds) - 1) * kinds)
+    return counts.astype(np.int64).reshape(-1, kinds).tolist()
+
+
+def table_parts(table: pa.Table) -> ChunkParts:
+    """The part layout of a chunk table (or row groups of one) holding the part columns."""
+    lengths = table.column(PART_LENGTHS_COLUMN).combine_chunks()
+    kinds = table.column(PART_KINDS_COLUMN).combine_chunks()
+    per_doc = np.diff(lengths.offsets.to_numpy())
+    docs = len(per_doc)
+    return ChunkParts(lengths.values.to_numpy().astype(np.int64), kinds.values.to_numpy().astype(np.int64),
+                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
+
+
+def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,
+                         specs: tuple[PackingSpec, ...]) -> tuple[int, tuple[PlanStats, ...]]:
+    """Packing counts of an already built chunk (reads only its small part-layout columns)."""
+    fs, path = url_to_fs(chunk_url, **storage_options)
+    with fs.open(path, "rb") as handle:
+        table = pq.read_table(handle, columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
+    parts = table_parts(table)
+    where = f"chunk {global_index} ({chunk_url})"
+    return global_index, tuple(plan_stats(spec, parts, global_index, where) for spec in specs)
 
 
 def encode_chunk_file(table: pa.Table, bounds: np.ndarray) -> bytes:
@@ -112,12 +197,16 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
     started = time.perf_counter()
     options = task.source.storage_options
     encoder = _encoder(task.tokenizer_url, json.dumps(options, sort_keys=True))
+    record_format = task.source.record_format
     documents = read_split(task.source)
-    ids, lengths = encoder.encode(documents.texts)
+    encoded = encode_parts(encoder, documents.documents)
+    lengths = encoded.doc_lengths
     bounds = row_group_bounds(lengths, task.row_group_tokens)
-    data = encode_chunk_file(chunk_table(documents.records, ids, lengths), bounds)
+    table = chunk_table(documents.records, encoded, record_format.format == "interleaved")
+    data = encode_chunk_file(table, bounds)
     write_atomically(task.chunk_url, data, options)
     group_tokens = np.add.reduceat(lengths, bounds[:-1]) if len(lengths) else np.zeros(0, np.int64)
+    kinds = len(record_format.kind_names)
     return ChunkResult(
         dataset=task.dataset,
         global_index=task.global_index,
@@ -128,8 +217,13 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         checksum=hashlib.sha256(data).hexdigest(),
         row_group_docs=np.diff(bounds).tolist(),
         row_group_tokens=group_tokens.astype(np.int64).tolist(),
+        row_group_parts=_per_group(bounds, encoded, kinds, None),
+        row_group_part_tokens=_per_group(bounds, encoded, kinds, encoded.part_lengths.astype(np.float64)),
         rejects=documents.rejects,
         source_bytes=documents.source_bytes,
         seconds=time.perf_counter() - started,
         worker=f"{os.uname().nodename}:{os.getpid()}",
+        plans=tuple(plan_stats(spec, encoded.chunk_parts(), task.global_index,
+                               f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.url})")
+                    for spec in task.packing),
     )

@@ -11,16 +11,21 @@ import time
 from collections.abc import Iterator
 import pandas as pd
 from distributed import Client, Future, as_completed
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 import lakeloader
-from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk
+from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk, plan_committed_chunk
 from lakeloader.build.cluster import dask_client
 from lakeloader.build.documents import SplitSource
+from lakeloader.build.formats import RecordFormat
+from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
+from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
+from lakeloader.index.templates import packing_spec, template_for
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split
@@ -102,7 +107,9 @@ def _publish_tokenizer(lake: Lake, tokenizer_json: str, fingerprint: str) -> str
     return relative
 
 
-def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str) -> Iterator[ChunkTask]:
+def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str,
+           packing: dict[str, PackingSpec]) -> Iterator[ChunkTask]:
+    formats = {name: RecordFormat.from_config(dataset) for name, dataset in config.datasets.items()}
     for row in pending.itertuples(index=False):
         dataset = config.datasets[row.dataset]
         yield ChunkTask(
@@ -113,7 +120,7 @@ def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str
                 layout=row.layout,
                 compression=row.compression if isinstance(row.compression, str) else None,
                 split=Split(row.split_kind, int(row.split_start), int(row.split_stop), int(row.first_row)),
-                text_field=dataset.text_field,
+                record_format=formats[row.dataset],
                 on_error=dataset.on_error,
                 storage_options=config.storage_options,
             ),
@@ -121,6 +128,7 @@ def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str
             tokenizer_url=tokenizer_url,
             row_group_tokens=config.build.row_group_tokens,
             io_retry_deadline=config.io_retry_deadline,
+            packing=(packing[row.dataset],) if row.dataset in packing else (),
         )
 
 
@@ -195,10 +203,11 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         )
         log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
                  len(plan.chunks), "" if new else " (plan unchanged)")
-    if config.mixture is not None or len(names) == 1:  # several datasets need a mixture to mix
-        mixer = Mixer.from_config(config)
-        new = writer.register_mixture(mixer)
-        log.info("mixture %s%s", mixer.mixture_id, " registered" if new else " (registered already)")
+    token_weights = config.mixture is not None and config.mixture.unit == "tokens"
+    if not token_weights and (config.mixture is not None or len(names) == 1):
+        _register_mixture(writer, Mixer.from_config(config))
+    packing = _register_packing(config, writer, tokenizer)
+    unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()}
     _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
     pending = writer.pending_chunks(names)
     total = writer.chunk_count(names)
@@ -213,9 +222,10 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     )
     status, error = "failed", None
     try:
-        if len(pending):
+        if len(pending) or any(len(rows) for rows in unplanned.values()):
             dashboard = _run_tasks(config, lake, writer, pending, build_id, totals,
-                                   lake.url_of(tokenizer_path), worker_count, scheduler, progress)
+                                   lake.url_of(tokenizer_path), worker_count, scheduler, progress,
+                                   packing, unplanned)
         status = "succeeded"
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
@@ -238,15 +248,54 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
                 raise
             # Keep the build's own error visible; the catalog on disk holds the committed chunks.
             log.exception("could not publish the final catalog snapshot of failed build %d", build_id)
+    if token_weights:  # the weights need the complete lake's mean tokens per example
+        plans = {name: spec.plan_key if (spec := packing.get(name)) else None for name in Mixer.dataset_names(config)}
+        _register_mixture(writer, Mixer.from_config(
+            config, example_token_means(writer.con, plans, config.loader.seq_len)))
+        _publish(writer, lake, build_id, config)
     log.info("build %d %s: %d chunks, %d docs, %d tokens in %.1fs (%.0f tokens/s)", build_id, status,
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
     return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
                        totals.rejects, seconds, dashboard)
 
 
+def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:
+    new = writer.register_mixture(mixer)
+    log.info("mixture %s%s", mixer.mixture_id, " registered" if new else " (registered already)")
+
+
+def _register_packing(config: Config, writer: CatalogWriter, tokenizer: Tokenizer) -> dict[str, PackingSpec]:
+    """The packing spec of each dataset under the config's loader (none for concat), registered."""
+    specs = {}
+    for name in Mixer.dataset_names(config):
+        spec = packing_spec(name, config, template_for(name, config, tokenizer))
+        if spec is not None:
+            writer.register_packing(name, spec)
+            specs[name] = spec
+    return specs
+
+
+def _plan_committed(client: Client, config: Config, lake: Lake, writer: CatalogWriter,
+                    packing: dict[str, PackingSpec], unplanned: dict[str, pd.DataFrame], progress: bool) -> None:
+    """Packing counts for chunks built before this loader config (no tokenizing: each task reads
+    a chunk's part layout), committed per dataset."""
+    for name, rows in unplanned.items():
+        if not len(rows):
+            continue
+        log.info("dataset %r: computing %s packing counts of %d built chunks", name, packing[name].mode, len(rows))
+        n = len(rows)
+        futures = client.map(plan_committed_chunk, [lake.url_of(p) for p in rows["path"]],
+                             [config.storage_options] * n, rows["global_index"].astype(int).tolist(),
+                             [(packing[name],)] * n, pure=False)
+        done = [f.result() for f in tqdm(as_completed(futures), total=len(futures), unit="chunk",
+                                         desc=f"plan {name}", disable=not progress)]
+        writer.commit_plans(name, [(index, stats[0]) for index, stats in done])
+
+
 def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.DataFrame,
                build_id: int, totals: _Totals, tokenizer_url: str, workers: int | None,
-               scheduler: str | None, progress: bool) -> str:
+               scheduler: str | None, progress: bool, packing: dict[str, PackingSpec],
+               unplanned: dict[str, pd.DataFrame]) -> str:
     sources = {
         (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
         for row in pending.itertuples(index=False)
@@ -255,7 +304,8 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
         dashboard = client.dashboard_link
         threads = max(1, sum(client.nthreads().values()))
         writer.set_build_cluster(build_id, workers=len(client.nthreads()), dashboard=dashboard)
-        run = _Scheduler(client, _tasks(pending, config, lake, tokenizer_url), window=2 * threads + 2)
+        _plan_committed(client, config, lake, writer, packing, unplanned, progress)
+        run = _Scheduler(client, _tasks(pending, config, lake, tokenizer_url, packing), window=2 * threads + 2)
         bar = tqdm(total=len(pending), unit="chunk", desc="build", disable=not progress, smoothing=0.1,
                    mininterval=0.5)
         if progress:

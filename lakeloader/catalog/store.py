@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -14,13 +15,14 @@ import pandas as pd
 from lakeloader.build.chunk import ChunkResult
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.errors import CatalogError, CatalogLockedError
+from lakeloader.index.layout import PackingSpec, PlanStats
 from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
 
 if TYPE_CHECKING:
     from lakeloader.index.mixing import Mixer
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
 _ACTIVE_WRITERS: dict[str, duckdb.DuckDBPyConnection] = {}
 
@@ -50,6 +52,11 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
         if "lock" in str(exc).lower():
             raise _locked_error(path, exc) from exc
         raise
+
+
+def _column_sums(rows: list[list[int]]) -> list[int]:
+    """Element-wise sums of equal-length lists (per-kind counts over row groups)."""
+    return [sum(column) for column in zip(*rows)]
 
 
 class CatalogWriter:
@@ -147,6 +154,31 @@ class CatalogWriter:
             raise
         return True
 
+    def register_packing(self, dataset: str, spec: PackingSpec) -> None:
+        """Record that per-chunk counts of ``spec`` are kept for ``dataset``."""
+        self._run("insert_packing_plan", {"plan_key": spec.plan_key, "dataset": dataset,
+                                          "seq_len": spec.seq_len, "mode": spec.mode, "spec": spec.to_json()})
+
+    def _insert_plan_stats(self, dataset: str, global_index: int, plans: Iterable[PlanStats]) -> None:
+        for stats in plans:
+            self._run("insert_chunk_examples", {"dataset": dataset, "global_index": global_index,
+                                                **dataclasses.asdict(stats)})
+
+    def commit_plans(self, dataset: str, rows: Iterable[tuple[int, PlanStats]]) -> None:
+        """Store packing counts computed for already committed chunks, in one transaction."""
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            for global_index, stats in rows:
+                self._insert_plan_stats(dataset, global_index, [stats])
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+
+    def chunks_without_plan(self, dataset: str, plan_key: str) -> pd.DataFrame:
+        """Committed chunks of ``dataset`` whose counts under ``plan_key`` are missing."""
+        return self._run("chunks_without_plan", {"name": dataset, "plan_key": plan_key}).df()
+
     def register_mixture(self, mixer: Mixer) -> bool:
         """Store ``mixer``'s schedule (stages, quantised weights, Huffman trees) under its
         ``mixture_id`` unless it is there already; returns whether it was new. Registering it
@@ -210,7 +242,8 @@ class CatalogWriter:
                     "num_tokens": r.num_tokens, "num_records": r.num_records, "num_bytes": r.num_bytes,
                     "checksum": r.checksum, "num_rejects": len(r.rejects),
                     "source_bytes": r.source_bytes, "build_id": build_id, "worker": r.worker,
-                    "seconds": r.seconds,
+                    "seconds": r.seconds, "num_parts": _column_sums(r.row_group_parts),
+                    "part_tokens": _column_sums(r.row_group_part_tokens),
                 }).fetchone()
                 if not changed or not changed[0]:
                     continue  # committed already (a retried task finishing twice)
@@ -220,10 +253,12 @@ class CatalogWriter:
                     self._run("insert_row_group", {
                         "dataset": r.dataset, "global_index": r.global_index, "row_group": group,
                         "first_doc": first_doc, "num_docs": docs, "first_token": first_token,
-                        "num_tokens": tokens,
+                        "num_tokens": tokens, "num_parts": r.row_group_parts[group],
+                        "part_tokens": r.row_group_part_tokens[group],
                     })
                     first_doc += docs
                     first_token += tokens
+                self._insert_plan_stats(r.dataset, r.global_index, r.plans)
                 source, shard_index, split_index = sources[(r.dataset, r.global_index)]
                 for reject in r.rejects:
                     self._run("insert_reject", {

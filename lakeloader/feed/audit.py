@@ -20,6 +20,8 @@ from lakeloader.config import Config, load_config
 from lakeloader.errors import CatalogError, ConfigError, LakeloaderError
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
+from lakeloader.catalog.sql import example_token_means
+from lakeloader.index.templates import packing_spec, template_for
 from lakeloader.lake import open_lake
 
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
@@ -160,6 +162,28 @@ def _catalog(config: Config, mixer: Mixer) -> duckdb.DuckDBPyConnection | None:
     return None
 
 
+def _lake_means(config: Config) -> tuple[Mixer, dict[str, float]]:
+    """The config's mixer with its weights in tokens converted from the lake's catalog, and each
+    dataset's mean non-padding tokens per example (``seq_len`` under concat)."""
+    names = Mixer.dataset_names(config)
+    packed = config.loader.packing != "concat"
+    token_weights = config.mixture is not None and config.mixture.unit == "tokens"
+    if not packed and not token_weights:
+        return Mixer.from_config(config), {n: float(config.loader.seq_len) for n in names}
+    lake = open_lake(config)
+    con = lake.connect()
+    try:
+        tokenizer = lake.tokenizer(con, names)
+        plans = {}
+        for name in names:
+            spec = packing_spec(name, config, template_for(name, config, tokenizer))
+            plans[name] = spec.plan_key if spec else None
+        means = example_token_means(con, plans, config.loader.seq_len)
+    finally:
+        con.close()
+    return Mixer.from_config(config, means if token_weights else None), means
+
+
 def mixture_plan(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.DataFrame:
     """One row per (step, dataset) of steps ``first..last`` (both included): the dataset's
     examples in the step's batch, the stream indices ``[before, after)`` that fed it, the counts
@@ -168,7 +192,7 @@ def mixture_plan(config: Config | str | os.PathLike[str], first: int, last: int)
     (``frame.attrs["source"] == "catalog"``), else from the closed form."""
     config = load_config(config)
     first, last = _check_steps(first, last)
-    mixer = Mixer.from_config(config)
+    mixer = _lake_means(config)[0]
     con = _catalog(config, mixer)
     if con is None:
         frame = closed_form_plan(mixer, first, last)
@@ -191,9 +215,10 @@ def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.
     - ``target_weight``: the stage's weight; over steps of several stages, the mean of the
       stages' weights weighted by their examples in the range;
     - ``share``: the dataset's share of the examples of those steps (``examples`` of them);
-    - ``token_share``: its share of their non-padding target tokens (``tokens``). With
-      ``packing: concat`` every training example has exactly ``seq_len`` non-padding target
-      tokens, so this is computed without reading any data and equals ``share``;
+    - ``token_share``: its share of their non-padding tokens (``tokens``). With ``packing:
+      concat`` every training example has exactly ``seq_len`` of them, so this equals ``share``;
+      with ``pack``/``pad`` it is the examples times the dataset's mean non-padding tokens per
+      example under the loader's packing plan (from the catalog's ``chunk_examples``);
     - ``max_deviation``: the largest ``|count_d(n) - w_d * n|`` over the whole-batch prefixes
       ending at each step of the range, counted from the start of the step's stage (what the
       schedule keeps below 2);
@@ -207,9 +232,7 @@ def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.
     """
     config = load_config(config)
     first, last = _check_steps(first, last)
-    if config.loader.packing != "concat":
-        raise ConfigError(f"loader.packing = {config.loader.packing!r} is not supported yet; use 'concat'")
-    mixer = Mixer.from_config(config)
+    mixer, means = _lake_means(config)
     con = _catalog(config, mixer)
     if con is None:
         frame = closed_form_proportions(mixer, first, last)
@@ -223,7 +246,7 @@ def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.
         source = "catalog"
     seq_len = config.loader.seq_len
     frame["examples"] = frame["examples"].astype(np.int64)
-    frame["tokens"] = frame["examples"] * seq_len
+    frame["tokens"] = np.round(frame["examples"] * frame["dataset"].map(means)).astype(np.int64)
     frame["token_share"] = frame["tokens"] / frame["tokens"].sum()
     frame = frame[AUDIT_COLUMNS].reset_index(drop=True)
     frame.attrs.update(source=source, mixture_id=mixer.mixture_id, first_step=first, last_step=last,
@@ -250,7 +273,7 @@ def plot_audit(config: Config | str | os.PathLike[str], first: int, last: int,
 
     config = load_config(config)
     first, last = _check_steps(first, last)
-    mixer = Mixer.from_config(config)
+    mixer = _lake_means(config)[0]
     if last - first + 1 <= max_steps:
         plan = mixture_plan(config, first, last)
         source = plan.attrs["source"]

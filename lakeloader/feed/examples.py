@@ -1,15 +1,25 @@
-"""Examples of one dataset (packing: concat): index maps from example number to token windows."""
+"""Examples of one dataset: index maps from example number to its tokens.
+
+``packing: concat`` cuts the dataset's rendered stream into windows (:class:`DatasetExamples`);
+``pack`` and ``pad`` take whole documents per each chunk's packing plan (:class:`PackedExamples`).
+Each example assembles its own batch row.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+from typing import Any
 
 import numpy as np
 
 from lakeloader.config import ShuffleConfig
 from lakeloader.errors import LakeloaderError
-from lakeloader.index.concat import cumulative, eval_examples, stream_lengths, strided_chunk, train_examples
+from lakeloader.index.concat import cumulative, eval_examples, locate, segments, strided_chunk, train_examples
+from lakeloader.index.layout import PackingSpec, plan_chunk
+from lakeloader.index.packing import PackPlan
+from lakeloader.index.render import part_starts
 from lakeloader.index.permutation import derive_key
 from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, shuffle_window
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
@@ -36,6 +46,29 @@ class Window:
             return np.zeros(0, np.int64)
         return np.concatenate([(np.int64(p.position) << 32) + p.docs for p in self.pieces])
 
+    def fill(self, row: Row, train_all: bool) -> None:
+        """Write this window into a batch row: inputs are its first L tokens, targets the last L."""
+        tokens, n = self.tokens, sum(len(p.tokens) for p in self.pieces) - 1
+        row.input_ids[:n] = tokens[:-1]
+        row.targets[:n] = tokens[1:]
+        if train_all:
+            row.loss_mask[:n] = 1.0
+        else:
+            row.loss_mask[:n] = np.concatenate([p.trainable for p in self.pieces])[1:]
+        row.segment_ids[:n], row.positions[:n] = segments(self.doc_keys[:-1])
+
+
+@dataclasses.dataclass
+class Row:
+    """Views of one row of each batch array (filled in place)."""
+
+    input_ids: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    extra: dict[str, np.ndarray]     # task fields: image_refs, image_positions, inputs_*, ...
+
 
 class DatasetExamples:
     """Example ``j`` of a dataset -> its token window, for the global or strided ordering.
@@ -56,11 +89,14 @@ class DatasetExamples:
         self.ordering = ordering
         self.ideal_readers = ideal_readers
         self.wait_timeout = wait_timeout
-        self._set(view.dataset(name))
+        self.train_all = reader.template.train_all
+        self._set(view.dataset(name, self.plan_key))
+
+    plan_key: str | None = None   # packing plan whose per-chunk counts this reads (pack | pad)
 
     def _set(self, chunks: DatasetChunks) -> None:
         self.chunks = chunks
-        self.offsets = cumulative(stream_lengths(chunks.num_tokens, chunks.num_docs, self.reader.specials.count))
+        self.offsets = cumulative(self.reader.chunk_lengths(chunks))
         self.sequence = np.arange(chunks.committed)  # the global order: chunk c is the c-th
         self._periods: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._epoch_window_starts: np.ndarray | None = None
@@ -69,7 +105,7 @@ class DatasetExamples:
         """Wait for the next chunk of the committed prefix (or for the dataset to be complete)."""
         if self.chunks.complete:
             raise AssertionError("complete datasets never wait")
-        self._set(self.view.wait_for(self.name, self.chunks.committed, self.wait_timeout))
+        self._set(self.view.wait_for(self.name, self.chunks.committed, self.wait_timeout, self.plan_key))
 
     def _too_small(self) -> LakeloaderError:
         return LakeloaderError(
@@ -84,7 +120,7 @@ class DatasetExamples:
     def complete_chunks(self) -> DatasetChunks:
         """The dataset once every chunk is committed (waits for the build if needed)."""
         while not self.chunks.complete:
-            self._set(self.view.wait_for(self.name, self.chunks.planned - 1, self.wait_timeout))
+            self._set(self.view.wait_for(self.name, self.chunks.planned - 1, self.wait_timeout, self.plan_key))
         return self.chunks
 
     def eval_count(self) -> int:
@@ -95,6 +131,10 @@ class DatasetExamples:
     def train_count(self) -> int:
         """Examples per epoch in training (needs the complete dataset)."""
         self.complete_chunks()
+        return self._available()
+
+    def _available(self) -> int:
+        """Training examples the committed prefix holds whole."""
         return train_examples(int(self.offsets[-1]), self.seq_len)
 
     def eval_window(self, j: int) -> Window:
@@ -146,16 +186,15 @@ class DatasetExamples:
     def train_example(self, j: int) -> tuple[int, int]:
         """(epoch, example) at position ``j`` of the cycled, shuffled training stream (global
         ordering): index arithmetic only, waiting while building only if the prefix can't fix it."""
-        length = self.seq_len + 1
         while True:
             if self.chunks.complete:
-                per_epoch = train_examples(int(self.offsets[-1]), self.seq_len)
+                per_epoch = self._available()
                 if per_epoch == 0:
                     raise self._too_small()
                 epoch, k = j // per_epoch, int(self._shuffled(np.array([j]), per_epoch)[0])
                 break
             k = self._position_while_building(j)
-            if k is not None and k * self.seq_len + length <= self.offsets[-1]:
+            if k is not None and k < self._available():
                 epoch = 0  # fixed by the committed prefix: necessarily epoch 0
                 break
             self._wait()
@@ -166,8 +205,10 @@ class DatasetExamples:
         if self.ordering == "strided":
             return self._strided_window(j)
         epoch, k = self.train_example(j)
-        pieces = self.reader.window(self.chunks, self.sequence, self.offsets,
-                                    k * self.seq_len, self.seq_len + 1)
+        return self._example(epoch, k)
+
+    def _example(self, epoch: int, k: int) -> Window:
+        pieces = self.reader.window(self.chunks, self.sequence, self.offsets, k * self.seq_len, self.seq_len + 1)
         return Window(self.name, epoch, k, pieces)
 
     def _period(self, reader: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,3 +246,157 @@ class DatasetExamples:
         looped = [strided_chunk(reader, cycles * period + p.position, self.ideal_readers) for p in pieces]
         epoch = int(looped[0] // self.chunks.committed) if looped else 0
         return Window(self.name, epoch, k, pieces)
+
+
+@dataclasses.dataclass
+class Item:
+    """One document (or a piece of one) inside a packed example."""
+
+    chunk: int
+    doc: int                    # document index within the chunk
+    start: int                  # rendered token range of the document
+    stop: int
+    tokens: np.ndarray          # rendered tokens [start, stop] (one more for the last target, if any)
+    trainable: np.ndarray
+    images: list[tuple[int, str]]   # (offset of the image run within the item, reference)
+    split: int                  # rendered offset where the response starts (seq2seq), else -1
+
+
+@dataclasses.dataclass
+class PackedExample:
+    """An example of whole documents (``packing: pack | pad``) with provenance."""
+
+    dataset: str
+    epoch: int
+    example: int
+    items: list[Item]
+
+    def fill(self, row: Row, train_all: bool) -> None:
+        """Write the example into a batch row: items back to back, each its own segment with
+        positions from 0; a target is the next token of the same document."""
+        if "inputs" in row.extra:
+            return self._fill_seq2seq(row)
+        at = 0
+        for number, item in enumerate(self.items, start=1):
+            n = item.stop - item.start
+            row.input_ids[at : at + n] = item.tokens[:n]
+            targets = item.tokens[1 : n + 1]
+            row.targets[at : at + len(targets)] = targets
+            mask = np.ones(len(targets), np.float32) if train_all else item.trainable[1 : n + 1]
+            row.loss_mask[at : at + len(targets)] = mask
+            row.segment_ids[at : at + n] = number
+            row.positions[at : at + n] = np.arange(n, dtype=np.int32)
+            if "image_refs" in row.extra:
+                filled = int((row.extra["image_positions"] >= 0).sum())
+                for offset, ref in item.images:
+                    row.extra["image_positions"][filled] = at + offset
+                    row.extra["image_refs"][filled] = ref
+                    filled += 1
+            at += n
+
+    def _fill_seq2seq(self, row: Row) -> None:
+        extra, at_in, at_out = row.extra, 0, 0
+        for number, item in enumerate(self.items, start=1):
+            cut = min(max(item.split - item.start, 0), item.stop - item.start)
+            prompt, response = item.tokens[:cut], item.tokens[cut : item.stop - item.start]
+            extra["inputs"][at_in : at_in + len(prompt)] = prompt
+            extra["inputs_segment_ids"][at_in : at_in + len(prompt)] = number
+            extra["inputs_positions"][at_in : at_in + len(prompt)] = np.arange(len(prompt))
+            row.targets[at_out : at_out + len(response)] = response
+            row.input_ids[at_out + 1 : at_out + len(response)] = response[:-1]  # decoder inputs
+            row.loss_mask[at_out : at_out + len(response)] = 1.0
+            row.segment_ids[at_out : at_out + len(response)] = number
+            row.positions[at_out : at_out + len(response)] = np.arange(len(response))
+            at_in, at_out = at_in + len(prompt), at_out + len(response)
+
+
+class PackedExamples(DatasetExamples):
+    """Example ``j`` of a dataset under ``packing: pack | pad``: whole documents per the packing
+    plan of the chunk holding it. Per-chunk example counts come from the catalog, so a seek is a
+    binary search over chunks; the chunk's plan is recomputed from its part layout when read."""
+
+    def __init__(self, name: str, view: CatalogView, reader: StreamReader, spec: PackingSpec, *,
+                 seq2seq: bool = False, **kwargs: Any) -> None:
+        self.spec = spec
+        self.seq2seq = seq2seq
+        self.plan_key = spec.plan_key
+        if not view.plan_registered(name, spec.plan_key):
+            raise LakeloaderError(
+                f"dataset {name!r}: the lake keeps no example counts for this loader's packing "
+                f"(packing: {spec.mode}, seq_len: {spec.seq_len}, plan {spec.plan_key}); run "
+                "`lakeloader build CONFIG` with this config once: it computes them from the stored "
+                "documents' lengths without tokenizing again")
+        self._plans: dict[tuple[str, int], PackPlan] = {}
+        self._lock = threading.Lock()
+        super().__init__(name, view, reader, **kwargs)
+
+    def _set(self, chunks: DatasetChunks) -> None:
+        super()._set(chunks)
+        assert chunks.num_examples is not None
+        self.offsets = cumulative(chunks.num_examples)   # example offsets, not stream tokens
+
+    def _available(self) -> int:
+        return int(self.offsets[-1])
+
+    def _too_small(self) -> LakeloaderError:
+        return LakeloaderError(f"dataset {self.name!r} has no examples under packing: {self.spec.mode}")
+
+    def eval_count(self) -> int:
+        """Examples in one evaluation pass (needs the complete dataset)."""
+        self.complete_chunks()
+        return self._available()
+
+    def eval_window(self, j: int) -> PackedExample:
+        """Example ``j`` of the evaluation pass."""
+        self.complete_chunks()
+        return self._example(0, j)
+
+    def _window_starts(self, chunk_limit: int) -> np.ndarray:
+        return self.offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
+
+    def plan(self, chunk: int) -> PackPlan:
+        """The packing plan of chunk ``chunk`` (cached)."""
+        key = (self.chunks.fingerprint, chunk)
+        with self._lock:
+            found = self._plans.get(key)
+        if found is None:
+            found = plan_chunk(self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk,
+                               f"dataset {self.name!r}, chunk {chunk}")
+            with self._lock:
+                if len(self._plans) > 64:
+                    self._plans.clear()
+                self._plans[key] = found
+        return found
+
+    def _example(self, epoch: int, k: int) -> PackedExample:
+        chunk = int(locate(self.offsets, np.array([k]))[0])
+        plan = self.plan(chunk)
+        items = plan.example_items(k - int(self.offsets[chunk]))
+        return PackedExample(self.name, epoch, k, [
+            self._item(chunk, int(d), int(a), int(b))
+            for d, a, b in zip(plan.item_doc[items], plan.item_start[items], plan.item_stop[items])])
+
+    def _item(self, chunk: int, doc: int, start: int, stop: int) -> Item:
+        _, first_docs = self.reader.groups(self.chunks, chunk)
+        group = int(np.searchsorted(first_docs, doc, side="right") - 1)
+        rendered, stored = self.reader.rendered_group(self.chunks, chunk, group)
+        local = doc - int(first_docs[group])
+        begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
+        tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
+        trainable = rendered.trainable[begin + start : min(begin + stop + 1, end)]
+        template, parts = self.reader.template, stored.parts
+        images: list[tuple[int, str]] = []
+        split = -1
+        mine = np.flatnonzero(parts.part_doc == local)
+        if template.image_kind is not None or self.seq2seq:
+            starts = part_starts(template, parts.part_lengths[mine], parts.part_kinds[mine],
+                                 np.zeros(len(mine), np.int64))
+            kinds = parts.part_kinds[mine]
+            if template.image_kind is not None and stored.refs is not None:
+                for part, offset in zip(mine[kinds == template.image_kind], starts[kinds == template.image_kind]):
+                    if start <= offset < stop:
+                        images.append((int(offset) - start, str(stored.refs[part])))
+            if self.seq2seq:
+                responses = starts[kinds == 1]
+                split = int(responses[0]) if len(responses) else end - begin
+        return Item(chunk, doc, start, stop, tokens, trainable, images, split)

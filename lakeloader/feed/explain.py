@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from lakeloader.build.chunk import RECORD_COLUMN
-from lakeloader.feed.examples import Window
+from lakeloader.feed.examples import PackedExample, Window
 
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
@@ -33,7 +33,15 @@ def _records(loader: Loader, dataset: str, chunk: int) -> tuple[np.ndarray, dict
     return records, {"source": source, "base": base, "unit": unit, "path": path}
 
 
-def explain_windows(loader: Loader, step: int, windows: list[Window | None]) -> pd.DataFrame:
+def _location(source: dict[str, object], records: np.ndarray, doc: int) -> str:
+    base = source["base"]
+    record = int(records[doc]) if doc < len(records) else None
+    if base is not None and record is not None:
+        return f"{source['unit']} {int(base) + record}"  # type: ignore[call-overload]
+    return f"record {record} of split"
+
+
+def explain_windows(loader: Loader, step: int, windows: list[Window | PackedExample | None]) -> pd.DataFrame:
     """One row per (batch row, segment): where each segment's tokens came from."""
     rows = []
     cache: dict[tuple[str, int], tuple[np.ndarray, dict[str, object]]] = {}
@@ -42,6 +50,25 @@ def explain_windows(loader: Loader, step: int, windows: list[Window | None]) -> 
         global_row = int(loader.row_indices[row])
         if window is None:
             rows.append({"step": step, "row": global_row, "dataset": None, "segment": 0})
+            continue
+        if isinstance(window, PackedExample):
+            offset = 0
+            for segment, item in enumerate(window.items, start=1):
+                key = (window.dataset, item.chunk)
+                if key not in cache:
+                    cache[key] = _records(loader, *key)
+                records, source = cache[key]
+                length = item.stop - item.start
+                rows.append({
+                    "step": step, "row": global_row, "dataset": window.dataset, "epoch": window.epoch,
+                    "example": window.example, "segment": segment,
+                    "shard": int(shard_of[window.dataset][item.chunk]), "chunk": item.chunk,
+                    "chunk_path": source["path"], "document": item.doc, "source": source["source"],
+                    "location": _location(source, records, item.doc),
+                    "window_start": offset, "window_stop": offset + length,
+                    "document_start": item.start, "document_stop": item.stop,
+                })
+                offset += length
             continue
         offset = 0
         segment = 0
@@ -59,10 +86,7 @@ def explain_windows(loader: Loader, step: int, windows: list[Window | None]) -> 
                 if doc_key != previous_key:
                     segment += 1
                     previous_key = doc_key
-                base = source["base"]
-                record = int(records[doc]) if doc < len(records) else None
-                location = (f"{source['unit']} {base + record}" if base is not None and record is not None
-                            else f"record {record} of split")
+                location = _location(source, records, doc)
                 rows.append({
                     "step": step, "row": global_row, "dataset": window.dataset, "epoch": window.epoch,
                     "example": window.example, "segment": segment, "shard": int(shard_of[window.dataset][piece.chunk]),

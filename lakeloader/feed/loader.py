@@ -21,20 +21,22 @@ import numpy as np
 import pandas as pd
 from tokenizers import Tokenizer
 
+from lakeloader.catalog.sql import example_token_means
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.errors import ConfigError, LakeloaderError
-from lakeloader.feed.examples import DatasetExamples, Window
+from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window
 from lakeloader.index.mixing import Mixer
-from lakeloader.index.concat import segments
+from lakeloader.index.templates import packing_spec, template_for, token_id
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.read.windows import Specials, StreamReader
+from lakeloader.read.windows import StreamReader
 from lakeloader.tokenizer import cached_tokenizer
 
 log = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]
+_ROW_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +56,32 @@ class LoaderState:
         return cls(int(state["step"]), str(state["fingerprint"]))
 
 
-def _token_id(tokenizer: Any, key: str, token: str) -> int:
-    found = tokenizer.token_to_id(token)
-    if found is None:
+def check_combination(config: Config, mode: str) -> None:
+    """Raise a ConfigError for formats and packing modes that cannot work together."""
+    loader = config.loader
+    used = {name: config.datasets[name] for name in Mixer.dataset_names(config)}
+    seq2seq = [n for n, d in used.items() if d.format == "supervised" and d.supervised.output == "seq2seq"]
+    for name, dataset in used.items():
+        if loader.packing == "concat" and dataset.format == "interleaved":
+            raise ConfigError(
+                f"datasets.{name}.format = 'interleaved' needs loader.packing: pack or pad: concat windows "
+                "cut anywhere and would split an image's tokens")
+        if loader.packing == "concat" and name in seq2seq:
+            raise ConfigError(
+                f"datasets.{name}.supervised.output = 'seq2seq' needs loader.packing: pack or pad (a "
+                "window of a stream has no prompt/response sides)")
+    if seq2seq and len(seq2seq) != len(used):
         raise ConfigError(
-            f"loader.{key} = {token!r} is not a token of the lake's tokenizer; set loader.{key} to one "
-            "of its special tokens"
-        )
-    return int(found)
+            f"datasets {seq2seq} have supervised.output: seq2seq but others do not: a batch is either "
+            "seq2seq (inputs and targets) or causal; mix them in separate loaders")
+    if seq2seq and loader.pack.long_documents == "split":
+        raise ConfigError(
+            "loader.pack.long_documents = 'split' cannot cut seq2seq examples (a piece would lose its "
+            "prompt); set it to truncate or error")
+    if loader.packing != "concat" and mode == "train" and loader.ordering == "strided":
+        raise ConfigError(
+            f"loader.ordering = 'strided' needs loader.packing: concat (got {loader.packing!r}); use "
+            "ordering: global")
 
 
 class Loader:
@@ -95,46 +115,43 @@ class Loader:
         self.rows = len(self.row_indices)
         if mode not in ("train", "eval"):
             raise LakeloaderError(f"mode must be 'train' or 'eval', got {mode!r}")
-        if loader.packing != "concat":
-            raise ConfigError(f"loader.packing = {loader.packing!r} is not supported yet; use 'concat'")
+        check_combination(config, mode)
         self.mode = mode
         self.process_index, self.process_count = process_index, process_count
         self.lake = Lake(config.lake, config.storage_options)
         self.view = CatalogView(self.lake, config.io_retry_deadline)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline)
-        self.mixer = Mixer.from_config(config)
-        self.specials = self._specials()
-        reader = StreamReader(self.view, self.files, self.specials)
+        names = Mixer.dataset_names(config)
+        self.tokenizer = self.lake.tokenizer(self.view, names)
+        self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
+        self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
         ordering = loader.ordering if mode == "train" else "global"
         shuffle = loader.shuffle if mode == "train" else ShuffleConfig()
         if ordering == "strided" and shuffle.kind != "none":
             raise ConfigError(
                 f"loader.shuffle.kind = {shuffle.kind!r} needs loader.ordering: global (the strided "
                 "ordering fixes its own order); set shuffle to none or ordering to global")
-        self.datasets = [
-            DatasetExamples(name, self.view, reader, seq_len=loader.seq_len, ordering=ordering,
-                            ideal_readers=loader.ideal_readers, wait_timeout=loader.wait_timeout,
-                            shuffle=shuffle, seed=loader.seed)
-            for name in self.mixer.names
-        ]
+        self.datasets = [self._examples(name, ordering, shuffle) for name in names]
+        means = None
+        if config.mixture is not None and config.mixture.unit == "tokens":
+            for examples in self.datasets:   # the weights need every dataset's mean example size
+                examples.complete_chunks()
+            means = example_token_means(self.view, {d.name: d.plan_key for d in self.datasets}, loader.seq_len)
+        self.mixer = Mixer.from_config(config, means)
         self.fingerprint = self._fingerprint()
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
 
-    def _specials(self) -> Specials:
-        path = self.view.named("tokenizer_path", {"datasets": list(self.mixer.names)}).fetchone()
-        if path is None:
-            raise LakeloaderError(f"the lake {self.lake.url} has none of the datasets {self.mixer.names}")
-        if self.lake.is_local:
-            tokenizer = cached_tokenizer(self.lake.path_of(path[0]))
-        else:
-            tokenizer = Tokenizer.from_str(self.lake.fs.cat_file(self.lake.path_of(path[0])).decode())
-        self.tokenizer = tokenizer
-        loader = self.config.loader
-        eos = _token_id(tokenizer, "eos_token", loader.eos_token)
-        bos = _token_id(tokenizer, "bos_token", loader.bos_token) if loader.bos_token else None
-        pad = _token_id(tokenizer, "pad_token", loader.pad_token) if loader.pad_token else eos
-        return Specials(eos=eos, bos=bos, pad=pad)
+    def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
+        loader, dataset = self.config.loader, self.config.datasets[name]
+        reader = StreamReader(self.view, self.files, self.templates[name])
+        common: dict[str, Any] = dict(seq_len=loader.seq_len, ordering=ordering, ideal_readers=loader.ideal_readers,
+                                      wait_timeout=loader.wait_timeout, shuffle=shuffle, seed=loader.seed)
+        spec = packing_spec(name, self.config, self.templates[name])
+        if spec is None:
+            return DatasetExamples(name, self.view, reader, **common)
+        seq2seq = dataset.format == "supervised" and dataset.supervised.output == "seq2seq"
+        return PackedExamples(name, self.view, reader, spec, seq2seq=seq2seq, **common)
 
     def _fingerprint(self) -> str:
         loader = self.config.loader
@@ -143,7 +160,8 @@ class Loader:
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
             "loader": loader.model_dump(
                 exclude={"wait_timeout", "prefetch", "verify", "cache_bytes", "disk_cache_bytes"}),
-            "specials": dataclasses.asdict(self.specials),
+            "templates": {name: t.fingerprint for name, t in self.templates.items()},
+            "pad": self.pad_id,
             "mode": self.mode,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
@@ -165,13 +183,13 @@ class Loader:
 
     # -- batches ---------------------------------------------------------------------------------
 
-    def _windows(self, step: int) -> list[Window | None]:
+    def _windows(self, step: int) -> list[Window | PackedExample | None]:
         positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
             owners, indices = self.mixer.eval_assign(positions, self.datasets)
         else:
             owners, indices = self.mixer.assign(step, self.row_indices)
-        windows: list[Window | None] = []
+        windows: list[Window | PackedExample | None] = []
         for owner, index in zip(owners.tolist(), indices.tolist()):
             if owner < 0:
                 windows.append(None)  # padding past the end of an evaluation pass
@@ -187,29 +205,37 @@ class Loader:
         total = self.num_batches
         if total is not None and step >= total:
             raise IndexError(f"step {step} is past the last batch ({total} batches)")
-        length = self.config.loader.seq_len
-        shape = (self.rows, length)
-        input_ids = np.full(shape, self.specials.pad, np.int32)
-        targets = np.full(shape, self.specials.pad, np.int32)
-        loss_mask = np.zeros(shape, np.float32)
-        segment_ids = np.zeros(shape, np.int32)
-        positions = np.zeros(shape, np.int32)
+        arrays = self._empty_batch()
+        rows = [Row(*(arrays[k][row] for k in _ROW_FIELDS), {k: arrays[k][row] for k in arrays if k not in _ROW_FIELDS})
+                for row in range(self.rows)]
         example_mask = np.zeros(self.rows, np.float32)
-        for row, window in enumerate(self._windows(step)):
-            if window is None:
+        for number, example in enumerate(self._windows(step)):
+            if example is None:
                 continue
-            tokens, keys = window.tokens, window.doc_keys
-            n = len(tokens) - 1
-            input_ids[row, :n] = tokens[:-1]
-            targets[row, :n] = tokens[1:]
-            loss_mask[row, :n] = 1.0
-            segment_ids[row, :n], positions[row, :n] = segments(keys[:-1])
-            example_mask[row] = 1.0
-        batch = {"input_ids": input_ids, "targets": targets, "loss_mask": loss_mask,
-                 "segment_ids": segment_ids, "positions": positions}
+            example.fill(rows[number], self.templates[example.dataset].train_all)
+            example_mask[number] = 1.0
         if self.mode == "eval":
-            batch["example_mask"] = example_mask
-        return batch
+            arrays["example_mask"] = example_mask
+        return arrays
+
+    def _empty_batch(self) -> Batch:
+        loader = self.config.loader
+        shape = (self.rows, loader.seq_len)
+        arrays: Batch = {
+            "input_ids": np.full(shape, self.pad_id, np.int32), "targets": np.full(shape, self.pad_id, np.int32),
+            "loss_mask": np.zeros(shape, np.float32), "segment_ids": np.zeros(shape, np.int32),
+            "positions": np.zeros(shape, np.int32),
+        }
+        datasets = [self.config.datasets[name] for name in self.mixer.names]
+        if any(d.format == "supervised" and d.supervised.output == "seq2seq" for d in datasets):
+            arrays["inputs"] = np.full(shape, self.pad_id, np.int32)
+            arrays["inputs_segment_ids"] = np.zeros(shape, np.int32)
+            arrays["inputs_positions"] = np.zeros(shape, np.int32)
+        images = [d.interleaved.max_images for d in datasets if d.format == "interleaved"]
+        if images:
+            arrays["image_positions"] = np.full((self.rows, max(images)), -1, np.int32)
+            arrays["image_refs"] = np.full((self.rows, max(images)), "", dtype=object)
+        return arrays
 
     def state(self, step: int) -> LoaderState:
         """The state to save so that a restore continues at ``step``."""

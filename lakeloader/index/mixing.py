@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,22 +32,43 @@ class Mixer:
     seed: int
 
     @classmethod
-    def from_config(cls, config: Config) -> Mixer:
-        """The mixer of ``config``; a single dataset needs no ``mixture`` section."""
+    def from_config(cls, config: Config, example_tokens: Mapping[str, float] | None = None) -> Mixer:
+        """The mixer of ``config``; a single dataset needs no ``mixture`` section.
+
+        With ``mixture.unit: tokens`` the weights count non-padding tokens: each is divided by
+        the dataset's mean non-padding tokens per example (``example_tokens``, from the catalog
+        of the complete lake: see :func:`lakeloader.catalog.sql.example_token_means`).
+        """
         mixture = config.mixture
         if mixture is None:
+            cls.dataset_names(config)  # one dataset, or a clear error
+            name = next(iter(config.datasets))
+            return cls((name,), (Stage(0, [1.0]),), config.loader.batch_size, "restart", config.loader.seed)
+        stage_weights = mixture.all_weights()
+        names = cls.dataset_names(config)
+        if mixture.unit == "tokens":
+            if example_tokens is None:
+                raise ConfigError(
+                    "mixture.unit = 'tokens' needs each dataset's mean tokens per example, known once "
+                    "the lake is built: open a loader or audit on the built lake, or use unit: examples")
+            stage_weights = [{n: w / example_tokens[n] if w > 0 else 0.0 for n, w in weights.items()}
+                             for weights in stage_weights]
+        starts = [0] if mixture.weights is not None else [s.start_step for s in mixture.stages or []]
+        stages = tuple(Stage(start, [w.get(n, 0.0) for n in names]) for start, w in zip(starts, stage_weights))
+        return cls(names, stages, config.loader.batch_size, mixture.stop, config.loader.seed)
+
+    @staticmethod
+    def dataset_names(config: Config) -> tuple[str, ...]:
+        """The datasets the config's mixture draws from (weight > 0 in some stage), in config order."""
+        if config.mixture is None:
             if len(config.datasets) != 1:
                 raise ConfigError(
                     f"{config.source_file or 'config'}: {len(config.datasets)} datasets need a "
                     "'mixture' section (e.g. mixture: {weights: {" +
                     ", ".join(f"{n}: 1" for n in config.datasets) + "}})")
-            name = next(iter(config.datasets))
-            return cls((name,), (Stage(0, [1.0]),), config.loader.batch_size, "restart", config.loader.seed)
-        stage_weights = mixture.all_weights()
-        starts = [0] if mixture.weights is not None else [s.start_step for s in mixture.stages or []]
-        names = tuple(n for n in config.datasets if any(w.get(n, 0) > 0 for w in stage_weights))
-        stages = tuple(Stage(start, [w.get(n, 0.0) for n in names]) for start, w in zip(starts, stage_weights))
-        return cls(names, stages, config.loader.batch_size, mixture.stop, config.loader.seed)
+            return tuple(config.datasets)
+        weights = config.mixture.all_weights()
+        return tuple(n for n in config.datasets if any(w.get(n, 0) > 0 for w in weights))
 
     @property
     def mixture_id(self) -> str:

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lakeloader.build.formats import RecordFormat
 from lakeloader.config import Config, DatasetConfig
-from lakeloader.errors import SourceError
+from lakeloader.errors import ConfigError, SourceError
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import MissingSource, Shard, expand_sources
 from lakeloader.plan.splits import Split, plan_splits
@@ -20,7 +21,7 @@ from lakeloader.plan.splits import Split, plan_splits
 log = logging.getLogger(__name__)
 
 # Bump when the chunk file layout changes: old chunks then never mix with new ones.
-CHUNK_FORMAT_VERSION = 1
+CHUNK_FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class DatasetPlan:
     name: str
     fingerprint: str
     format: str
-    fields: tuple[str, ...]
+    fields: tuple[str, ...]   # name of each part kind the chunks store (RecordFormat.kind_names)
     shards: list[Shard]
     chunks: pd.DataFrame  # one row per chunk in global order: see chunk_table()
     missing: list[MissingSource]
@@ -55,7 +56,7 @@ def dataset_fingerprint(
         "sources": [(s.url, s.size, s.version) for s in shards],
         "tokenizer": tokenizer_fingerprint,
         "format": dataset.format,
-        "fields": {"text_field": dataset.text_field},
+        "fields": dataset.build_fields,
         "split_size": split_size,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -79,6 +80,20 @@ def chunk_table(splits: list[list[Split]], folder: str) -> pd.DataFrame:
     )
 
 
+def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordFormat, shards: list[Shard]) -> None:
+    """ConfigError for plain-text sources of a format whose documents are more than one string."""
+    plain = [shard.url for shard in shards if shard.layout == "text"]
+    if plain and not record_format.text_only:
+        listing = "\n".join(f"  {url}" for url in plain[:5])
+        if len(plain) > 5:
+            listing += f"\n  ... and {len(plain) - 5} more"
+        raise ConfigError(
+            f"dataset {name!r}: format: {dataset.format} needs JSON Lines or Parquet sources "
+            f"(.jsonl, .jsonl.gz, .jsonl.zst, .parquet), but {len(plain)} source(s) are plain text:\n{listing}\n"
+            f"convert them or remove them from datasets.{name}.sources"
+        )
+
+
 def plan_dataset(
     name: str, config: Config, tokenizer_fingerprint: str, storage_options: dict[str, Any] | None = None
 ) -> DatasetPlan:
@@ -96,6 +111,8 @@ def plan_dataset(
             f"dataset {name!r}: {len(missing)} source(s) cannot be read:\n{listing}\n"
             f"fix the paths under datasets.{name}.sources, or set datasets.{name}.on_error: skip"
         )
+    record_format = RecordFormat.from_config(dataset)
+    _check_layouts(name, dataset, record_format, shards)
     for m in missing:
         log.warning("dataset %r: skipping source %s: %s", name, m.source, m.reason)
     if not shards:
@@ -107,7 +124,7 @@ def plan_dataset(
         name=name,
         fingerprint=fingerprint,
         format=dataset.format,
-        fields=("text",),
+        fields=record_format.kind_names,
         shards=shards,
         chunks=chunk_table(splits, chunk_folder(name, fingerprint)),
         missing=missing,

@@ -48,11 +48,28 @@ class DatasetChunks:
     checksums: np.ndarray          # object array
     shard_index: np.ndarray        # int64 per chunk
     token_type: str
+    num_parts: np.ndarray          # int64 [chunks, kinds]: parts of each kind
+    format: str = "text"
+    kind_names: tuple[str, ...] = ("text",)
+    plan_key: str | None = None    # packing plan of num_examples (pack | pad), else None
+    num_examples: np.ndarray | None = None   # int64 per chunk under plan_key
+    example_tokens: np.ndarray | None = None  # non-padding tokens of those examples, per chunk
 
     @property
     def committed(self) -> int:
         """Number of chunks in the committed prefix."""
         return len(self.paths)
+
+
+def part_matrix(column: Any, kinds: int) -> np.ndarray:
+    """A LIST column of per-kind counts as an int64 ``[rows, kinds]`` matrix (missing or empty
+    lists, as for chunks without documents, count zero)."""
+    rows = list(column)
+    out = np.zeros((len(rows), kinds), np.int64)
+    for i, row in enumerate(rows):
+        if row is not None and len(row):
+            out[i, : len(row)] = row
+    return out
 
 
 class CatalogView:
@@ -107,8 +124,9 @@ class CatalogView:
         """Run a named query of catalog/queries.sql."""
         return self.execute(query(name), params)
 
-    def dataset(self, name: str) -> DatasetChunks:
-        """The committed prefix of dataset ``name``."""
+    def dataset(self, name: str, plan_key: str | None = None) -> DatasetChunks:
+        """The committed prefix of dataset ``name``; with a packing ``plan_key``, the prefix of
+        chunks whose example counts under that plan are kept, with those counts."""
         plan = self.named("reader_dataset", {"name": name}).fetchone()
         if plan is None:
             raise CatalogError(
@@ -116,25 +134,41 @@ class CatalogView:
                 "(lakeloader build CONFIG)"
             )
         fingerprint, token_type, planned, prefix = plan
-        frame = self.named("reader_chunks", {"name": name, "prefix": prefix}).fetchnumpy()
+        fmt, kinds = self.named("reader_dataset_fields", {"name": name}).fetchone()
+        examples = None
+        if plan_key is not None:
+            examples = self.named("reader_chunk_examples", {"name": name, "plan_key": plan_key,
+                                                            "prefix": prefix}).fetchnumpy()
+            counted = examples["global_index"]
+            # The prefix ends at the first chunk without counts.
+            gaps = np.flatnonzero(counted != np.arange(len(counted)))
+            prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
+        column = self.named("reader_chunks", {"name": name, "prefix": prefix}).fetchnumpy()
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
-            paths=frame["path"].astype(object), num_docs=frame["num_docs"].astype(np.int64),
-            num_tokens=frame["num_tokens"].astype(np.int64), num_bytes=frame["num_bytes"].astype(np.int64),
-            checksums=frame["checksum"].astype(object), shard_index=frame["shard_index"].astype(np.int64),
-            token_type=token_type,
+            paths=column["path"].astype(object), num_docs=column["num_docs"].astype(np.int64),
+            num_tokens=column["num_tokens"].astype(np.int64), num_bytes=column["num_bytes"].astype(np.int64),
+            checksums=column["checksum"].astype(object), shard_index=column["shard_index"].astype(np.int64),
+            token_type=token_type, num_parts=part_matrix(column["num_parts"], len(kinds)),
+            format=fmt, kind_names=tuple(kinds), plan_key=plan_key,
+            num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
+            example_tokens=None if examples is None else examples["num_tokens"][:prefix].astype(np.int64),
         )
+
+    def plan_registered(self, name: str, plan_key: str) -> bool:
+        """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
+        return bool(self.named("packing_plan_registered", {"name": name, "plan_key": plan_key}).fetchone()[0])
 
     def row_groups(self, name: str, global_index: int) -> dict[str, np.ndarray]:
         """First doc/token and counts of each row group of one committed chunk."""
         return self.named("reader_row_groups", {"name": name, "global_index": global_index}).fetchnumpy()
 
-    def wait_for(self, name: str, chunk: int, timeout: float) -> DatasetChunks:
+    def wait_for(self, name: str, chunk: int, timeout: float, plan_key: str | None = None) -> DatasetChunks:
         """Block until chunk ``chunk`` of ``name`` is committed or the dataset is complete."""
         deadline = time.monotonic() + timeout
         announced = False
         while True:
-            chunks = self.dataset(name)
+            chunks = self.dataset(name, plan_key)
             if chunk < chunks.committed or chunks.complete:
                 return chunks
             if not announced:

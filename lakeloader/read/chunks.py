@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from typing import Any
 
@@ -10,7 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, PART_REFS_COLUMN, TOKENS_COLUMN,
+                                    table_parts)
 from lakeloader.errors import ChunkIntegrityError
+from lakeloader.index.layout import ChunkParts
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
@@ -18,33 +22,53 @@ from lakeloader.storage import sha256_of, with_retries
 
 
 
+def _nbytes(item: Any) -> int:
+    if isinstance(item, np.ndarray):
+        return item.nbytes
+    if dataclasses.is_dataclass(item):
+        return sum(_nbytes(getattr(item, f.name)) for f in dataclasses.fields(item))
+    if isinstance(item, (tuple, list)):
+        return sum(_nbytes(x) for x in item)
+    return 64
+
+
 class RowGroupCache:
-    """Decoded row groups (token values and document offsets), bounded in bytes, LRU."""
+    """Decoded row groups and what is derived from them (arrays or dataclasses of arrays),
+    bounded in bytes, LRU."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = (
-            collections.OrderedDict())
+        self._items: collections.OrderedDict[tuple[Any, ...], tuple[Any, int]] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    def get(self, key: tuple[Any, ...]) -> Any:
         with self._lock:
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-            return item
+            found = self._items.get(key)
+            if found is None:
+                return None
+            self._items.move_to_end(key)
+            return found[0]
 
-    def put(self, key: tuple[Any, ...], item: tuple[np.ndarray, np.ndarray]) -> None:
-        size = item[0].nbytes + item[1].nbytes
+    def put(self, key: tuple[Any, ...], item: Any) -> None:
+        size = _nbytes(item)
         with self._lock:
             if key in self._items:
                 return
-            self._items[key] = item
+            self._items[key] = (item, size)
             self._bytes += size
             while self._bytes > self.max_bytes and len(self._items) > 1:
-                _, (values, offsets) = self._items.popitem(last=False)
-                self._bytes -= values.nbytes + offsets.nbytes
+                _, (_, evicted) = self._items.popitem(last=False)
+                self._bytes -= evicted
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroup:
+    """One row group of a chunk: stored tokens and each document's parts."""
+
+    values: np.ndarray          # all parts' tokens back to back
+    parts: ChunkParts           # part layout, documents numbered from 0 within the row group
+    refs: np.ndarray | None     # interleaved: reference of each part (None for text parts)
 
 
 class ChunkFiles:
@@ -99,27 +123,47 @@ class ChunkFiles:
         with self._lock:
             self._verified.add(path)
 
-    def row_group(self, chunks: DatasetChunks, index: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token values, document offsets) of one row group of chunk ``index`` (zero-copy views)."""
-        key = (chunks.fingerprint, index, group)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
+    def _read(self, chunks: DatasetChunks, index: int, groups: list[int] | None, columns: list[str]) -> pa.Table:
         path = chunks.paths[index]
         with self._open(chunks, index) as handle:
             self._check(chunks, index, handle)
             with self._lock:
                 self.files_opened.add(path)
             try:
-                column = pq.ParquetFile(handle).read_row_group(group, columns=["text"]).column(0)
+                parquet = pq.ParquetFile(handle)
+                present = [c for c in columns if c in parquet.schema_arrow.names]
+                if groups is None:
+                    return parquet.read(columns=present)
+                return parquet.read_row_groups(groups, columns=present)
             except (OSError, pa.ArrowException) as exc:
                 raise ChunkIntegrityError(
                     f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}"
                 ) from exc
+
+    def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
+        """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy)."""
+        key = (chunks.fingerprint, index, group)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        table = self._read(chunks, index, [group], [TOKENS_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN,
+                                                    PART_REFS_COLUMN])
+        column = table.column(TOKENS_COLUMN)
         array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         offsets = array.offsets.to_numpy(zero_copy_only=True)
         values = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
-        item = (values, offsets - offsets[0])
+        refs = None
+        if PART_REFS_COLUMN in table.column_names:
+            refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
+        item = RowGroup(values, table_parts(table), refs)
         self.cache.put(key, item)
         return item
 
+    def chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
+        """The part layout of every document of chunk ``index`` (small columns only)."""
+        key = ("parts", chunks.fingerprint, index)
+        cached = self.cache.get(key)
+        if cached is None:
+            cached = table_parts(self._read(chunks, index, None, [PART_LENGTHS_COLUMN, PART_KINDS_COLUMN]))
+            self.cache.put(key, cached)
+        return cached

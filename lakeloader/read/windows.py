@@ -1,4 +1,4 @@
-"""Token windows of a dataset's stream: chunk row groups turned into stream tokens with specials."""
+"""Token windows of a dataset's stream: chunk row groups rendered (special tokens, templates)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from lakeloader.index.concat import cumulative, locate
-from lakeloader.read.catalog_view import CatalogView, DatasetChunks
-from lakeloader.read.chunks import ChunkFiles
-
-
-@dataclasses.dataclass(frozen=True)
-class Specials:
-    """Token ids added at collation."""
-
-    eos: int
-    bos: int | None
-    pad: int
-
-    @property
-    def count(self) -> int:
-        """Special tokens added per document."""
-        return 1 + (self.bos is not None)
+from lakeloader.index.render import Rendered, Template, fim_choice, fim_counts, render, stream_lengths
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
+from lakeloader.read.chunks import ChunkFiles, RowGroup
 
 
 @dataclasses.dataclass
@@ -36,73 +23,92 @@ class Piece:
     start: int          # first stream offset within the chunk
     tokens: np.ndarray
     docs: np.ndarray    # document index within the chunk of every token
+    trainable: np.ndarray   # bool: whether each token is a training target
 
 
 class StreamReader:
-    """Reads ranges of chunk streams (documents with their specials), one row group at a time."""
+    """Reads ranges of one dataset's chunk streams (documents rendered by its collation
+    template), one row group at a time."""
 
-    def __init__(self, view: CatalogView, files: ChunkFiles, specials: Specials) -> None:
+    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template) -> None:
         self.view = view
         self.files = files
-        self.specials = specials
+        self.template = template
         self._row_groups: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def _groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
+        """Rendered stream tokens of each committed chunk (from catalog counts only)."""
+        fim = fim_counts(self.template.fim, np.arange(chunks.committed), chunks.num_docs)
+        return stream_lengths(self.template, chunks.num_tokens, chunks.num_docs, chunks.num_parts, fim)
+
+    def _fim(self, chunks: DatasetChunks, chunk: int, docs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        if self.template.fim is None:
+            return None
+        return fim_choice(self.template.fim, chunk, int(chunks.num_docs[chunk]), docs, lengths)
+
+    def groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream offsets of the row groups within the chunk, first document of each)."""
         key = (chunks.fingerprint, chunk)
         with self._lock:
             found = self._row_groups.get(key)
         if found is None:
             groups = self.view.row_groups(chunks.name, chunk)
-            lengths = groups["num_tokens"] + groups["num_docs"] * self.specials.count
-            found = (cumulative(lengths.astype(np.int64)), groups["first_doc"].astype(np.int64))
+            first_doc = groups["first_doc"].astype(np.int64)
+            num_docs = groups["num_docs"].astype(np.int64)
+            fim_docs = np.zeros(len(first_doc), np.int64)
+            if self.template.fim is not None:
+                # Which documents are FIM does not depend on their lengths: count them per group.
+                docs = np.arange(int(chunks.num_docs[chunk]), dtype=np.int64)
+                selected = self._fim(chunks, chunk, docs, np.zeros(len(docs), np.int64))[0]
+                fim_docs = np.add.reduceat(selected.astype(np.int64), first_doc) if len(docs) else fim_docs
+            lengths = stream_lengths(self.template, groups["num_tokens"], num_docs,
+                                     part_matrix(groups["num_parts"], len(self.template.kind_names)), fim_docs)
+            found = (cumulative(lengths), first_doc)
             with self._lock:
                 if len(self._row_groups) > 4096:
                     self._row_groups.clear()
                 self._row_groups[key] = found
         return found
 
-    def _group_stream(self, chunks: DatasetChunks, chunk: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """(stream tokens, document start offsets + end) of one row group, specials inserted."""
-        key = ("stream", chunks.fingerprint, chunk, group, self.specials)
+    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> tuple[Rendered, RowGroup]:
+        """One row group's documents rendered (cached), and the stored row group."""
+        stored = self.files.row_group(chunks, chunk, group)
+        key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
         cached = self.files.cache.get(key)
-        if cached is not None:
-            return cached
-        values, offsets = self.files.row_group(chunks, chunk, group)
-        specials = self.specials
-        lengths = np.diff(offsets)
-        docs = len(lengths)
-        starts = offsets[:-1] + np.arange(docs, dtype=np.int64) * specials.count
-        stream = np.empty(len(values) + docs * specials.count, dtype=np.int32)
-        lead = int(specials.bos is not None)
-        owner = np.repeat(np.arange(docs, dtype=np.int64), lengths)
-        stream[np.arange(len(values), dtype=np.int64) + owner * specials.count + lead] = values
-        if specials.bos is not None:
-            stream[starts] = specials.bos
-        stream[starts + lead + lengths] = specials.eos
-        item = (stream, np.append(starts, len(stream)))
-        self.files.cache.put(key, item)
-        return item
+        if cached is None:
+            parts = stored.parts
+            first_doc = int(self.groups(chunks, chunk)[1][group])
+            fim = None
+            if self.template.fim is not None:
+                content = np.bincount(parts.part_doc, weights=parts.part_lengths, minlength=parts.num_docs)
+                fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), content.astype(np.int64))
+            cached = render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
+                            parts.num_docs, fim)
+            self.files.cache.put(key, cached)
+        return cached, stored
 
     def chunk_range(self, chunks: DatasetChunks, chunk: int, start: int, stop: int,
                     position: int = 0) -> Piece:
         """Stream tokens ``[start, stop)`` of chunk ``chunk`` with each token's document."""
-        offsets, first_docs = self._groups(chunks, chunk)
+        offsets, first_docs = self.groups(chunks, chunk)
         tokens, docs = [], []
         group = int(locate(offsets, np.array([start]))[0]) if stop > start else len(first_docs)
+        trainable = []
         while group < len(first_docs) and offsets[group] < stop:
-            stream, doc_starts = self._group_stream(chunks, chunk, group)
+            rendered, _ = self.rendered_group(chunks, chunk, group)
             a = max(start - offsets[group], 0)
-            b = min(stop - offsets[group], len(stream))
-            tokens.append(stream[a:b])
-            local = np.searchsorted(doc_starts, np.arange(a, b), side="right") - 1
+            b = min(stop - offsets[group], len(rendered.tokens))
+            tokens.append(rendered.tokens[a:b])
+            trainable.append(rendered.trainable[a:b])
+            local = np.searchsorted(rendered.doc_starts, np.arange(a, b), side="right") - 1
             docs.append(local + first_docs[group])
             group += 1
         return Piece(
             position=position, chunk=chunk, start=start,
             tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
             docs=np.concatenate(docs) if docs else np.zeros(0, np.int64),
+            trainable=np.concatenate(trainable) if trainable else np.zeros(0, bool),
         )
 
     def window(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,

@@ -1,0 +1,251 @@
+"""Collation: a document's stored parts become its rendered tokens, with special tokens and
+templates from the config (never stored, so changing them needs no rebuild).
+
+A document renders as ``doc_prefix`` (BOS), then per part ``part_prefix[kind] + content +
+part_suffix[kind]``, then ``doc_suffix`` (EOS). Fill-in-the-middle reorders a seeded choice of
+documents' content around three sentinels. Everything here is a function of integer arrays; the
+rendered length of a document is known from its part lengths and kinds alone, so stream offsets
+and packing plans never need the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+
+from lakeloader.index.permutation import mix_key, permute
+
+FIM_SENTINELS = 3
+_SLOTS = 8   # output order slots per part: prefix, 6 content pieces (FIM), suffix
+
+
+@dataclasses.dataclass(frozen=True)
+class Fim:
+    """Fill-in-the-middle: a fraction ``rate`` of documents, cut at two seeded token positions."""
+
+    rate: float
+    spm_rate: float
+    prefix: int            # sentinel token ids
+    middle: int
+    suffix: int
+    key: int               # seeds which documents and where (per dataset)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Template:
+    """Token ids added at collation around documents and around each part kind.
+
+    ``part_trains[k]``: whether the content and suffix of parts of kind ``k`` are training
+    targets (prefixes never are, unless ``train_all``). The document suffix trains when its
+    last part does. ``train_all`` (plain text) makes every token a target.
+    """
+
+    kind_names: tuple[str, ...]
+    doc_prefix: np.ndarray
+    doc_suffix: np.ndarray
+    part_prefix: tuple[np.ndarray, ...]
+    part_suffix: tuple[np.ndarray, ...]
+    part_trains: tuple[bool, ...]
+    train_all: bool = True
+    fim: Fim | None = None
+    image_kind: int | None = None     # kind whose parts are images (interleaved)
+
+    @property
+    def doc_overhead(self) -> int:
+        """Tokens added to every document."""
+        return len(self.doc_prefix) + len(self.doc_suffix)
+
+    @property
+    def part_overhead(self) -> np.ndarray:
+        """Tokens added around each part, per kind (int64)."""
+        return np.array([len(p) + len(s) for p, s in zip(self.part_prefix, self.part_suffix)], np.int64)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of everything that decides rendered tokens and their loss."""
+        payload = {
+            "kinds": list(self.kind_names), "doc": [self.doc_prefix.tolist(), self.doc_suffix.tolist()],
+            "parts": [[p.tolist(), s.tolist()] for p, s in zip(self.part_prefix, self.part_suffix)],
+            "trains": list(self.part_trains), "train_all": self.train_all,
+            "fim": dataclasses.asdict(self.fim) if self.fim else None, "image_kind": self.image_kind,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _ids(values: list[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
+def make_template(kind_names: tuple[str, ...], *, bos: int | None, eos: int,
+                  part_prefix: dict[str, list[int]] | None = None,
+                  part_suffix: dict[str, list[int]] | None = None,
+                  trains: set[str] | None = None, fim: Fim | None = None,
+                  image_kind: str | None = None) -> Template:
+    """A :class:`Template` from token ids per kind name (missing kinds add nothing); ``trains``
+    None means every token trains (plain text and FIM)."""
+    part_prefix, part_suffix = part_prefix or {}, part_suffix or {}
+    return Template(
+        kind_names=tuple(kind_names),
+        doc_prefix=_ids([] if bos is None else [bos]), doc_suffix=_ids([eos]),
+        part_prefix=tuple(_ids(part_prefix.get(k, [])) for k in kind_names),
+        part_suffix=tuple(_ids(part_suffix.get(k, [])) for k in kind_names),
+        part_trains=tuple(trains is None or k in trains for k in kind_names),
+        train_all=trains is None, fim=fim,
+        image_kind=None if image_kind is None else kind_names.index(image_kind),
+    )
+
+
+# -- fill-in-the-middle choices --------------------------------------------------------------------
+
+def _unit(h: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1) from uint64 hashes (53 bits)."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def fim_counts(fim: Fim | None, chunks: np.ndarray, num_docs: np.ndarray) -> np.ndarray:
+    """FIM documents of each chunk: ``floor(rate * docs + u)`` with a seeded ``u`` per chunk
+    (unbiased, and closed form, so stream offsets never need the documents)."""
+    num_docs = np.asarray(num_docs, np.int64)
+    if fim is None or fim.rate == 0 or not len(num_docs):
+        return np.zeros(len(num_docs), np.int64)
+    u = _unit(mix_key(fim.key, np.asarray(chunks, np.int64), 0))
+    return np.minimum(np.floor(fim.rate * num_docs + u).astype(np.int64), num_docs)
+
+
+def fim_choice(fim: Fim | None, chunk: int, chunk_docs: int, docs: np.ndarray,
+               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For documents ``docs`` of a chunk of ``chunk_docs`` documents with content ``lengths``:
+    (selected, spm, cut a, cut b): the document is cut into ``[0, a) [a, b) [b, len)``."""
+    docs = np.asarray(docs, np.int64)
+    n = len(docs)
+    if fim is None or not n:
+        z = np.zeros(n, np.int64)
+        return z.astype(bool), z.astype(bool), z, z
+    count = int(fim_counts(fim, np.array([chunk]), np.array([chunk_docs]))[0])
+    selected = permute(docs, chunk_docs, int(mix_key(fim.key, chunk, 1)[0])) < count
+    hashes = [mix_key(fim.key, chunk, docs, salt) for salt in (2, 3, 4)]
+    spm = _unit(hashes[0]) < fim.spm_rate
+    span = np.asarray(lengths, np.int64) + 1
+    cuts = np.sort(np.stack([(h % span.astype(np.uint64)).astype(np.int64) for h in hashes[1:]]), axis=0)
+    return selected, spm, cuts[0], cuts[1]
+
+
+# -- lengths (no tokens needed) -------------------------------------------------------------------
+
+def stream_lengths(template: Template, num_tokens: np.ndarray, num_docs: np.ndarray,
+                   num_parts: np.ndarray, fim_docs: np.ndarray) -> np.ndarray:
+    """Rendered tokens of whole chunks or row groups from their stored counts: tokens, documents,
+    parts per kind (``[n, kinds]``) and FIM documents."""
+    return (np.asarray(num_tokens, np.int64) + np.asarray(num_docs, np.int64) * template.doc_overhead
+            + np.asarray(num_parts, np.int64).reshape(len(num_tokens), -1) @ template.part_overhead
+            + FIM_SENTINELS * np.asarray(fim_docs, np.int64))
+
+
+def doc_lengths(template: Template, part_lengths: np.ndarray, part_kinds: np.ndarray,
+                part_doc: np.ndarray, num_docs: int, fim_selected: np.ndarray | None = None) -> np.ndarray:
+    """Rendered length of each document from its parts (``part_doc``: each part's document)."""
+    per_part = np.asarray(part_lengths, np.int64) + template.part_overhead[np.asarray(part_kinds, np.int64)]
+    lengths = np.bincount(part_doc, weights=per_part, minlength=num_docs).astype(np.int64) + template.doc_overhead
+    if fim_selected is not None:
+        lengths += FIM_SENTINELS * fim_selected.astype(np.int64)
+    return lengths
+
+
+def part_starts(template: Template, part_lengths: np.ndarray, part_kinds: np.ndarray,
+                part_doc: np.ndarray) -> np.ndarray:
+    """Rendered offset of each part's prefix within its document (FIM documents excepted)."""
+    per_part = np.asarray(part_lengths, np.int64) + template.part_overhead[np.asarray(part_kinds, np.int64)]
+    ends = np.cumsum(per_part)
+    first_of_doc = np.searchsorted(part_doc, part_doc, side="left")
+    before_doc = np.where(first_of_doc > 0, ends[first_of_doc - 1], 0)
+    return ends - per_part - before_doc + len(template.doc_prefix)
+
+
+# -- tokens ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """Rendered tokens of consecutive documents."""
+
+    tokens: np.ndarray        # int32
+    trainable: np.ndarray     # bool: token is a training target
+    doc_starts: np.ndarray    # int64 [docs + 1]: offsets of each document, then the end
+
+
+def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
+           part_doc: np.ndarray, num_docs: int, fim: tuple[np.ndarray, ...] | None = None) -> Rendered:
+    """Render documents whose parts' contents are ``values`` back to back (parts in order).
+
+    ``fim``: :func:`fim_choice` of these documents (selected, spm, a, b); FIM documents have one
+    part. One gather over a pool of stored values and template tokens: no per-token Python.
+    """
+    part_lengths = np.asarray(part_lengths, np.int64)
+    kinds = np.asarray(part_kinds, np.int64)
+    part_doc = np.asarray(part_doc, np.int64)
+    parts = len(kinds)
+    content_start = np.cumsum(part_lengths) - part_lengths
+    index_in_doc = np.arange(parts) - np.searchsorted(part_doc, part_doc, side="left")
+
+    # The constant pool after the values: doc prefix, doc suffix, then each kind's prefix and suffix.
+    pool_pieces = [template.doc_prefix, template.doc_suffix, *[x for pair in zip(
+        template.part_prefix, template.part_suffix) for x in pair]]
+    if template.fim is not None:
+        f = template.fim
+        pool_pieces += [_ids([f.prefix]), _ids([f.suffix]), _ids([f.middle])]
+    piece_at = np.cumsum([0] + [len(p) for p in pool_pieces]) + len(values)
+    pool = np.concatenate([np.asarray(values, np.int32), *pool_pieces]) if pool_pieces else np.asarray(values, np.int32)
+
+    segments: list[tuple[np.ndarray, ...]] = []   # (doc, slot, source start, length, trains)
+
+    def add(doc: np.ndarray, slot: np.ndarray | int, start: np.ndarray | int, length: np.ndarray | int,
+            trains: np.ndarray | bool) -> None:
+        n = len(doc)
+        segments.append(tuple(np.broadcast_to(np.asarray(x), (n,)).astype(t) for x, t in (
+            (doc, np.int64), (slot, np.int64), (start, np.int64), (length, np.int64), (trains, bool))))
+
+    all_docs = np.arange(num_docs, dtype=np.int64)
+    last_part = np.full(num_docs, -1, np.int64)
+    last_part[part_doc] = np.arange(parts)
+    trains_kind = np.array(template.part_trains, bool) | template.train_all
+    suffix_trains = template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+    add(all_docs, 0, piece_at[0], len(template.doc_prefix), template.train_all)
+    add(all_docs, _SLOTS * parts + 1, piece_at[1], len(template.doc_suffix), suffix_trains)
+
+    base_slot = 1 + _SLOTS * index_in_doc
+    prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)
+    suffix_len = np.array([len(s) for s in template.part_suffix], np.int64)
+    add(part_doc, base_slot, piece_at[2 + 2 * kinds], prefix_len[kinds], template.train_all)
+    add(part_doc, base_slot + _SLOTS - 1, piece_at[3 + 2 * kinds], suffix_len[kinds], trains_kind[kinds])
+
+    plain = np.ones(parts, bool)
+    if fim is not None and template.fim is not None:
+        selected, spm, a, b = (np.asarray(x) for x in fim)
+        fim_part = np.flatnonzero(selected[part_doc])
+        plain[fim_part] = False
+        d, start, length = part_doc[fim_part], content_start[fim_part], part_lengths[fim_part]
+        a, b, is_spm = a[d], b[d], spm[d]
+        slot = base_slot[fim_part]
+        sentinel = piece_at[-4:-1]   # prefix, suffix, middle sentinels
+        # PSM: <PRE> P <SUF> S <MID> M      SPM: <PRE> <SUF> S <MID> P M
+        order = [
+            (sentinel[0], 1, False), (start, a, True), (sentinel[1], 1, False),
+            (start + b, length - b, True), (sentinel[2], 1, False), (start + a, b - a, True),
+        ]
+        spm_slots = [0, 4, 1, 2, 3, 5]   # where each PSM piece goes in SPM order
+        for i, (src, n, content) in enumerate(order):
+            piece_slot = slot + 1 + np.where(is_spm, spm_slots[i], i)
+            add(d, piece_slot, src, n, trains_kind[0] if content else template.train_all)
+    add(part_doc[plain], base_slot[plain] + 1, content_start[plain], part_lengths[plain], trains_kind[kinds[plain]])
+
+    doc, slot, start, length, trains = (np.concatenate(c) for c in zip(*segments))
+    order = np.lexsort((slot, doc))
+    doc, start, length, trains = doc[order], start[order], length[order], trains[order]
+    out_start = np.cumsum(length) - length
+    total = int(length.sum())
+    source = np.repeat(start - out_start, length) + np.arange(total, dtype=np.int64)
+    doc_ends = np.bincount(doc, weights=length, minlength=num_docs).astype(np.int64)
+    return Rendered(tokens=pool[source], trainable=np.repeat(trains, length),
+                    doc_starts=np.concatenate([[0], np.cumsum(doc_ends)]).astype(np.int64))
