@@ -5,7 +5,9 @@ Builds (once) a single-dataset lake of the demo corpus's `code` documents, then 
   of the lake, next to `pyarrow.parquet.read_table` of the same chunk files into numpy (ratio;
   target >= 0.5);
 - time to the first batch after a seek to step 10 and to step 1,000,000 from a fresh Loader
-  (target: < 100 ms at 10^6 and within 1.5x of step 10).
+  (target: < 100 ms at 10^6 and within 1.5x of step 10);
+- the same with ``packing: pack`` (whole documents, first fit): non-padding tokens/s, padding
+  fraction and seek latency (a seek also plans the chunk it lands in).
 
     .venv/bin/python benchmarks/loader_throughput.py
 """
@@ -28,15 +30,15 @@ from lakeloader.lake import open_lake
 BATCH, SEQ = 64, 2048
 
 
-def config_for(ordering: str, verify: str = "checksum") -> str:
+def config_for(ordering: str, verify: str = "checksum", packing: str = "concat") -> str:
     corpus = prepare_corpus(OUT / "demo-corpus", size="demo")
-    path = OUT / f"loader-{ordering}-{verify}.yaml"
+    path = OUT / f"loader-{ordering}-{verify}-{packing}.yaml"
     path.write_text(yaml.safe_dump({
         "lake": str(OUT / "loader-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
         "build": {"split_size": "1MB"},
         "loader": {"seq_len": SEQ, "batch_size": BATCH, "ordering": ordering, "ideal_readers": 8,
-                   "prefetch": 2, "verify": verify},
+                   "prefetch": 2, "verify": verify, "packing": packing},
     }))
     return str(path)
 
@@ -51,17 +53,19 @@ def raw_read(config: str) -> tuple[int, float]:
     return tokens, time.perf_counter() - started
 
 
-def loader_pass(config: str) -> tuple[int, float, int]:
+def loader_pass(config: str, steps: int | None = None) -> tuple[int, float, int]:
+    """(non-padding tokens, seconds, steps) of about one pass over the lake."""
     loader = Loader(config)
-    tokens_in_lake = int(loader.datasets[0].offsets[-1])
-    steps = max(1, tokens_in_lake // (BATCH * SEQ))
-    started = time.perf_counter()
+    if steps is None:
+        steps = max(1, int(loader.datasets[0].offsets[-1]) // (BATCH * SEQ))
+    started, tokens = time.perf_counter(), 0
     for step, batch in enumerate(loader.iter_from(0)):
+        tokens += int((batch["segment_ids"] > 0).sum())
         if step + 1 == steps:
             break
     seconds = time.perf_counter() - started
     assert batch["input_ids"].shape == (BATCH, SEQ)
-    return steps * BATCH * SEQ, seconds, steps
+    return tokens, seconds, steps
 
 
 def seek_latency(config: str, step: int, repeats: int = 5) -> tuple[float, float]:
@@ -91,8 +95,17 @@ def main() -> None:
         figures[f"{ordering}_steps"] = steps
         figures[f"{ordering}_tokens_per_s"] = round(tokens / seconds)
         figures[f"{ordering}_ratio_to_raw (target >= 0.5)"] = round(tokens / seconds / raw_rate, 3)
-    tokens, seconds, _ = loader_pass(config_for("global", verify="size"))
+    tokens, seconds, steps = loader_pass(config_for("global", verify="size"))
     figures["global_verify_size_tokens_per_s"] = round(tokens / seconds)
+    pack_config = config_for("global", packing="pack")
+    build(pack_config, workers=2, progress=False)   # adds the per-chunk packing counts only
+    tokens, seconds, pack_steps = loader_pass(pack_config, steps)
+    figures["pack_tokens_per_s (non-padding)"] = round(tokens / seconds)
+    figures["pack_ratio_to_raw"] = round(tokens / seconds / raw_rate, 3)
+    figures["pack_padding_fraction"] = round(1 - tokens / (pack_steps * BATCH * SEQ), 4)
+    for step in (10, 1_000_000):
+        _, first_s = seek_latency(pack_config, step)
+        figures[f"pack_seek_{step}_first_batch_ms"] = round(first_s * 1e3, 1)
     for step in (10, 1_000_000):
         open_s, first_s = seek_latency(global_config, step)
         figures[f"seek_{step}_open_ms"] = round(open_s * 1e3, 1)

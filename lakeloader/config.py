@@ -146,6 +146,18 @@ class DatasetConfig(_Strict):
         return self
 
     @property
+    def part_kinds(self) -> tuple[str, ...]:
+        """The kinds of part the build stores for this format (``dataset_plans.fields``): a
+        part's kind is its index here."""
+        if self.format == "chat":
+            return tuple(self.chat.roles)
+        if self.format == "supervised":
+            return ("prompt", "response")
+        if self.format == "interleaved":
+            return ("text", "image")
+        return ("text",)
+
+    @property
     def build_fields(self) -> dict[str, Any]:
         """The keys that decide what the build stores (part of the dataset fingerprint); the
         rest of the format's section is applied at collation and never needs a rebuild."""

@@ -59,7 +59,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "`text` column of token ids), so DuckDB reads them directly."),
         ("code", "chunks = lake.sql(\"SELECT dataset, path FROM chunks WHERE status = 'committed'\")\n"
                  "lengths = {\n"
-                 "    name: duckdb.sql(f\"SELECT len(text) AS tokens FROM read_parquet({[lake.path_of(p) for p in group.path]})\").df().tokens\n"
+                 "    name: duckdb.sql(f\"SELECT len(tokens) AS tokens FROM read_parquet({[lake.path_of(p) for p in group.path]})\").df().tokens\n"
                  "    for name, group in chunks.groupby('dataset')\n"
                  "}\n"
                  "fig, axes = plt.subplots(1, len(lengths), figsize=(12, 3))\n"

@@ -69,7 +69,7 @@ def test_lake_tokens_equal_encode_in_global_order(tmp_path: Path, dask_scheduler
     for row in chunks.itertuples():
         meta = pq.read_metadata(open_lake(config).path_of(row.path))
         assert meta.num_rows == row.num_docs
-        assert meta.schema.to_arrow_schema().field("text").type.value_type == "uint16"
+        assert meta.schema.to_arrow_schema().field("tokens").type.value_type == "uint16"
     # Round-robin over the 5 shards: the first 5 chunks are split 0 of each shard.
     assert chunks.shard_index.tolist()[:5] == [0, 1, 2, 3, 4]
 

@@ -21,7 +21,7 @@ POLICIES = ("split", "truncate", "error")
 
 
 def reference_pieces(lengths, seq_len, policy, spans, max_images):
-    """(doc, start, stop, images) of every piece, cutting as the rules say, one token rule at a time."""
+    """(doc, start, stop, images) of every piece: each cut moved back one rule at a time until none applies."""
     pieces = []
     for d, length in enumerate(lengths):
         mine = spans.get(d, [])
@@ -68,11 +68,16 @@ def reference_plan(lengths, seq_len, *, mode="pack", algorithm="first_fit", wind
             e = min(fits) if algorithm == "first_fit" else min(fits, key=lambda e: (seq_len - tokens[e], e))
         else:
             e = len(tokens)
-            tokens.append(0), images.append(0), members.append([])
+            tokens.append(0)
+            images.append(0)
+            members.append([])
         tokens[e] += b - a
         images[e] += n
         members[e].append((d, a, b, e))
-        if e not in open_examples:
+        if tokens[e] == seq_len:
+            if e in open_examples:
+                open_examples.remove(e)          # full: closed at once
+        elif e not in open_examples:
             open_examples.append(e)
             if len(open_examples) > window:
                 open_examples.pop(0)
@@ -231,15 +236,24 @@ def test_matches_the_reference_on_many_random_chunks() -> None:
 @given(lengths=st.lists(st.integers(0, 80), max_size=60), seq_len=st.integers(1, 40))
 def test_first_fit_with_window_1_is_next_fit(lengths, seq_len) -> None:
     plan = plan_pack(np.array(lengths, np.int64), seq_len, algorithm="first_fit", window=1)
-    want, filled, example = [], seq_len, -1     # next fit: one open example, a new one when a piece misses
+    # Next fit: one open example, a new one when a piece misses; a full example closes at once
+    # (so a piece of exactly seq_len does not close the partly filled one).
+    want, current, filled, opened = [], None, 0, 0
     for d, length in enumerate(lengths):
         for start in range(0, length, seq_len):
             size = min(seq_len, length - start)
-            if filled + size > seq_len:
-                example, filled = example + 1, 0
+            if size == seq_len:
+                want.append((d, start, start + size, opened))
+                opened += 1
+                continue
+            if current is None or filled + size > seq_len:
+                current, filled, opened = opened, 0, opened + 1
             filled += size
-            want.append((d, start, start + size, example))
-    assert as_items(plan) == want and plan.num_examples == example + 1
+            want.append((d, start, start + size, current))
+            if filled == seq_len:
+                current = None
+    want.sort(key=lambda item: item[3])   # stable: placement order within an example
+    assert as_items(plan) == want and plan.num_examples == opened
 
 
 def test_best_fit_picks_the_tightest_example() -> None:
@@ -258,13 +272,13 @@ def test_a_piece_too_large_for_every_example_does_not_hide_the_room_of_older_one
     assert plan.item_doc.tolist() == [0, 2, 1] and plan.item_example.tolist() == [0, 0, 1]
 
 
-def test_window_closes_the_earliest_opened_example_even_behind_full_ones() -> None:
+def test_window_closes_the_earliest_opened_example_and_full_ones_take_no_place() -> None:
     plan = plan_pack(np.array([9, 9, 9, 1]), 10, window=2)       # example 0 closed when example 2 opens
     assert plan.item_example.tolist() == [0, 1, 1, 2] and plan.item_doc.tolist() == [0, 1, 3, 2]
-    plan = plan_pack(np.array([9, 10, 1]), 10, window=2)         # the full example 1 still holds a place
+    plan = plan_pack(np.array([9, 10, 1]), 10, window=1)         # the full example 1 never opens
     assert plan.item_doc.tolist() == [0, 2, 1]
-    plan = plan_pack(np.array([9, 10, 20, 1]), 10, window=3)     # three full examples push example 0 out
-    assert plan.item_doc.tolist() == [0, 1, 2, 2, 3] and plan.num_examples == 5 and plan.split_docs == 1
+    plan = plan_pack(np.array([9, 10, 20, 1]), 10, window=1)     # nor do full pieces of a split document
+    assert plan.item_doc.tolist() == [0, 3, 1, 2, 2] and plan.num_examples == 4 and plan.split_docs == 1
 
 
 def test_pad_and_truncate() -> None:

@@ -17,7 +17,7 @@ from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
 from lakeloader.build.documents import Reject, SplitSource, read_split
-from lakeloader.build.formats import Part
+from lakeloader.build.formats import Document
 from lakeloader.index.layout import ChunkParts, PackingSpec, PlanStats, plan_stats
 from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import DocumentEncoder
@@ -105,7 +105,7 @@ class EncodedParts:
                           np.repeat(np.arange(docs, dtype=np.int64), self.parts_per_doc), docs)
 
 
-def encode_parts(encoder: DocumentEncoder, documents: list[list[Part]]) -> EncodedParts:
+def encode_parts(encoder: DocumentEncoder, documents: list[Document]) -> EncodedParts:
     """Tokenize every part of ``documents`` in one batch (without special tokens)."""
     parts = [part for document in documents for part in document]
     ids, lengths = encoder.encode([part.text for part in parts])

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 
-from lakeloader.build.formats import Part, RecordError, RecordFormat
+from lakeloader.build.formats import Document, Part, RecordError, RecordFormat
 from lakeloader.errors import InputError
 from lakeloader.plan.splits import Split
 
@@ -36,7 +36,7 @@ class Reject:
 class SplitDocuments:
     """The usable documents of a split in order, with where each came from."""
 
-    documents: list[list[Part]]   # each document's parts
+    documents: list[Document]   # each document's parts
     records: list[int]        # each document's line/row index counted from the split's first record
     num_records: int          # lines or rows the split holds, usable or not
     rejects: list[Reject]
@@ -169,7 +169,7 @@ class _Collected:
     """Documents and their record indices, appended in order (two flat lists: no pair per document)."""
 
     def __init__(self) -> None:
-        self.documents: list[list[Part]] = []
+        self.documents: list[Document] = []
         self.records: list[int] = []
 
 
@@ -266,10 +266,10 @@ def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a split's documents are built.
 
-    A split holds up to millions of small lists and tuples, none of them in a cycle; every one
-    would otherwise make the collector's full passes longer (they took 3/4 of the time of
-    reading a split of short documents). Another thread pausing at the same time at worst
-    resumes it early.
+    Parsing allocates millions of short-lived dicts while the documents accumulate; the
+    collector's passes then took 2/3 of the time of reading a split of short documents (0.95 s
+    vs 0.36 s for 500k lines), and none of these objects is in a cycle. Another thread pausing
+    at the same time at worst resumes it early.
     """
     enabled = gc.isenabled()
     gc.disable()

@@ -266,7 +266,9 @@ def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:
 
 def _register_packing(config: Config, writer: CatalogWriter, tokenizer: Tokenizer) -> dict[str, PackingSpec]:
     """The packing spec of each dataset under the config's loader (none for concat), registered."""
-    specs = {}
+    specs: dict[str, PackingSpec] = {}
+    if config.loader.packing == "concat":
+        return specs
     for name in Mixer.dataset_names(config):
         spec = packing_spec(name, config, template_for(name, config, tokenizer))
         if spec is not None:

@@ -21,11 +21,15 @@ class Part(NamedTuple):
     ref: str | None = None
 
 
+# A document's parts. A tuple, not a list: tuples of strings and ints leave the garbage
+# collector's tracking, so millions of them in a split cost its passes nothing.
+Document = tuple[Part, ...]
+
+
 class RecordError(ValueError):
     """A record that does not fit its format; str() is the reason."""
 
 
-_TEXT_KINDS = ("text",)
 _new_part = tuple.__new__   # Part(kind, text, ref) without the keyword-handling constructor
 _COLUMN_FIELDS = {"text": ("text_field",), "fim": ("text_field",), "chat": ("messages_field",),
                   "supervised": ("prompt_field", "response_field"), "interleaved": ("items_field",)}
@@ -53,35 +57,25 @@ class RecordFormat:
 
     format: str
     fields: tuple[tuple[str, Any], ...]   # sorted items of DatasetConfig.build_fields; lists -> tuples
+    kind_names: tuple[str, ...]           # DatasetConfig.part_kinds: a part's kind is its index
 
     @classmethod
     def from_config(cls, dataset: DatasetConfig) -> RecordFormat:
         """The record format of ``dataset`` (only its build fields matter)."""
         items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in dataset.build_fields.items())
-        return cls(dataset.format, tuple(sorted(items)))
+        return cls(dataset.format, tuple(sorted(items)), dataset.part_kinds)
 
     @functools.cached_property
     def _options(self) -> dict[str, Any]:
         return dict(self.fields)
 
     @functools.cached_property
-    def _parser(self) -> Callable[[RecordFormat, dict[str, Any]], list[Part]]:
+    def _parser(self) -> Callable[[RecordFormat, dict[str, Any]], Document]:
         return _PARSERS[self.format]
 
     @functools.cached_property
     def _role_kinds(self) -> dict[str, int]:
         return {role: kind for kind, role in enumerate(self._options.get("roles", ()))}
-
-    @property
-    def kind_names(self) -> tuple[str, ...]:
-        """Name of each part kind (stored as ``dataset_plans.fields``)."""
-        if self.format == "chat":
-            return tuple(self._options["roles"])
-        if self.format == "supervised":
-            return ("prompt", "response")
-        if self.format == "interleaved":
-            return ("text", "image")
-        return _TEXT_KINDS
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -106,13 +100,13 @@ class RecordFormat:
                         f"set {self.config_key(key)}")
         return None
 
-    def parts(self, record: dict[str, Any]) -> list[Part]:
+    def parts(self, record: dict[str, Any]) -> Document:
         """The parts of one record (a JSON object or Parquet row); RecordError if it does not fit."""
         return self._parser(self, record)
 
-    def text_parts(self, text: str) -> list[Part]:
+    def text_parts(self, text: str) -> Document:
         """A plain string (a line of a .txt source) as a document of a text-only format."""
-        return [_new_part(Part, (0, text, None))]
+        return (_new_part(Part, (0, text, None)),)
 
     def _field(self, record: dict[str, Any], key: str) -> Any:
         name = self._options[key]
@@ -122,15 +116,15 @@ class RecordFormat:
             raise RecordError(f"no field {name!r} (fields: {_keys(record)}); set {self.config_key(key)}") from None
 
 
-def _text(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
+def _text(fmt: RecordFormat, record: dict[str, Any]) -> Document:
     name = fmt._options["text_field"]
     text = record.get(name)
     if text.__class__ is str and text:  # the hot path: one check for a good document
-        return [_new_part(Part, (0, text, None))]
+        return (_new_part(Part, (0, text, None)),)
     text = _string(fmt._field(record, "text_field"), f"field {name!r}")
     if not text:
         raise RecordError(f"empty document (field {name!r} is empty)")
-    return [Part(0, text)]
+    return (Part(0, text),)
 
 
 def _list(fmt: RecordFormat, record: dict[str, Any], key: str, noun: str) -> list[Any]:
@@ -143,7 +137,7 @@ def _list(fmt: RecordFormat, record: dict[str, Any], key: str, noun: str) -> lis
     return values
 
 
-def _chat(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
+def _chat(fmt: RecordFormat, record: dict[str, Any]) -> Document:
     options = fmt._options
     name, role_key, content_key = options["messages_field"], options["role_key"], options["content_key"]
     kinds = fmt._role_kinds
@@ -162,10 +156,10 @@ def _chat(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
         parts.append(Part(kind, _string(message[content_key], f"{where}.{content_key}")))
     if not any(part.text for part in parts):
         raise RecordError(f"empty document (every {content_key!r} in {name!r} is empty)")
-    return parts
+    return tuple(parts)
 
 
-def _supervised(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
+def _supervised(fmt: RecordFormat, record: dict[str, Any]) -> Document:
     parts = []
     for kind, key in enumerate(("prompt_field", "response_field")):
         name = fmt._options[key]
@@ -173,10 +167,10 @@ def _supervised(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
     if not (parts[0].text or parts[1].text):
         prompt, response = fmt.columns
         raise RecordError(f"empty document (fields {prompt!r} and {response!r} are empty)")
-    return parts
+    return tuple(parts)
 
 
-def _interleaved(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
+def _interleaved(fmt: RecordFormat, record: dict[str, Any]) -> Document:
     options = fmt._options
     name, text_key, image_key = options["items_field"], options["text_key"], options["image_key"]
     parts = []
@@ -199,9 +193,9 @@ def _interleaved(fmt: RecordFormat, record: dict[str, Any]) -> list[Part]:
         parts.append(Part(1, "", ref))
     if not any(part.text or part.kind == 1 for part in parts):
         raise RecordError(f"empty document (every {text_key!r} in {name!r} is empty and there is no {image_key!r})")
-    return parts
+    return tuple(parts)
 
 
-_PARSERS: dict[str, Callable[[RecordFormat, dict[str, Any]], list[Part]]] = {
+_PARSERS: dict[str, Callable[[RecordFormat, dict[str, Any]], Document]] = {
     "text": _text, "fim": _text, "chat": _chat, "supervised": _supervised, "interleaved": _interleaved,
 }

@@ -55,11 +55,16 @@ class JaxFeed:
         return self.loader.fingerprint
 
     def to_global(self, local: Batch) -> dict[str, jax.Array]:
-        """Global arrays from this process's rows (in ``self.rows`` order)."""
-        arrays = {}
+        """Global arrays from this process's rows (in ``self.rows`` order). Fields that are not
+        numbers (``image_refs``) stay host numpy arrays of this process's rows."""
+        arrays: dict[str, Any] = {}
         for name, values in local.items():
+            if values.dtype == object:
+                arrays[name] = values
+                continue
             shape = (self.batch_size, *values.shape[1:])
-            sharding = self.sharding if values.ndim == 2 else self.row_sharding
+            per_token = values.ndim == 2 and values.shape[1] == self.seq_len
+            sharding = self.sharding if per_token else self.row_sharding
 
             def piece(index: tuple[slice, ...], values: np.ndarray = values) -> np.ndarray:
                 wanted = np.arange(*index[0].indices(self.batch_size))

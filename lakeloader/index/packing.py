@@ -162,9 +162,9 @@ def _place(sizes: list[int], images: list[int] | None, seq_len: int, max_images:
     """(example of each piece, number of examples) of packing pieces of ``sizes`` tokens (and
     ``images`` images) in order.
 
-    Examples close only when pushed out of the window, so the open ones are the last ``window``
-    opened. ``rooms``/``image_rooms``/``ids`` list those with token room left, in opening order:
-    full ones still hold their place in the window but are never scanned again.
+    At most ``window`` examples with token room left are open (``rooms``/``image_rooms``/``ids``,
+    in opening order); a full example closes at once, and opening one more pushes out the
+    earliest opened.
     """
     rooms: list[int] = []
     image_rooms: list[int] = []
@@ -201,10 +201,10 @@ def _place(sizes: list[int], images: list[int] | None, seq_len: int, max_images:
             if not room:
                 del rooms[slot], image_rooms[slot], ids[slot]
             continue
-        if ids and ids[0] <= opened - window:     # the earliest open example leaves the window
-            del rooms[0], image_rooms[0], ids[0]
         out[k] = opened
-        if size < seq_len:                        # a full piece's example is never scanned
+        if size < seq_len:                        # a full piece's example is closed at once
+            if len(ids) >= window:                # the earliest open example leaves the window
+                del rooms[0], image_rooms[0], ids[0]
             rooms.append(seq_len - size)
             image_rooms.append(max_images - count)
             ids.append(opened)

@@ -5,22 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lakeloader.config import Config, DatasetConfig
+from lakeloader.config import Config
 from lakeloader.errors import ConfigError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.permutation import derive_key
 from lakeloader.index.render import Fim, Template, make_template
-
-
-def kind_names(dataset: DatasetConfig) -> tuple[str, ...]:
-    """The part kinds the build stores for ``dataset``'s format (``dataset_plans.fields``)."""
-    if dataset.format == "chat":
-        return tuple(dataset.chat.roles)
-    if dataset.format == "supervised":
-        return ("prompt", "response")
-    if dataset.format == "interleaved":
-        return ("text", "image")
-    return ("text",)
 
 
 def token_id(tokenizer: Any, key: str, token: str) -> int:
@@ -43,7 +32,7 @@ def template_for(name: str, config: Config, tokenizer: Any) -> Template:
     dataset, loader = config.datasets[name], config.loader
     eos = token_id(tokenizer, "loader.eos_token", loader.eos_token)
     bos = token_id(tokenizer, "loader.bos_token", loader.bos_token) if loader.bos_token else None
-    kinds = kind_names(dataset)
+    kinds = dataset.part_kinds
     where = f"datasets.{name}"
     if dataset.format == "chat":
         chat = dataset.chat
