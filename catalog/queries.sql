@@ -108,7 +108,7 @@ FROM dataset_plans d JOIN committed_prefix p ON p.dataset = d.name
 WHERE d.name = $name;
 
 -- name: reader_dataset_fields
-SELECT format, fields FROM dataset_plans WHERE name = $name;
+SELECT fields FROM dataset_plans WHERE name = $name;
 
 -- name: reader_chunks
 SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index, num_parts
@@ -120,7 +120,7 @@ SELECT count(*) > 0 FROM packing_plans WHERE dataset = $name AND plan_key = $pla
 -- name: reader_chunk_examples
 -- Examples per chunk of the committed prefix under a packing plan; the prefix ends at the first
 -- chunk without counts (a build commits a chunk and its counts in one transaction).
-SELECT e.global_index, e.num_examples, e.num_tokens
+SELECT e.global_index, e.num_examples
 FROM chunk_examples e
 WHERE e.dataset = $name AND e.plan_key = $plan_key AND e.global_index < $prefix
 ORDER BY e.global_index;

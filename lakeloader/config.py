@@ -146,6 +146,11 @@ class DatasetConfig(_Strict):
         return self
 
     @property
+    def seq2seq(self) -> bool:
+        """Whether examples are (inputs, targets) pairs rather than one causal sequence."""
+        return self.format == "supervised" and self.supervised.output == "seq2seq"
+
+    @property
     def part_kinds(self) -> tuple[str, ...]:
         """The kinds of part the build stores for this format (``dataset_plans.fields``): a
         part's kind is its index here."""

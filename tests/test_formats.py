@@ -315,3 +315,21 @@ def test_bad_combinations_are_config_errors(lake, dask_scheduler: str) -> None:
     config = write_variant(tmp, datasets, packing="pack", weights={"web": 1.0}, seq_len=64)
     with pytest.raises(Exception, match=re.escape("lakeloader build CONFIG")):
         Loader(config)   # a packing plan no build has counted yet
+
+
+def test_jax_feed_carries_task_fields(lake, dask_scheduler: str) -> None:
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from lakeloader.feed.jax import JaxFeed
+
+    config = variant(lake, dask_scheduler, packing="pack", weights={"pages": 1.0, "chat": 1.0})
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices.reshape(-1, 2) if len(devices) % 2 == 0 else devices.reshape(-1, 1), ("data", "model"))
+    with JaxFeed(config, mesh, PartitionSpec("data", "model")) as feed, Loader(config) as loader:
+        device_batch, host_batch = feed.batch(3), loader.batch(3)
+    assert isinstance(device_batch["image_refs"], np.ndarray)            # strings stay on the host
+    assert np.array_equal(device_batch["image_refs"], host_batch["image_refs"])
+    for key in ("input_ids", "loss_mask", "segment_ids", "image_positions"):
+        assert isinstance(device_batch[key], jax.Array)
+        assert np.array_equal(np.asarray(device_batch[key]), host_batch[key]), key

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 
-from lakeloader.build.formats import Document, Part, RecordError, RecordFormat
+from lakeloader.build.formats import Document, RecordError, RecordFormat
 from lakeloader.errors import InputError
 from lakeloader.plan.splits import Split
 

@@ -17,7 +17,7 @@ import pandas as pd
 
 from lakeloader.catalog.sql import query
 from lakeloader.config import Config, load_config
-from lakeloader.errors import CatalogError, ConfigError, LakeloaderError
+from lakeloader.errors import CatalogError, LakeloaderError
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
 from lakeloader.catalog.sql import example_token_means

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from tokenizers import Tokenizer
 
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.config import Config, ShuffleConfig, load_config
@@ -31,7 +30,6 @@ from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.windows import StreamReader
-from lakeloader.tokenizer import cached_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ def check_combination(config: Config, mode: str) -> None:
     """Raise a ConfigError for formats and packing modes that cannot work together."""
     loader = config.loader
     used = {name: config.datasets[name] for name in Mixer.dataset_names(config)}
-    seq2seq = [n for n, d in used.items() if d.format == "supervised" and d.supervised.output == "seq2seq"]
+    seq2seq = [n for n, d in used.items() if d.seq2seq]
     for name, dataset in used.items():
         if loader.packing == "concat" and dataset.format == "interleaved":
             raise ConfigError(
@@ -150,8 +148,7 @@ class Loader:
         spec = packing_spec(name, self.config, self.templates[name])
         if spec is None:
             return DatasetExamples(name, self.view, reader, **common)
-        seq2seq = dataset.format == "supervised" and dataset.supervised.output == "seq2seq"
-        return PackedExamples(name, self.view, reader, spec, seq2seq=seq2seq, **common)
+        return PackedExamples(name, self.view, reader, spec, seq2seq=dataset.seq2seq, **common)
 
     def _fingerprint(self) -> str:
         loader = self.config.loader
@@ -227,7 +224,7 @@ class Loader:
             "positions": np.zeros(shape, np.int32),
         }
         datasets = [self.config.datasets[name] for name in self.mixer.names]
-        if any(d.format == "supervised" and d.supervised.output == "seq2seq" for d in datasets):
+        if any(d.seq2seq for d in datasets):
             arrays["inputs"] = np.full(shape, self.pad_id, np.int32)
             arrays["inputs_segment_ids"] = np.zeros(shape, np.int32)
             arrays["inputs_positions"] = np.zeros(shape, np.int32)

@@ -1,8 +1,8 @@
 """Index maps of ``packing: concat``: example -> token window of a stream of chunks.
 
 Pure functions over integer arrays. A dataset's *stream* is its documents in chunk order, each
-followed by EOS (and preceded by BOS when configured); chunk ``c`` contributes
-``num_tokens[c] + num_docs[c] * specials`` stream tokens. Example ``k`` of a stream covers stream
+rendered by its collation template (:mod:`lakeloader.index.render`: BOS/EOS, chat templates, FIM
+sentinels); chunk ``c`` contributes ``render.stream_lengths`` tokens. Example ``k`` of a stream covers stream
 tokens ``[k*L, k*L + L]`` (L+1 tokens: inputs are the first L, targets the last L).
 """
 
@@ -11,11 +11,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-
-def stream_lengths(num_tokens: np.ndarray, num_docs: np.ndarray, specials: int) -> np.ndarray:
-    """Stream tokens contributed by each chunk."""
-    return np.asarray(num_tokens, np.int64) + np.asarray(num_docs, np.int64) * specials
 
 
 def cumulative(lengths: np.ndarray) -> np.ndarray:

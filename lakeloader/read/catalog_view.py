@@ -49,11 +49,7 @@ class DatasetChunks:
     shard_index: np.ndarray        # int64 per chunk
     token_type: str
     num_parts: np.ndarray          # int64 [chunks, kinds]: parts of each kind
-    format: str = "text"
-    kind_names: tuple[str, ...] = ("text",)
-    plan_key: str | None = None    # packing plan of num_examples (pack | pad), else None
-    num_examples: np.ndarray | None = None   # int64 per chunk under plan_key
-    example_tokens: np.ndarray | None = None  # non-padding tokens of those examples, per chunk
+    num_examples: np.ndarray | None = None   # int64 per chunk under a packing plan (pack | pad)
 
     @property
     def committed(self) -> int:
@@ -134,7 +130,7 @@ class CatalogView:
                 "(lakeloader build CONFIG)"
             )
         fingerprint, token_type, planned, prefix = plan
-        fmt, kinds = self.named("reader_dataset_fields", {"name": name}).fetchone()
+        kinds = self.named("reader_dataset_fields", {"name": name}).fetchone()[0]
         examples = None
         if plan_key is not None:
             examples = self.named("reader_chunk_examples", {"name": name, "plan_key": plan_key,
@@ -150,9 +146,7 @@ class CatalogView:
             num_tokens=column["num_tokens"].astype(np.int64), num_bytes=column["num_bytes"].astype(np.int64),
             checksums=column["checksum"].astype(object), shard_index=column["shard_index"].astype(np.int64),
             token_type=token_type, num_parts=part_matrix(column["num_parts"], len(kinds)),
-            format=fmt, kind_names=tuple(kinds), plan_key=plan_key,
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
-            example_tokens=None if examples is None else examples["num_tokens"][:prefix].astype(np.int64),
         )
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
