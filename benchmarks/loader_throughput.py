@@ -54,7 +54,12 @@ def raw_read(config: str) -> tuple[int, float]:
 
 
 def loader_pass(config: str, steps: int | None = None) -> tuple[int, float, int]:
-    """(non-padding tokens, seconds, steps) of about one pass over the lake."""
+    """(non-padding tokens, seconds, steps) of the faster of two passes over the lake."""
+    first, second = _loader_pass(config, steps), _loader_pass(config, steps)
+    return min(first, second, key=lambda run: run[1] / run[0])
+
+
+def _loader_pass(config: str, steps: int | None) -> tuple[int, float, int]:
     loader = Loader(config)
     if steps is None:
         steps = max(1, int(loader.datasets[0].offsets[-1]) // (BATCH * SEQ))
@@ -87,8 +92,9 @@ def main() -> None:
     if not (OUT / "loader-lake" / "catalog.duckdb").exists():
         build(global_config, workers=2, progress=False)
     figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}"}
-    raw_tokens, raw_seconds = raw_read(global_config)
-    raw_rate = raw_tokens / raw_seconds
+    # Best of 3 for the baseline and best of 2 passes (each from a fresh Loader) for the loader:
+    # both then read from a warm page cache.
+    raw_rate = max(tokens / seconds for tokens, seconds in (raw_read(global_config) for _ in range(3)))
     figures["raw_pyarrow_tokens_per_s"] = round(raw_rate)
     for ordering in ("global", "strided"):
         tokens, seconds, steps = loader_pass(config_for(ordering))

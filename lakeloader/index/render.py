@@ -11,6 +11,7 @@ and packing plans never need the tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 
@@ -53,17 +54,17 @@ class Template:
     fim: Fim | None = None
     image_kind: int | None = None     # kind whose parts are images (interleaved)
 
-    @property
+    @functools.cached_property
     def doc_overhead(self) -> int:
         """Tokens added to every document."""
         return len(self.doc_prefix) + len(self.doc_suffix)
 
-    @property
+    @functools.cached_property
     def part_overhead(self) -> np.ndarray:
         """Tokens added around each part, per kind (int64)."""
         return np.array([len(p) + len(s) for p, s in zip(self.part_prefix, self.part_suffix)], np.int64)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Hash of everything that decides rendered tokens and their loss."""
         payload = {

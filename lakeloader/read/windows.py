@@ -101,8 +101,9 @@ class StreamReader:
             b = min(stop - offsets[group], len(rendered.tokens))
             tokens.append(rendered.tokens[a:b])
             trainable.append(rendered.trainable[a:b])
-            local = np.searchsorted(rendered.doc_starts, np.arange(a, b), side="right") - 1
-            docs.append(local + first_docs[group])
+            first, last = np.searchsorted(rendered.doc_starts, [a, b - 1], side="right") - 1
+            bounds = np.clip(rendered.doc_starts[first : last + 2], a, b)
+            docs.append(np.repeat(np.arange(first, last + 1) + first_docs[group], np.diff(bounds)))
             group += 1
         return Piece(
             position=position, chunk=chunk, start=start,
