@@ -193,3 +193,24 @@ SELECT
 FROM mixture_plan(mixture, first_step, last_step)
 GROUP BY dataset, dataset_index
 ORDER BY dataset_index;
+
+-- Per dataset and packing plan (loader.packing pack | pad): examples, non-padding tokens and the
+-- padding fraction over the chunks counted so far, and what long documents cost.
+CREATE OR REPLACE VIEW packing AS
+SELECT
+    p.dataset,
+    p.plan_key,
+    p.mode,
+    p.seq_len,
+    count(e.global_index) AS chunks,
+    coalesce(sum(e.num_examples), 0)::BIGINT AS examples,
+    coalesce(sum(e.num_tokens), 0)::BIGINT AS tokens,
+    1 - coalesce(sum(e.num_tokens), 0) / nullif(sum(e.num_examples) * p.seq_len, 0) AS padding_fraction,
+    coalesce(sum(e.split_docs), 0)::BIGINT AS split_docs,
+    coalesce(sum(e.truncated_docs), 0)::BIGINT AS truncated_docs,
+    coalesce(sum(e.dropped_tokens), 0)::BIGINT AS dropped_tokens,
+    p.spec,
+    p.created_at
+FROM packing_plans p
+LEFT JOIN chunk_examples e ON e.dataset = p.dataset AND e.plan_key = p.plan_key
+GROUP BY p.dataset, p.plan_key, p.mode, p.seq_len, p.spec, p.created_at;

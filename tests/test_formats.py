@@ -283,12 +283,13 @@ def test_pack_places_every_document_once_and_reports_padding(lake, dask_schedule
         found.append([t for _, _, piece in pieces for t in piece])
     assert found == rendered
     assert any(len(p) > 1 for p in placed.values())    # some documents are longer than seq_len
-    stats = open_lake(config).sql(
-        "SELECT sum(num_tokens) AS t, sum(split_docs) AS s FROM chunk_examples WHERE dataset = 'web' AND "
-        "plan_key IN (SELECT plan_key FROM packing_plans WHERE mode = 'pack' AND dataset = 'web')")
-    assert int(stats["t"][0]) == tokens
-    assert int(stats["s"][0]) == sum(len(p) > 1 for p in placed.values())
-    assert 0 <= 1 - tokens / slots < 0.2   # the padding fraction
+    with Loader(config) as loader:
+        plan_key = loader.datasets[0].plan_key
+    stats = open_lake(config).sql("SELECT * FROM packing WHERE dataset = 'web' AND plan_key = ?", [plan_key])
+    assert int(stats["tokens"][0]) == tokens and int(stats["examples"][0]) * SEQ_LEN == slots
+    assert int(stats["split_docs"][0]) == sum(len(p) > 1 for p in placed.values())
+    assert stats["padding_fraction"][0] == pytest.approx(1 - tokens / slots)
+    assert 0 <= 1 - tokens / slots < 0.2
 
 
 def test_token_weighted_mixture_and_audit(lake, dask_scheduler: str) -> None:
