@@ -80,10 +80,12 @@ def test_shuffle_changes_every_epoch(tmp_path: Path, dask_scheduler: str) -> Non
     assert {examples.train_window(per_epoch + j).epoch for j in range(3)} == {1}
 
 
-def test_window_shuffle_while_building_equals_after(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packing", ["concat", "pack"])
+def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str) -> None:
     """A reader in the build driver's process reads shuffled batches from the live catalog while
-    chunks are still being committed; they equal the batches read after the build."""
-    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120)
+    chunks (and, for pack, their example counts) are still being committed; they equal the
+    batches read after the build."""
+    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120, packing=packing)
     errors: list[BaseException] = []
 
     def run() -> None:
