@@ -49,9 +49,8 @@ class RoleTemplate(_Strict):
     suffix: str = ""
 
 
-def _chatml() -> dict[str, RoleTemplate]:
-    return {role: RoleTemplate(prefix=f"<|im_start|>{role}\n", suffix="<|im_end|>\n")
-            for role in ("system", "user", "assistant", "tool")}
+def _chatml(roles: list[str]) -> dict[str, RoleTemplate]:
+    return {role: RoleTemplate(prefix=f"<|im_start|>{role}\n", suffix="<|im_end|>\n") for role in roles}
 
 
 class ChatFormat(_Strict):
@@ -62,12 +61,17 @@ class ChatFormat(_Strict):
     role_key: str = "role"
     content_key: str = "content"
     roles: list[str] = Field(default_factory=lambda: ["system", "user", "assistant", "tool"], min_length=1)
-    template: dict[str, RoleTemplate] = Field(default_factory=_chatml)
+    template: dict[str, RoleTemplate] | None = None   # default: ChatML for every role
     loss_roles: list[str] = Field(default_factory=lambda: ["assistant"])
+
+    @property
+    def role_templates(self) -> dict[str, RoleTemplate]:
+        """Prefix and suffix of each role (roles without an entry get none)."""
+        return self.template if self.template is not None else _chatml(self.roles)
 
     @model_validator(mode="after")
     def _roles_known(self) -> ChatFormat:
-        for key, names in (("template", list(self.template)), ("loss_roles", self.loss_roles)):
+        for key, names in (("template", list(self.template or {})), ("loss_roles", self.loss_roles)):
             unknown = sorted(set(names) - set(self.roles))
             if unknown:
                 raise ValueError(f"{key} names role(s) {unknown} that are not in roles {self.roles}")

@@ -38,8 +38,8 @@ def template_for(name: str, config: Config, tokenizer: Any) -> Template:
         chat = dataset.chat
         return make_template(
             kinds, bos=bos, eos=eos,
-            part_prefix={role: _text_ids(tokenizer, t.prefix) for role, t in chat.template.items()},
-            part_suffix={role: _text_ids(tokenizer, t.suffix) for role, t in chat.template.items()},
+            part_prefix={role: _text_ids(tokenizer, t.prefix) for role, t in chat.role_templates.items()},
+            part_suffix={role: _text_ids(tokenizer, t.suffix) for role, t in chat.role_templates.items()},
             trains=set(chat.loss_roles))
     if dataset.format == "supervised":
         sup = dataset.supervised
