@@ -387,8 +387,8 @@ class PackedExamples(DatasetExamples):
         template, parts = self.reader.template, stored.parts
         images: list[tuple[int, str]] = []
         split = -1
-        mine = np.flatnonzero(parts.part_doc == local)
         if template.image_kind is not None or self.seq2seq:
+            mine = np.arange(*np.searchsorted(parts.part_doc, [local, local + 1]))
             starts = part_starts(template, parts.part_lengths[mine], parts.part_kinds[mine],
                                  np.zeros(len(mine), np.int64))
             kinds = parts.part_kinds[mine]
@@ -397,6 +397,6 @@ class PackedExamples(DatasetExamples):
                     if start <= offset < stop:
                         images.append((int(offset) - start, str(stored.refs[part])))
             if self.seq2seq:
-                responses = starts[kinds == 1]
+                responses = starts[kinds == template.kind_names.index("response")]
                 split = int(responses[0]) if len(responses) else end - begin
         return Item(chunk, doc, start, stop, tokens, trainable, images, split)
