@@ -35,27 +35,37 @@ class Window:
     example: int            # example number within the dataset's epoch (or ideal reader stream)
     pieces: list[Piece]
 
-    @property
-    def tokens(self) -> np.ndarray:
-        return np.concatenate([p.tokens for p in self.pieces]) if self.pieces else np.zeros(0, np.int32)
+    def write(self, tokens: np.ndarray, keys: np.ndarray, trainable: np.ndarray) -> int:
+        """Copy the window's stream tokens, document keys and target flags into row buffers;
+        returns how many (L+1, fewer at the end of an evaluation pass)."""
+        at = 0
+        for piece in self.pieces:
+            n = len(piece.tokens)
+            tokens[at : at + n] = piece.tokens
+            keys[at : at + n] = piece.docs + (np.int64(piece.position) << 32)
+            trainable[at : at + n] = piece.trainable
+            at += n
+        return at
 
-    @property
-    def doc_keys(self) -> np.ndarray:
-        """A key per token identifying its document occurrence (equal keys = same document)."""
-        if not self.pieces:
-            return np.zeros(0, np.int64)
-        return np.concatenate([(np.int64(p.position) << 32) + p.docs for p in self.pieces])
 
-    def fill(self, row: Row, train_all: bool) -> None:
-        """Write this window into a batch row: inputs are its first L tokens, targets the last L."""
-        tokens, n = self.tokens, sum(len(p.tokens) for p in self.pieces) - 1
-        row.input_ids[:n] = tokens[:-1]
-        row.targets[:n] = tokens[1:]
-        if train_all:
-            row.loss_mask[:n] = 1.0
-        else:
-            row.loss_mask[:n] = np.concatenate([p.trainable for p in self.pieces])[1:]
-        row.segment_ids[:n], row.positions[:n] = segments(self.doc_keys[:-1])
+def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
+    """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
+    first L tokens, targets the last L; segments and masks are computed for all rows together."""
+    if not windows:
+        return
+    length = batch["input_ids"].shape[1]
+    tokens = np.zeros((len(rows), length + 1), np.int32)
+    keys = np.full((len(rows), length + 1), -1, np.int64)
+    trainable = np.zeros((len(rows), length + 1), bool)
+    counts = np.array([w.write(tokens[i], keys[i], trainable[i]) for i, w in enumerate(windows)])
+    valid = np.arange(length) < (counts - 1)[:, None]
+    segment_ids, positions = segments(keys[:, :-1])
+    index = np.asarray(rows)
+    batch["input_ids"][index] = np.where(valid, tokens[:, :-1], batch["input_ids"][index])
+    batch["targets"][index] = np.where(valid, tokens[:, 1:], batch["targets"][index])
+    batch["loss_mask"][index] = valid & trainable[:, 1:]
+    batch["segment_ids"][index] = np.where(valid, segment_ids, 0)
+    batch["positions"][index] = np.where(valid, positions, 0)
 
 
 @dataclasses.dataclass

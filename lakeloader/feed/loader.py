@@ -23,7 +23,7 @@ import pandas as pd
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.errors import ConfigError, LakeloaderError
-from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window
+from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window, fill_windows
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_spec, template_for, token_id
 from lakeloader.lake import Lake
@@ -203,14 +203,20 @@ class Loader:
         if total is not None and step >= total:
             raise IndexError(f"step {step} is past the last batch ({total} batches)")
         arrays = self._empty_batch()
-        rows = [Row(*(arrays[k][row] for k in _ROW_FIELDS), {k: arrays[k][row] for k in arrays if k not in _ROW_FIELDS})
-                for row in range(self.rows)]
         example_mask = np.zeros(self.rows, np.float32)
+        window_rows, windows = [], []
         for number, example in enumerate(self._windows(step)):
             if example is None:
                 continue
-            example.fill(rows[number], self.templates[example.dataset].train_all)
             example_mask[number] = 1.0
+            if isinstance(example, Window):
+                window_rows.append(number)
+                windows.append(example)
+                continue
+            row = Row(*(arrays[k][number] for k in _ROW_FIELDS),
+                      {k: arrays[k][number] for k in arrays if k not in _ROW_FIELDS})
+            example.fill(row, self.templates[example.dataset].train_all)
+        fill_windows(arrays, window_rows, windows)
         if self.mode == "eval":
             arrays["example_mask"] = example_mask
         return arrays

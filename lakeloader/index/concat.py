@@ -52,11 +52,12 @@ def strided_example(example: np.ndarray, ideal_readers: int) -> tuple[np.ndarray
 
 
 def segments(doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(segment_ids from 1, positions restarting at 0) of a window whose tokens belong to
-    documents ``doc_keys`` (equal keys = same document; documents are contiguous)."""
-    n = len(doc_keys)
-    starts = np.ones(n, dtype=bool)
-    starts[1:] = doc_keys[1:] != doc_keys[:-1]
-    segment_ids = np.cumsum(starts).astype(np.int32)
-    first = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    """(segment_ids from 1, positions restarting at 0) along the last axis of windows whose
+    tokens belong to documents ``doc_keys`` (equal keys = same document; documents are
+    contiguous). Works on one window or a ``[rows, n]`` batch of them."""
+    n = doc_keys.shape[-1]
+    starts = np.ones(doc_keys.shape, dtype=bool)
+    starts[..., 1:] = doc_keys[..., 1:] != doc_keys[..., :-1]
+    segment_ids = np.cumsum(starts, axis=-1).astype(np.int32)
+    first = np.maximum.accumulate(np.where(starts, np.arange(n), 0), axis=-1)
     return segment_ids, (np.arange(n) - first).astype(np.int32)
