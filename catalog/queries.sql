@@ -111,8 +111,14 @@ WHERE d.name = $name;
 SELECT fields FROM dataset_plans WHERE name = $name;
 
 -- name: reader_chunks
-SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index, num_parts
+SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index
 FROM chunks WHERE dataset = $name AND global_index < $prefix ORDER BY global_index;
+
+-- name: reader_chunk_parts
+-- Parts of each kind per chunk of the prefix, one row per (chunk, kind): unnested here so that
+-- a reader builds its [chunks, kinds] matrix without a Python loop over chunks.
+SELECT global_index, generate_subscripts(num_parts, 1) - 1 AS kind, unnest(num_parts) AS count
+FROM chunks WHERE dataset = $name AND global_index < $prefix;
 
 -- name: packing_plan_registered
 SELECT count(*) > 0 FROM packing_plans WHERE dataset = $name AND plan_key = $plan_key;

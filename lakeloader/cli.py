@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sql", help="run SQL against the catalog",
         description="Run one SQL statement against the lake's DuckDB catalog (read-only). Tables: "
         "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
-        "mixture_nodes; views: committed_prefix, chunk_offsets; table macros: mixture_plan(id, "
+        "mixture_nodes, packing_plans, chunk_examples; views: committed_prefix, chunk_offsets, packing; "
+        "table macros: mixture_plan(id, "
         "first_step, last_step), mixture_proportions(id, first_step, last_step). Example: lakeloader sql configs/demo.yaml "
         "\"SELECT name, num_docs, num_tokens FROM datasets\"")
     sql.add_argument("target", metavar="CONFIG|LAKE")

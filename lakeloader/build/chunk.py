@@ -87,34 +87,19 @@ class EncodedParts:
     """A split's documents as token ids: every part's tokens back to back, and their layout."""
 
     ids: np.ndarray             # all parts' tokens
-    part_lengths: np.ndarray    # int64 per part
-    part_kinds: np.ndarray      # int8 per part
+    parts: ChunkParts
     part_refs: list[str | None]
-    parts_per_doc: np.ndarray   # int64 per document
-
-    @property
-    def doc_lengths(self) -> np.ndarray:
-        """Stored tokens of each document (int64)."""
-        part_doc = np.repeat(np.arange(len(self.parts_per_doc)), self.parts_per_doc)
-        return np.bincount(part_doc, weights=self.part_lengths, minlength=len(self.parts_per_doc)).astype(np.int64)
-
-    def chunk_parts(self) -> ChunkParts:
-        """The layout without tokens (what packing plans need)."""
-        docs = len(self.parts_per_doc)
-        return ChunkParts(self.part_lengths.astype(np.int64), self.part_kinds.astype(np.int64),
-                          np.repeat(np.arange(docs, dtype=np.int64), self.parts_per_doc), docs)
 
 
 def encode_parts(encoder: DocumentEncoder, documents: list[Document]) -> EncodedParts:
     """Tokenize every part of ``documents`` in one batch (without special tokens)."""
     parts = [part for document in documents for part in document]
     ids, lengths = encoder.encode([part.text for part in parts])
-    return EncodedParts(
-        ids=ids, part_lengths=lengths,
-        part_kinds=np.fromiter((part.kind for part in parts), dtype=np.int8, count=len(parts)),
-        part_refs=[part.ref for part in parts],
-        parts_per_doc=np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents)),
-    )
+    kinds = np.fromiter((part.kind for part in parts), dtype=np.int64, count=len(parts))
+    per_doc = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
+    part_doc = np.repeat(np.arange(len(documents), dtype=np.int64), per_doc)
+    return EncodedParts(ids, ChunkParts(lengths.astype(np.int64), kinds, part_doc, len(documents)),
+                        [part.ref for part in parts])
 
 
 def _lists(values: pa.Array, counts: np.ndarray) -> pa.Array:
@@ -125,22 +110,23 @@ def _lists(values: pa.Array, counts: np.ndarray) -> pa.Array:
 
 def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool) -> pa.Table:
     """The Parquet table of one chunk: a row per document with its tokens and part layout."""
+    parts = encoded.parts
     columns = {
         RECORD_COLUMN: pa.array(records, type=pa.int64()),
-        TOKENS_COLUMN: _lists(pa.array(encoded.ids), encoded.doc_lengths),
-        PART_LENGTHS_COLUMN: _lists(pa.array(encoded.part_lengths.astype(np.int32)), encoded.parts_per_doc),
-        PART_KINDS_COLUMN: _lists(pa.array(encoded.part_kinds), encoded.parts_per_doc),
+        TOKENS_COLUMN: _lists(pa.array(encoded.ids), parts.content_lengths),
+        PART_LENGTHS_COLUMN: _lists(pa.array(parts.part_lengths.astype(np.int32)), parts.parts_per_doc),
+        PART_KINDS_COLUMN: _lists(pa.array(parts.part_kinds.astype(np.int8)), parts.parts_per_doc),
     }
     if with_refs:
-        columns[PART_REFS_COLUMN] = _lists(pa.array(encoded.part_refs, pa.string()), encoded.parts_per_doc)
+        columns[PART_REFS_COLUMN] = _lists(pa.array(encoded.part_refs, pa.string()), parts.parts_per_doc)
     return pa.table(columns)
 
 
-def _per_group(bounds: np.ndarray, encoded: EncodedParts, kinds: int, weights: np.ndarray | None) -> list[list[int]]:
+def _per_group(bounds: np.ndarray, parts: ChunkParts, kinds: int, weights: np.ndarray | None) -> list[list[int]]:
     """Parts (or their tokens, with ``weights``) of each kind in each row group."""
-    part_bounds = np.concatenate([[0], np.cumsum(encoded.parts_per_doc)])[bounds]
+    part_bounds = np.concatenate([[0], np.cumsum(parts.parts_per_doc)])[bounds]
     group = np.repeat(np.arange(len(bounds) - 1), np.diff(part_bounds))
-    cell = group * kinds + encoded.part_kinds.astype(np.int64)
+    cell = group * kinds + parts.part_kinds
     counts = np.bincount(cell, weights=weights, minlength=(len(bounds) - 1) * kinds)
     return counts.astype(np.int64).reshape(-1, kinds).tolist()
 
@@ -200,7 +186,7 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
     record_format = task.source.record_format
     documents = read_split(task.source)
     encoded = encode_parts(encoder, documents.documents)
-    lengths = encoded.doc_lengths
+    lengths = encoded.parts.content_lengths
     bounds = row_group_bounds(lengths, task.row_group_tokens)
     table = chunk_table(documents.records, encoded, record_format.format == "interleaved")
     data = encode_chunk_file(table, bounds)
@@ -217,13 +203,13 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         checksum=hashlib.sha256(data).hexdigest(),
         row_group_docs=np.diff(bounds).tolist(),
         row_group_tokens=group_tokens.astype(np.int64).tolist(),
-        row_group_parts=_per_group(bounds, encoded, kinds, None),
-        row_group_part_tokens=_per_group(bounds, encoded, kinds, encoded.part_lengths.astype(np.float64)),
+        row_group_parts=_per_group(bounds, encoded.parts, kinds, None),
+        row_group_part_tokens=_per_group(bounds, encoded.parts, kinds, encoded.parts.part_lengths.astype(np.float64)),
         rejects=documents.rejects,
         source_bytes=documents.source_bytes,
         seconds=time.perf_counter() - started,
         worker=f"{os.uname().nodename}:{os.getpid()}",
-        plans=tuple(plan_stats(spec, encoded.chunk_parts(), task.global_index,
+        plans=tuple(plan_stats(spec, encoded.parts, task.global_index,
                                f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.url})")
                     for spec in task.packing),
     )

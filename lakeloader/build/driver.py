@@ -25,7 +25,7 @@ from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
-from lakeloader.index.templates import packing_spec, template_for
+from lakeloader.index.templates import packing_specs
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split
@@ -266,14 +266,9 @@ def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:
 
 def _register_packing(config: Config, writer: CatalogWriter, tokenizer: Tokenizer) -> dict[str, PackingSpec]:
     """The packing spec of each dataset under the config's loader (none for concat), registered."""
-    specs: dict[str, PackingSpec] = {}
-    if config.loader.packing == "concat":
-        return specs
-    for name in Mixer.dataset_names(config):
-        spec = packing_spec(name, config, template_for(name, config, tokenizer))
-        if spec is not None:
-            writer.register_packing(name, spec)
-            specs[name] = spec
+    specs = packing_specs(config, tokenizer)
+    for name, spec in specs.items():
+        writer.register_packing(name, spec)
     return specs
 
 

@@ -21,7 +21,7 @@ from lakeloader.errors import CatalogError, LakeloaderError
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
 from lakeloader.catalog.sql import example_token_means
-from lakeloader.index.templates import packing_spec, template_for
+from lakeloader.index.templates import packing_specs
 from lakeloader.lake import open_lake
 
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
@@ -173,11 +173,8 @@ def _lake_means(config: Config) -> tuple[Mixer, dict[str, float]]:
     lake = open_lake(config)
     con = lake.connect()
     try:
-        tokenizer = lake.tokenizer(con, names)
-        plans = {}
-        for name in names:
-            spec = packing_spec(name, config, template_for(name, config, tokenizer))
-            plans[name] = spec.plan_key if spec else None
+        specs = packing_specs(config, lake.tokenizer(con, names))
+        plans = {name: spec.plan_key if (spec := specs.get(name)) else None for name in names}
         means = example_token_means(con, plans, config.loader.seq_len)
     finally:
         con.close()

@@ -99,7 +99,6 @@ class DatasetExamples:
         self.ordering = ordering
         self.ideal_readers = ideal_readers
         self.wait_timeout = wait_timeout
-        self.train_all = reader.template.train_all
         self._set(view.dataset(name, self.plan_key))
 
     plan_key: str | None = None   # packing plan whose per-chunk counts this reads (pack | pad)
@@ -281,7 +280,7 @@ class PackedExample:
     example: int
     items: list[Item]
 
-    def fill(self, row: Row, train_all: bool) -> None:
+    def fill(self, row: Row) -> None:
         """Write the example into a batch row: items back to back, each its own segment with
         positions from 0; a target is the next token of the same document."""
         if "inputs" in row.extra:
@@ -292,8 +291,7 @@ class PackedExample:
             row.input_ids[at : at + n] = item.tokens[:n]
             targets = item.tokens[1 : n + 1]
             row.targets[at : at + len(targets)] = targets
-            mask = np.ones(len(targets), np.float32) if train_all else item.trainable[1 : n + 1]
-            row.loss_mask[at : at + len(targets)] = mask
+            row.loss_mask[at : at + len(targets)] = item.trainable[1 : n + 1]  # all True for plain text
             row.segment_ids[at : at + n] = number
             row.positions[at : at + n] = np.arange(n, dtype=np.int32)
             if "image_refs" in row.extra:
@@ -389,15 +387,17 @@ class PackedExamples(DatasetExamples):
     def _item(self, chunk: int, doc: int, start: int, stop: int) -> Item:
         _, first_docs = self.reader.groups(self.chunks, chunk)
         group = int(np.searchsorted(first_docs, doc, side="right") - 1)
-        rendered, stored = self.reader.rendered_group(self.chunks, chunk, group)
+        rendered = self.reader.rendered_group(self.chunks, chunk, group)
         local = doc - int(first_docs[group])
         begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
         tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
         trainable = rendered.trainable[begin + start : min(begin + stop + 1, end)]
-        template, parts = self.reader.template, stored.parts
+        template = self.reader.template
         images: list[tuple[int, str]] = []
         split = -1
         if template.image_kind is not None or self.seq2seq:
+            stored = self.reader.files.row_group(self.chunks, chunk, group)
+            parts = stored.parts
             mine = np.arange(*np.searchsorted(parts.part_doc, [local, local + 1]))
             starts = part_starts(template, parts.part_lengths[mine], parts.part_kinds[mine],
                                  np.zeros(len(mine), np.int64))

@@ -215,7 +215,7 @@ class Loader:
                 continue
             row = Row(*(arrays[k][number] for k in _ROW_FIELDS),
                       {k: arrays[k][number] for k in arrays if k not in _ROW_FIELDS})
-            example.fill(row, self.templates[example.dataset].train_all)
+            example.fill(row)
         fill_windows(arrays, window_rows, windows)
         if self.mode == "eval":
             arrays["example_mask"] = example_mask

@@ -8,6 +8,7 @@ The build computes each chunk's plan for the config's loader and stores the coun
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 
@@ -26,6 +27,16 @@ class ChunkParts:
     part_kinds: np.ndarray      # int64 per part
     part_doc: np.ndarray        # int64 per part: its document, from 0
     num_docs: int
+
+    @functools.cached_property
+    def content_lengths(self) -> np.ndarray:
+        """Stored tokens of each document (int64)."""
+        return np.bincount(self.part_doc, weights=self.part_lengths, minlength=self.num_docs).astype(np.int64)
+
+    @functools.cached_property
+    def parts_per_doc(self) -> np.ndarray:
+        """Parts of each document (int64)."""
+        return np.bincount(self.part_doc, minlength=self.num_docs).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,8 +74,7 @@ def rendered_doc_lengths(template: Template, parts: ChunkParts, chunk: int) -> t
     """(rendered length of each document of a whole chunk, FIM choice or None)."""
     fim = None
     if template.fim is not None:
-        content = np.bincount(parts.part_doc, weights=parts.part_lengths, minlength=parts.num_docs).astype(np.int64)
-        fim = fim_choice(template.fim, chunk, parts.num_docs, np.arange(parts.num_docs), content)
+        fim = fim_choice(template.fim, chunk, parts.num_docs, np.arange(parts.num_docs), parts.content_lengths)
     lengths = doc_lengths(template, parts.part_lengths, parts.part_kinds, parts.part_doc, parts.num_docs,
                           None if fim is None else fim[0])
     return lengths, fim

@@ -8,6 +8,7 @@ from typing import Any
 from lakeloader.config import Config
 from lakeloader.errors import ConfigError
 from lakeloader.index.layout import PackingSpec
+from lakeloader.index.mixing import Mixer
 from lakeloader.index.permutation import derive_key
 from lakeloader.index.render import Fim, Template, make_template
 
@@ -84,3 +85,12 @@ def packing_spec(name: str, config: Config, template: Template) -> PackingSpec |
     return PackingSpec(seq_len=loader.seq_len, mode=loader.packing, algorithm=loader.pack.algorithm,
                        window=loader.pack.window, long_documents=loader.pack.long_documents,
                        template=template, max_images=max_images)
+
+
+def packing_specs(config: Config, tokenizer: Any) -> dict[str, PackingSpec]:
+    """The packing spec of every dataset the config's mixture draws from (none under concat)."""
+    if config.loader.packing == "concat":
+        return {}
+    specs = {name: packing_spec(name, config, template_for(name, config, tokenizer))
+             for name in Mixer.dataset_names(config)}
+    return {name: spec for name, spec in specs.items() if spec is not None}

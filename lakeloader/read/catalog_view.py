@@ -58,8 +58,8 @@ class DatasetChunks:
 
 
 def part_matrix(column: Any, kinds: int) -> np.ndarray:
-    """A LIST column of per-kind counts as an int64 ``[rows, kinds]`` matrix (missing or empty
-    lists, as for chunks without documents, count zero)."""
+    """A LIST column of per-kind counts (the few row groups of a chunk) as an int64
+    ``[rows, kinds]`` matrix; missing or empty lists count zero."""
     rows = list(column)
     out = np.zeros((len(rows), kinds), np.int64)
     for i, row in enumerate(rows):
@@ -145,9 +145,16 @@ class CatalogView:
             paths=column["path"].astype(object), num_docs=column["num_docs"].astype(np.int64),
             num_tokens=column["num_tokens"].astype(np.int64), num_bytes=column["num_bytes"].astype(np.int64),
             checksums=column["checksum"].astype(object), shard_index=column["shard_index"].astype(np.int64),
-            token_type=token_type, num_parts=part_matrix(column["num_parts"], len(kinds)),
+            token_type=token_type, num_parts=self._chunk_parts(name, prefix, len(kinds)),
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
         )
+
+    def _chunk_parts(self, name: str, prefix: int, kinds: int) -> np.ndarray:
+        """Parts of each kind of the prefix's chunks, ``[prefix, kinds]`` (empty chunks: zeros)."""
+        rows = self.named("reader_chunk_parts", {"name": name, "prefix": prefix}).fetchnumpy()
+        out = np.zeros((prefix, kinds), np.int64)
+        out[rows["global_index"].astype(np.int64), rows["kind"].astype(np.int64)] = rows["count"]
+        return out
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""

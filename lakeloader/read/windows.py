@@ -11,7 +11,7 @@ import numpy as np
 from lakeloader.index.concat import cumulative, locate
 from lakeloader.index.render import Rendered, Template, fim_choice, fim_counts, render, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
-from lakeloader.read.chunks import ChunkFiles, RowGroup
+from lakeloader.read.chunks import ChunkFiles
 
 
 @dataclasses.dataclass
@@ -71,22 +71,20 @@ class StreamReader:
                 self._row_groups[key] = found
         return found
 
-    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> tuple[Rendered, RowGroup]:
-        """One row group's documents rendered (cached), and the stored row group."""
-        stored = self.files.row_group(chunks, chunk, group)
+    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
+        """One row group's documents rendered (cached apart from the stored row group, which is
+        read only when the rendering is not cached)."""
         key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
         cached = self.files.cache.get(key)
         if cached is None:
+            stored = self.files.row_group(chunks, chunk, group)
             parts = stored.parts
             first_doc = int(self.groups(chunks, chunk)[1][group])
-            fim = None
-            if self.template.fim is not None:
-                content = np.bincount(parts.part_doc, weights=parts.part_lengths, minlength=parts.num_docs)
-                fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), content.astype(np.int64))
+            fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
             cached = render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
                             parts.num_docs, fim)
             self.files.cache.put(key, cached)
-        return cached, stored
+        return cached
 
     def chunk_range(self, chunks: DatasetChunks, chunk: int, start: int, stop: int,
                     position: int = 0) -> Piece:
@@ -96,7 +94,7 @@ class StreamReader:
         group = int(locate(offsets, np.array([start]))[0]) if stop > start else len(first_docs)
         trainable = []
         while group < len(first_docs) and offsets[group] < stop:
-            rendered, _ = self.rendered_group(chunks, chunk, group)
+            rendered = self.rendered_group(chunks, chunk, group)
             a = max(start - offsets[group], 0)
             b = min(stop - offsets[group], len(rendered.tokens))
             tokens.append(rendered.tokens[a:b])
