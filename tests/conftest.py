@@ -88,3 +88,30 @@ def lake_documents(config_path: Path, dataset: str) -> list[list[int]]:
     for path in paths:
         documents.extend(pq.read_table(lake.path_of(path)).column("tokens").to_pylist())
     return documents
+
+
+def global_batches(config: Path, processes: int, steps: range) -> list[dict[str, Any]]:
+    """Global batches ``steps`` assembled from ``processes`` loaders' rows (row order kept)."""
+    import numpy as np
+
+    from lakeloader.feed.loader import Loader
+
+    loaders = [Loader(config, process_index=p, process_count=processes) for p in range(processes)]
+    out = []
+    for step in steps:
+        parts = [loader.batch(step) for loader in loaders]
+        out.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    for loader in loaders:
+        loader.close()
+    return out
+
+
+def assert_batches_equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    """The two lists of batches are bitwise equal: same fields, dtypes and values."""
+    import numpy as np
+
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key].dtype == y[key].dtype and np.array_equal(x[key], y[key]), key

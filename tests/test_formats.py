@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config
+from conftest import DEMO_TOKENIZER, assert_batches_equal, global_batches, lake_documents, stdlib_texts, write_config
 from tokenizers import Tokenizer
 
 from lakeloader.build.driver import build
@@ -93,34 +93,17 @@ def variant(lake: tuple[Path, dict[str, Any]], scheduler: str, **kwargs: Any) ->
     return config
 
 
-def global_batches(config: Path, processes: int, steps: range) -> list[dict[str, np.ndarray]]:
-    loaders = [Loader(config, process_index=p, process_count=processes) for p in range(processes)]
-    out = []
-    for step in steps:
-        parts = [loader.batch(step) for loader in loaders]
-        out.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-    return out
-
-
-def assert_same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for key in x:
-            assert np.array_equal(x[key], y[key]), key
-
-
 @pytest.mark.parametrize("packing", ["concat", "pack", "pad"])
 def test_mixed_formats_same_for_any_process_count_and_every_resume(lake, dask_scheduler: str, packing: str) -> None:
     config = variant(lake, dask_scheduler, packing=packing, shuffle={"kind": "window", "window_chunks": 2})
     steps = range(0, 8)
     reference = global_batches(config, 1, steps)
     for processes in (2, 4):
-        assert_same(global_batches(config, processes, steps), reference)
+        assert_batches_equal(global_batches(config, processes, steps), reference)
     with Loader(config) as loader:
         for start in steps:
             resumed = [batch for _, batch in zip(range(start, 8), loader.iter_from(loader.state(start).to_dict()))]
-            assert_same(resumed, reference[start:])
+            assert_batches_equal(resumed, reference[start:])
     batch = reference[0]
     assert batch["input_ids"].shape == (BATCH, SEQ_LEN)
     if packing != "concat":

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
+from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
 
 from lakeloader.build.driver import build
 from lakeloader.catalog import store
@@ -34,38 +34,21 @@ def mixed_config(tmp_path: Path, shuffle: dict, **loader: object) -> Path:
     )
 
 
-def global_batches(config: Path, processes: int, first: int = 0) -> list[dict[str, np.ndarray]]:
-    loaders = [Loader(config, process_index=p, process_count=processes) for p in range(processes)]
-    out = []
-    for step in range(first, STEPS):
-        parts = [loader.batch(step) for loader in loaders]
-        out.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-    return out
-
-
-def assert_equal(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for key in x:
-            assert x[key].dtype == y[key].dtype and np.array_equal(x[key], y[key]), key
-
-
 @pytest.mark.parametrize("kind", ["none", "window", "block", "full"])
 def test_same_batches_for_any_process_count_and_resume(tmp_path: Path, dask_scheduler: str, kind: str) -> None:
     config = mixed_config(tmp_path, {"kind": kind, "window_chunks": 2, "block_size": 8, "window_blocks": 3})
     build(config, scheduler=dask_scheduler, progress=False)
-    reference = global_batches(config, 1)
+    reference = global_batches(config, 1, range(STEPS))
     for processes in (2, 4, 8):
-        assert_equal(global_batches(config, processes), reference)
+        assert_batches_equal(global_batches(config, processes, range(STEPS)), reference)
     loader = Loader(config)
     for start in range(STEPS):
         got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start).to_dict()))]
-        assert_equal(got, reference[start:])
+        assert_batches_equal(got, reference[start:])
     if kind != "none":  # shuffled: the order differs from the stored order
         plain = mixed_config(tmp_path / "plain", {"kind": "none"})
         build(plain, scheduler=dask_scheduler, progress=False)
-        assert not np.array_equal(global_batches(plain, 1)[0]["input_ids"], reference[0]["input_ids"])
+        assert not np.array_equal(global_batches(plain, 1, range(STEPS))[0]["input_ids"], reference[0]["input_ids"])
 
 
 def test_shuffle_changes_every_epoch(tmp_path: Path, dask_scheduler: str) -> None:
@@ -113,7 +96,7 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
     builder.join()
     assert not errors, errors
     assert any(c < d.chunks.planned for c, d in zip(committed_at_start, during_loader.datasets))
-    assert_equal(during, global_batches(config, 1))
+    assert_batches_equal(during, global_batches(config, 1, range(STEPS)))
 
 
 def test_resume_across_a_stage_boundary(tmp_path: Path, dask_scheduler: str) -> None:
@@ -125,12 +108,12 @@ def test_resume_across_a_stage_boundary(tmp_path: Path, dask_scheduler: str) -> 
         mixture={"stages": [{"start_step": 0, "weights": {"code": 0.9, "notes": 0.1}},
                             {"start_step": 5, "weights": {"code": 0.2, "notes": 0.8}}]})
     build(staged, scheduler=dask_scheduler, progress=False)
-    reference = global_batches(staged, 1)
-    assert_equal(global_batches(staged, 4), reference)
+    reference = global_batches(staged, 1, range(STEPS))
+    assert_batches_equal(global_batches(staged, 4, range(STEPS)), reference)
     loader = Loader(staged)
     for start in (3, 4, 5, 6):
         got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start)))]
-        assert_equal(got, reference[start:])
+        assert_batches_equal(got, reference[start:])
     owners = [{w.dataset for w in loader._windows(step)} for step in (4, 5)]
     shares = [sum(w.dataset == "notes" for w in loader._windows(step)) for step in (4, 5)]
     assert owners[0] and shares[0] < shares[1]  # the second stage favours notes
