@@ -17,7 +17,7 @@ from lakeloader.build.driver import build
 from lakeloader.feed.loader import Loader
 
 READER = """
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 import numpy as np
 from lakeloader.feed.loader import Loader
@@ -26,11 +26,22 @@ config, out = sys.argv[1], Path(sys.argv[2])
 state_file = out / "state.json"
 loader = Loader(config)
 state = json.loads(state_file.read_text()) if state_file.exists() else loader.state(0).to_dict()
+
+
+def write_atomically(path, write):
+    # The process is killed at a random moment: a file is either whole or absent.
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as handle:
+        write(handle)
+    os.replace(temporary, path)
+
+
 for batch in loader.iter_from(state):
     step = state["step"]
-    np.savez(out / f"step-{step:04d}.npz", **batch)
+    write_atomically(out / f"step-{step:04d}.npz", lambda handle: np.savez(handle, **batch))
     state = loader.state(step + 1).to_dict()
-    state_file.write_text(json.dumps(state))   # saved after the batch is consumed
+    # saved after the batch is consumed
+    write_atomically(state_file, lambda handle: handle.write(json.dumps(state).encode()))
     if step + 1 == 40:
         break
     time.sleep(0.05)
@@ -53,7 +64,8 @@ def test_killed_reader_resumes_from_its_saved_step(tmp_path: Path, dask_schedule
     first.send_signal(signal.SIGKILL)
     first.wait()
     saved = json.loads((out / "state.json").read_text())["step"]
-    assert 12 <= saved < 40
+    # Batches 0..11 are written, so the state saved after batch 10 (step 11) at least.
+    assert 11 <= saved < 40
     subprocess.run(command, check=True, env=os.environ.copy(), timeout=120)
     loader = Loader(config)
     for step in range(40):
