@@ -65,6 +65,7 @@ def test_render_equals_reference_and_lengths_need_no_tokens(docs, with_bos):
     assert rendered.tokens.tolist() == tokens
     assert rendered.trainable.tolist() == trains
     assert rendered.doc_starts.tolist() == starts
+    assert rendered.docs.tolist() == [d for d in range(n) for _ in range(starts[d], starts[d + 1])]
     per_doc = doc_lengths(template, lengths, kinds, part_doc, n)
     assert per_doc.tolist() == np.diff(starts).tolist()
     counts = np.bincount(kinds, minlength=3)[None, :]

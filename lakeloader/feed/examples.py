@@ -58,14 +58,24 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
     keys = np.full((len(rows), length + 1), -1, np.int64)
     trainable = np.zeros((len(rows), length + 1), bool)
     counts = np.array([w.write(tokens[i], keys[i], trainable[i]) for i, w in enumerate(windows)])
-    valid = np.arange(length) < (counts - 1)[:, None]
     segment_ids, positions = segments(keys[:, :-1])
-    index = np.asarray(rows)
-    batch["input_ids"][index] = np.where(valid, tokens[:, :-1], batch["input_ids"][index])
-    batch["targets"][index] = np.where(valid, tokens[:, 1:], batch["targets"][index])
-    batch["loss_mask"][index] = valid & trainable[:, 1:]
-    batch["segment_ids"][index] = np.where(valid, segment_ids, 0)
-    batch["positions"][index] = np.where(valid, positions, 0)
+    fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": trainable[:, 1:],
+              "segment_ids": segment_ids, "positions": positions}
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: plain copies, no gathers
+    if counts.min() == length + 1:   # every window whole (training)
+        for name, values in fields.items():
+            batch[name][index] = values
+        return
+    valid = np.arange(length) < (counts - 1)[:, None]   # the short end of an evaluation pass
+    fields["loss_mask"] = valid & fields["loss_mask"]
+    for name in ("segment_ids", "positions"):
+        fields[name] = np.where(valid, fields[name], 0)
+    for name in ("input_ids", "targets"):
+        fields[name] = np.where(valid, fields[name], batch[name][index])
+    for name, values in fields.items():
+        batch[name][index] = values
 
 
 @dataclasses.dataclass
@@ -195,30 +205,44 @@ class DatasetExamples:
     def train_example(self, j: int) -> tuple[int, int]:
         """(epoch, example) at position ``j`` of the cycled, shuffled training stream (global
         ordering): index arithmetic only, waiting while building only if the prefix can't fix it."""
-        while True:
-            if self.chunks.complete:
-                per_epoch = self._available()
-                if per_epoch == 0:
-                    raise self._too_small()
-                epoch, k = j // per_epoch, int(self._shuffled(np.array([j]), per_epoch)[0])
-                break
+        epochs, examples = self.train_examples(np.array([j]))
+        return int(epochs[0]), int(examples[0])
+
+    def train_examples(self, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`train_example` of many positions (one vectorized shuffle once complete)."""
+        js = np.asarray(js, np.int64)
+        if not self.chunks.complete:
+            found = [self._train_example_while_building(int(j)) for j in js]
+            return np.array([e for e, _ in found], np.int64), np.array([k for _, k in found], np.int64)
+        per_epoch = self._available()
+        if per_epoch == 0:
+            raise self._too_small()
+        return js // per_epoch, self._shuffled(js, per_epoch)
+
+    def _train_example_while_building(self, j: int) -> tuple[int, int]:
+        while not self.chunks.complete:
             k = self._position_while_building(j)
             if k is not None and k < self._available():
-                epoch = 0  # fixed by the committed prefix: necessarily epoch 0
-                break
+                return 0, k   # fixed by the committed prefix: necessarily epoch 0
             self._wait()
-        return epoch, k
+        epochs, examples = self.train_examples(np.array([j]))
+        return int(epochs[0]), int(examples[0])
 
     def train_window(self, j: int) -> Window:
         """Example ``j`` of the cycled training stream (shuffled per epoch if configured)."""
-        if self.ordering == "strided":
-            return self._strided_window(j)
-        epoch, k = self.train_example(j)
-        return self._example(epoch, k)
+        return self.train_windows(np.array([j]))[0]
 
-    def _example(self, epoch: int, k: int) -> Window:
-        pieces = self.reader.window(self.chunks, self.sequence, self.offsets, k * self.seq_len, self.seq_len + 1)
-        return Window(self.name, epoch, k, pieces)
+    def train_windows(self, js: np.ndarray) -> list[Window]:
+        """:meth:`train_window` of many positions."""
+        if self.ordering == "strided":
+            return self._strided_windows(js)
+        return self._examples(*self.train_examples(js))
+
+    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[Window]:
+        """Windows of examples ``examples`` (of epochs ``epochs``), looked up together."""
+        pieces = self.reader.windows(self.chunks, self.sequence, self.offsets, examples * self.seq_len,
+                                     self.seq_len + 1)
+        return [Window(self.name, e, k, p) for e, k, p in zip(epochs.tolist(), examples.tolist(), pieces)]
 
     def _period(self, reader: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunks and cumulative stream offsets of one period of ideal reader ``reader``'s
@@ -232,29 +256,43 @@ class DatasetExamples:
             self._periods[reader] = (chunks, cumulative(lengths))
         return self._periods[reader]
 
-    def _strided_window(self, i: int) -> Window:
+    def _strided_while_building(self, i: int) -> Window | None:
+        """Window of global example ``i`` of the strided ordering from the committed prefix
+        (waiting for chunks as needed); None once the dataset is complete."""
         reader, k = int(i % self.ideal_readers), int(i // self.ideal_readers)
         start, length = k * self.seq_len, self.seq_len + 1
         while not self.chunks.complete:
             positions = np.arange(reader, self.chunks.committed, self.ideal_readers)
             offsets = cumulative(np.diff(self.offsets)[positions])
             if start + length <= offsets[-1]:
-                pieces = self.reader.window(self.chunks, positions, offsets, start, length)
-                return Window(self.name, 0, k, pieces)
+                return Window(self.name, 0, k, self.reader.window(self.chunks, positions, offsets, start, length))
             self._wait()
-        chunks, offsets = self._period(reader)
-        total = int(offsets[-1])
-        if total == 0:
-            raise self._too_small()
-        cycles, start_in_period = divmod(start, total)
-        repeats = 1 + math.ceil((start_in_period + length) / total)
-        sequence = np.tile(chunks, repeats)
-        sequence_offsets = cumulative(np.tile(np.diff(offsets), repeats))
-        pieces = self.reader.window(self.chunks, sequence, sequence_offsets, start_in_period, length)
-        period = len(chunks)
-        looped = [strided_chunk(reader, cycles * period + p.position, self.ideal_readers) for p in pieces]
-        epoch = int(looped[0] // self.chunks.committed) if looped else 0
-        return Window(self.name, epoch, k, pieces)
+        return None
+
+    def _strided_windows(self, ids: np.ndarray) -> list[Window]:
+        """Windows of global examples ``ids`` of the strided ordering: each ideal reader's
+        looped chunk sequence, read in one batch per reader once the dataset is complete."""
+        found = [self._strided_while_building(int(i)) for i in ids] if not self.chunks.complete else [None] * len(ids)
+        rest = np.array([n for n, window in enumerate(found) if window is None], np.int64)
+        ids = np.asarray(ids, np.int64)[rest] if len(rest) else np.zeros(0, np.int64)
+        readers, ks = ids % self.ideal_readers, ids // self.ideal_readers
+        length = self.seq_len + 1
+        for reader in np.unique(readers).tolist():
+            mine = np.flatnonzero(readers == reader)
+            chunks, offsets = self._period(reader)
+            total = int(offsets[-1])
+            if total == 0:
+                raise self._too_small()
+            cycles, starts = np.divmod(ks[mine] * self.seq_len, total)
+            repeats = 1 + math.ceil((int(starts.max()) + length) / total)
+            sequence = np.tile(chunks, repeats)
+            sequence_offsets = cumulative(np.tile(np.diff(offsets), repeats))
+            pieces = self.reader.windows(self.chunks, sequence, sequence_offsets, starts, length)
+            first = np.array([window_pieces[0].position for window_pieces in pieces], np.int64)
+            epochs = strided_chunk(reader, cycles * len(chunks) + first, self.ideal_readers) // self.chunks.committed
+            for n, k, epoch, window_pieces in zip(rest[mine].tolist(), ks[mine].tolist(), epochs.tolist(), pieces):
+                found[n] = Window(self.name, epoch, k, window_pieces)
+        return found  # type: ignore[return-value]
 
 
 @dataclasses.dataclass
@@ -375,6 +413,9 @@ class PackedExamples(DatasetExamples):
                     self._plans.clear()
                 self._plans[key] = found
         return found
+
+    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+        return [self._example(e, k) for e, k in zip(epochs.tolist(), examples.tolist())]
 
     def _example(self, epoch: int, k: int) -> PackedExample:
         chunk = int(locate(self.offsets, np.array([k]))[0])

@@ -186,13 +186,16 @@ class Loader:
             owners, indices = self.mixer.eval_assign(positions, self.datasets)
         else:
             owners, indices = self.mixer.assign(step, self.row_indices)
-        windows: list[Window | PackedExample | None] = []
-        for owner, index in zip(owners.tolist(), indices.tolist()):
-            if owner < 0:
-                windows.append(None)  # padding past the end of an evaluation pass
-                continue
+        windows: list[Window | PackedExample | None] = [None] * len(owners)   # None: past an eval pass
+        for owner in np.unique(owners[owners >= 0]).tolist():
+            rows = np.flatnonzero(owners == owner)
             examples = self.datasets[owner]
-            windows.append(examples.eval_window(index) if self.mode == "eval" else examples.train_window(index))
+            if self.mode == "eval":
+                found = [examples.eval_window(int(j)) for j in indices[rows]]
+            else:
+                found = examples.train_windows(indices[rows])
+            for row, window in zip(rows.tolist(), found):
+                windows[row] = window
         return windows
 
     def batch(self, step: int) -> Batch:

@@ -55,9 +55,16 @@ def segments(doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(segment_ids from 1, positions restarting at 0) along the last axis of windows whose
     tokens belong to documents ``doc_keys`` (equal keys = same document; documents are
     contiguous). Works on one window or a ``[rows, n]`` batch of them."""
-    n = doc_keys.shape[-1]
-    starts = np.ones(doc_keys.shape, dtype=bool)
-    starts[..., 1:] = doc_keys[..., 1:] != doc_keys[..., :-1]
-    segment_ids = np.cumsum(starts, axis=-1).astype(np.int32)
-    first = np.maximum.accumulate(np.where(starts, np.arange(n), 0), axis=-1)
-    return segment_ids, (np.arange(n) - first).astype(np.int32)
+    shape = doc_keys.shape
+    keys = doc_keys.reshape(math.prod(shape[:-1]), shape[-1])
+    starts = np.empty(keys.shape, dtype=bool)
+    starts[:, :1] = True
+    np.not_equal(keys[:, 1:], keys[:, :-1], out=starts[:, 1:])
+    # Number segments across all rows at once, then rebase each row's numbers to start at 1.
+    flat = starts.ravel()
+    number = np.cumsum(flat, dtype=np.int32)
+    first_token = np.flatnonzero(flat).astype(np.int32)
+    positions = np.arange(flat.size, dtype=np.int32) - first_token[number - 1]
+    number = number.reshape(keys.shape)
+    segment_ids = number - number[:, :1] + 1
+    return segment_ids.reshape(shape), positions.reshape(shape)

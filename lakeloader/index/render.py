@@ -174,6 +174,7 @@ class Rendered:
     tokens: np.ndarray        # int32
     trainable: np.ndarray     # bool: token is a training target
     doc_starts: np.ndarray    # int64 [docs + 1]: offsets of each document, then the end
+    docs: np.ndarray          # int32: document of each token (readers slice it instead of searching)
 
 
 def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
@@ -197,7 +198,7 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
         f = template.fim
         pool_pieces += [_ids([f.prefix]), _ids([f.suffix]), _ids([f.middle])]
     piece_at = np.cumsum([0] + [len(p) for p in pool_pieces]) + len(values)
-    pool = np.concatenate([np.asarray(values, np.int32), *pool_pieces]) if pool_pieces else np.asarray(values, np.int32)
+    constants = np.concatenate(pool_pieces).astype(np.int32)
 
     segments: list[tuple[np.ndarray, ...]] = []   # (doc, slot, source start, length, trains)
 
@@ -222,7 +223,7 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
     add(part_doc, base_slot + _SLOTS - 1, piece_at[3 + 2 * kinds], suffix_len[kinds], trains_kind[kinds])
 
     plain = np.ones(parts, bool)
-    if fim is not None and template.fim is not None:
+    if fim is not None and template.fim is not None and np.asarray(fim[0]).any():
         selected, spm, a, b = (np.asarray(x) for x in fim)
         fim_part = np.flatnonzero(selected[part_doc])
         plain[fim_part] = False
@@ -246,7 +247,29 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
     doc, start, length, trains = doc[order], start[order], length[order], trains[order]
     out_start = np.cumsum(length) - length
     total = int(length.sum())
-    source = np.repeat(start - out_start, length) + np.arange(total, dtype=np.int64)
-    doc_ends = np.bincount(doc, weights=length, minlength=num_docs).astype(np.int64)
-    return Rendered(tokens=pool[source], trainable=np.repeat(trains, length),
-                    doc_starts=np.concatenate([[0], np.cumsum(doc_ends)]).astype(np.int64))
+    if plain.all():
+        tokens = _place_in_order(values, constants, start, length, out_start, total)
+    else:
+        pool = np.concatenate([np.asarray(values, np.int32), constants])
+        tokens = pool[np.repeat(start - out_start, length) + np.arange(total, dtype=np.int64)]
+    doc_lengths = np.bincount(doc, weights=length, minlength=num_docs).astype(np.int64)
+    return Rendered(tokens=tokens, trainable=np.repeat(trains, length),
+                    doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
+                    docs=np.repeat(np.arange(num_docs, dtype=np.int32), doc_lengths))
+
+
+def _place_in_order(values: np.ndarray, constants: np.ndarray, start: np.ndarray, length: np.ndarray,
+                    out_start: np.ndarray, total: int) -> np.ndarray:
+    """The gather of :func:`render` when the stored values keep their order (no FIM): template
+    tokens (``start`` past the values: the constant pool) are scattered to their places and the
+    values fill the rest in one masked copy, several times cheaper than an index per token."""
+    constant = start >= len(values)
+    count = length[constant]
+    within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    at = np.repeat(out_start[constant], count) + within
+    tokens = np.empty(total, np.int32)
+    tokens[at] = constants[np.repeat(start[constant] - len(values), count) + within]
+    from_values = np.ones(total, bool)
+    from_values[at] = False
+    tokens[from_values] = values
+    return tokens

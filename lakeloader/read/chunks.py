@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,25 +33,57 @@ def _nbytes(item: Any) -> int:
     return 64
 
 
+class _Pending:
+    """A value one thread is computing while others wait for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
 class RowGroupCache:
     """Decoded row groups and what is derived from them (arrays or dataclasses of arrays),
-    bounded in bytes, LRU."""
+    bounded in bytes, LRU. A value is computed once even when read-ahead threads ask for it
+    together: the others wait for the first instead of reading the same row group again."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._items: collections.OrderedDict[tuple[Any, ...], tuple[Any, int]] = collections.OrderedDict()
+        self._pending: dict[tuple[Any, ...], _Pending] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[Any, ...]) -> Any:
+    def get(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+        """The value cached under ``key``, computed by ``compute()`` (once) if missing."""
         with self._lock:
             found = self._items.get(key)
-            if found is None:
-                return None
-            self._items.move_to_end(key)
-            return found[0]
+            if found is not None:
+                self._items.move_to_end(key)
+                return found[0]
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._pending[key] = _Pending()
+        assert pending is not None
+        if not owner:
+            pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            return pending.value
+        try:
+            pending.value = compute()
+            self._put(key, pending.value)
+            return pending.value
+        except BaseException as exc:
+            pending.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._pending[key]
+            pending.done.set()
 
-    def put(self, key: tuple[Any, ...], item: Any) -> None:
+    def _put(self, key: tuple[Any, ...], item: Any) -> None:
         size = _nbytes(item)
         with self._lock:
             if key in self._items:
@@ -142,10 +175,9 @@ class ChunkFiles:
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy)."""
-        key = (chunks.fingerprint, index, group)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
+        return self.cache.get((chunks.fingerprint, index, group), lambda: self._row_group(chunks, index, group))
+
+    def _row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         table = self._read(chunks, index, [group], [TOKENS_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN,
                                                     PART_REFS_COLUMN])
         column = table.column(TOKENS_COLUMN)
@@ -155,15 +187,9 @@ class ChunkFiles:
         refs = None
         if PART_REFS_COLUMN in table.column_names:
             refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
-        item = RowGroup(values, table_parts(table), refs)
-        self.cache.put(key, item)
-        return item
+        return RowGroup(values, table_parts(table), refs)
 
     def chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         """The part layout of every document of chunk ``index`` (small columns only)."""
-        key = ("parts", chunks.fingerprint, index)
-        cached = self.cache.get(key)
-        if cached is None:
-            cached = table_parts(self._read(chunks, index, None, [PART_LENGTHS_COLUMN, PART_KINDS_COLUMN]))
-            self.cache.put(key, cached)
-        return cached
+        return self.cache.get(("parts", chunks.fingerprint, index), lambda: table_parts(
+            self._read(chunks, index, None, [PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])))

@@ -75,34 +75,32 @@ class StreamReader:
         """One row group's documents rendered (cached apart from the stored row group, which is
         read only when the rendering is not cached)."""
         key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
-        cached = self.files.cache.get(key)
-        if cached is None:
-            stored = self.files.row_group(chunks, chunk, group)
-            parts = stored.parts
-            first_doc = int(self.groups(chunks, chunk)[1][group])
-            fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
-            cached = render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
-                            parts.num_docs, fim)
-            self.files.cache.put(key, cached)
-        return cached
+        return self.files.cache.get(key, lambda: self._render_group(chunks, chunk, group))
+
+    def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
+        stored = self.files.row_group(chunks, chunk, group)
+        parts = stored.parts
+        first_doc = int(self.groups(chunks, chunk)[1][group])
+        fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
+        return render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
+                      parts.num_docs, fim)
 
     def chunk_range(self, chunks: DatasetChunks, chunk: int, start: int, stop: int,
                     position: int = 0) -> Piece:
         """Stream tokens ``[start, stop)`` of chunk ``chunk`` with each token's document."""
         offsets, first_docs = self.groups(chunks, chunk)
-        tokens, docs = [], []
-        group = int(locate(offsets, np.array([start]))[0]) if stop > start else len(first_docs)
-        trainable = []
+        group = int(np.searchsorted(offsets, start, side="right")) - 1 if stop > start else len(first_docs)
+        tokens, docs, trainable = [], [], []
         while group < len(first_docs) and offsets[group] < stop:
             rendered = self.rendered_group(chunks, chunk, group)
-            a = max(start - offsets[group], 0)
-            b = min(stop - offsets[group], len(rendered.tokens))
+            a = max(start - int(offsets[group]), 0)
+            b = min(stop - int(offsets[group]), len(rendered.tokens))
             tokens.append(rendered.tokens[a:b])
             trainable.append(rendered.trainable[a:b])
-            first, last = np.searchsorted(rendered.doc_starts, [a, b - 1], side="right") - 1
-            bounds = np.clip(rendered.doc_starts[first : last + 2], a, b)
-            docs.append(np.repeat(np.arange(first, last + 1) + first_docs[group], np.diff(bounds)))
+            docs.append(rendered.docs[a:b] + first_docs[group])
             group += 1
+        if len(tokens) == 1:   # the common case: views of one cached row group
+            return Piece(position, chunk, start, tokens[0], docs[0], trainable[0])
         return Piece(
             position=position, chunk=chunk, start=start,
             tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
@@ -129,3 +127,28 @@ class StreamReader:
             start = max(start, stop)
             position += 1
         return pieces
+
+    def windows(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
+                starts: np.ndarray, length: int) -> list[list[Piece]]:
+        """:meth:`window` of many starts. Windows inside one row group (nearly all of them) are
+        located together and become views of its cached rendering; the rest take the general path."""
+        starts = np.asarray(starts, np.int64)
+        found: list[list[Piece] | None] = [None] * len(starts)
+        position = locate(sequence_offsets, starts)
+        inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
+        for p in np.unique(position[inside]).tolist():
+            rows = np.flatnonzero(inside & (position == p))
+            chunk = int(sequence[p])
+            local = starts[rows] - sequence_offsets[p]
+            offsets, first_docs = self.groups(chunks, chunk)
+            group = locate(offsets, local)
+            whole = group == locate(offsets, local + length - 1)
+            for row, start, g in zip(rows[whole].tolist(), local[whole].tolist(), group[whole].tolist()):
+                rendered = self.rendered_group(chunks, chunk, g)
+                a = start - int(offsets[g])
+                found[row] = [Piece(p, chunk, start, rendered.tokens[a : a + length],
+                                    rendered.docs[a : a + length] + first_docs[g], rendered.trainable[a : a + length])]
+        for row in range(len(starts)):
+            if found[row] is None:
+                found[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
+        return found  # type: ignore[return-value]

@@ -1,0 +1,39 @@
+"""Index maps of concat windows: segments and positions of batches of windows."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lakeloader.index.concat import segments
+
+
+def _plain_segments(keys: list[int]) -> tuple[list[int], list[int]]:
+    segment_ids, positions = [], []
+    for i, key in enumerate(keys):
+        if i == 0 or key != keys[i - 1]:
+            segment_ids.append(segment_ids[-1] + 1 if segment_ids else 1)
+            positions.append(0)
+        else:
+            segment_ids.append(segment_ids[-1])
+            positions.append(positions[-1] + 1)
+    return segment_ids, positions
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 12), st.data())
+def test_segments_of_a_batch_equal_a_plain_loop_per_row(rows: int, n: int, data: st.DataObject) -> None:
+    runs = [data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)) for _ in range(rows)]
+    # Keys of contiguous documents: a run of equal keys per document, keys growing along a row.
+    keys = np.array([np.repeat(np.arange(n), r)[:n] if n else [] for r in runs], np.int64).reshape(rows, n)
+    segment_ids, positions = segments(keys)
+    assert segment_ids.shape == positions.shape == (rows, n)
+    assert segment_ids.dtype == positions.dtype == np.int32
+    for row in range(rows):
+        expected_ids, expected_positions = _plain_segments(keys[row].tolist())
+        assert segment_ids[row].tolist() == expected_ids
+        assert positions[row].tolist() == expected_positions
+    if rows:   # one window alone gives what it gives inside a batch
+        one_ids, one_positions = segments(keys[0])
+        assert np.array_equal(one_ids, segment_ids[0]) and np.array_equal(one_positions, positions[0])
