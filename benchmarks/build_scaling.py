@@ -88,10 +88,13 @@ def generated_catalog(chunks: int) -> Path:
         docs = rng.integers(50, 200, chunks)
         tokens = rng.integers(50_000, 200_000, chunks)
         writer.con.register("stats", pd.DataFrame({"global_index": np.arange(chunks), "docs": docs, "tokens": tokens}))
+        # Text documents: one part each, all of kind "text".
         writer.con.execute("UPDATE chunks SET status = 'committed', num_docs = s.docs, num_tokens = s.tokens, "
-                           "num_bytes = 1, checksum = '0', num_records = s.docs FROM stats s "
-                           "WHERE chunks.global_index = s.global_index")
-        writer.con.execute("INSERT INTO row_groups SELECT 'd', global_index, 0, 0, docs, 0, tokens FROM stats")
+                           "num_bytes = 1, checksum = '0', num_records = s.docs, num_parts = [s.docs], "
+                           "part_tokens = [s.tokens] FROM stats s WHERE chunks.global_index = s.global_index")
+        writer.con.execute("INSERT INTO row_groups (dataset, global_index, row_group, first_doc, num_docs, "
+                           "first_token, num_tokens, num_parts, part_tokens) "
+                           "SELECT 'd', global_index, 0, 0, docs, 0, tokens, [docs], [tokens] FROM stats")
         publish_snapshot(writer.con, lake, None)
     config = folder / "config.yaml"
     config.write_text(yaml.safe_dump({

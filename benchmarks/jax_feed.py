@@ -4,23 +4,26 @@ For B=64, L=2048 on 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=
 measures steps/s and tokens/s of `JaxFeed` with and without device prefetch, next to
 `jax.device_put` of same-shaped arrays already in host memory with the same sharding (ratio).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python benchmarks/jax_feed.py
+    .venv/bin/python benchmarks/jax_feed.py     (sets that XLA_FLAGS itself unless given)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
-import jax
-import numpy as np
-from _common import report
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from loader_throughput import BATCH, OUT, SEQ, config_for
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")   # before jax starts
 
-from lakeloader.build.driver import build
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import report  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from loader_throughput import BATCH, OUT, SEQ, config_for  # noqa: E402
 
-STEPS = 30
+from lakeloader.build.driver import build  # noqa: E402
+
+STEPS = 100
 
 
 def feed_rate(config: str, mesh: Mesh, prefetch: int) -> float:

@@ -54,10 +54,18 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
     if not windows:
         return
     length = batch["input_ids"].shape[1]
-    tokens = np.zeros((len(rows), length + 1), np.int32)
-    keys = np.full((len(rows), length + 1), -1, np.int64)
-    trainable = np.zeros((len(rows), length + 1), bool)
-    counts = np.array([w.write(tokens[i], keys[i], trainable[i]) for i, w in enumerate(windows)])
+    if all(len(w.pieces) == 1 and len(w.pieces[0].tokens) == length + 1 for w in windows):
+        # The common case, each window one piece: stack the views (document keys need no chunk
+        # position when a window never leaves its chunk).
+        tokens = np.stack([w.pieces[0].tokens for w in windows])
+        keys = np.stack([w.pieces[0].docs for w in windows])
+        trainable = np.stack([w.pieces[0].trainable for w in windows])
+        counts = np.full(len(windows), length + 1)
+    else:
+        tokens = np.zeros((len(rows), length + 1), np.int32)
+        keys = np.full((len(rows), length + 1), -1, np.int64)
+        trainable = np.zeros((len(rows), length + 1), bool)
+        counts = np.array([w.write(tokens[i], keys[i], trainable[i]) for i, w in enumerate(windows)])
     segment_ids, positions = segments(keys[:, :-1])
     fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": trainable[:, 1:],
               "segment_ids": segment_ids, "positions": positions}
@@ -274,7 +282,7 @@ class DatasetExamples:
         looped chunk sequence, read in one batch per reader once the dataset is complete."""
         found = [self._strided_while_building(int(i)) for i in ids] if not self.chunks.complete else [None] * len(ids)
         rest = np.array([n for n, window in enumerate(found) if window is None], np.int64)
-        ids = np.asarray(ids, np.int64)[rest] if len(rest) else np.zeros(0, np.int64)
+        ids = np.asarray(ids, np.int64)[rest]
         readers, ks = ids % self.ideal_readers, ids // self.ideal_readers
         length = self.seq_len + 1
         for reader in np.unique(readers).tolist():

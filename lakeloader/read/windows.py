@@ -54,7 +54,7 @@ class StreamReader:
             found = self._row_groups.get(key)
         if found is None:
             groups = self.view.row_groups(chunks.name, chunk)
-            first_doc = groups["first_doc"].astype(np.int64)
+            first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
             num_docs = groups["num_docs"].astype(np.int64)
             fim_docs = np.zeros(len(first_doc), np.int64)
             if self.template.fim is not None:
