@@ -423,21 +423,25 @@ class PackedExamples(DatasetExamples):
         return found
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
-        return [self._example(e, k) for e, k in zip(epochs.tolist(), examples.tolist())]
+        chunks = locate(self.offsets, examples).tolist()
+        return [self._example(e, k, c) for e, k, c in zip(epochs.tolist(), examples.tolist(), chunks)]
 
-    def _example(self, epoch: int, k: int) -> PackedExample:
-        chunk = int(locate(self.offsets, np.array([k]))[0])
+    def _example(self, epoch: int, k: int, chunk: int | None = None) -> PackedExample:
+        if chunk is None:
+            chunk = int(locate(self.offsets, np.array([k]))[0])
         plan = self.plan(chunk)
         items = plan.example_items(k - int(self.offsets[chunk]))
-        return PackedExample(self.name, epoch, k, [
-            self._item(chunk, int(d), int(a), int(b))
-            for d, a, b in zip(plan.item_doc[items], plan.item_start[items], plan.item_stop[items])])
-
-    def _item(self, chunk: int, doc: int, start: int, stop: int) -> Item:
+        docs = plan.item_doc[items]
         _, first_docs = self.reader.groups(self.chunks, chunk)
-        group = int(np.searchsorted(first_docs, doc, side="right") - 1)
+        groups = np.searchsorted(first_docs, docs, side="right") - 1
+        return PackedExample(self.name, epoch, k, [
+            self._item(chunk, group, doc - int(first_docs[group]), doc, start, stop)
+            for group, doc, start, stop in zip(groups.tolist(), docs.tolist(), plan.item_start[items].tolist(),
+                                               plan.item_stop[items].tolist())])
+
+    def _item(self, chunk: int, group: int, local: int, doc: int, start: int, stop: int) -> Item:
+        """Item of document ``doc`` of the chunk (``local`` within its row group ``group``)."""
         rendered = self.reader.rendered_group(self.chunks, chunk, group)
-        local = doc - int(first_docs[group])
         begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
         tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
         trainable = rendered.trainable[begin + start : min(begin + stop + 1, end)]

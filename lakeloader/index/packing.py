@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -39,12 +40,16 @@ class PackPlan:
     dropped_tokens: int       # rendered tokens those cuts dropped
     split_docs: int           # documents cut into several pieces by long_documents="split"
 
+    @functools.cached_property
+    def example_starts(self) -> list[int]:
+        """First item of each example, then the number of items."""
+        return np.searchsorted(self.item_example, np.arange(self.num_examples + 1)).tolist()
+
     def example_items(self, example: int) -> slice:
         """The items of ``example`` (never empty) as a slice of the item arrays."""
         if not 0 <= example < self.num_examples:
             raise IndexError(f"example {example} is out of range: the plan has {self.num_examples}")
-        lo, hi = np.searchsorted(self.item_example, [example, example + 1])
-        return slice(int(lo), int(hi))
+        return slice(self.example_starts[example], self.example_starts[example + 1])
 
     @property
     def example_tokens(self) -> np.ndarray:
