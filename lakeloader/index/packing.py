@@ -56,8 +56,7 @@ class PackPlan:
         """int64 [num_examples]: non-padding tokens of each example."""
         if self.num_examples == 0:
             return np.zeros(0, np.int64)
-        firsts = np.searchsorted(self.item_example, np.arange(self.num_examples))
-        return np.add.reduceat(self.item_stop - self.item_start, firsts).astype(np.int64)
+        return np.add.reduceat(self.item_stop - self.item_start, self.example_starts[:-1]).astype(np.int64)
 
 
 class DocumentTooLong(ValueError):
