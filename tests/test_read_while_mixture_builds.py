@@ -53,7 +53,7 @@ def mixture_config(root: Path, bad: set[str]) -> Path:
     data = root / "data"
     data.mkdir(parents=True)
     (data / "tiny.jsonl").write_bytes(_jsonl(stdlib_texts("json"), "tiny" in bad))
-    (data / "big.jsonl.gz").write_bytes(gzip.compress(_jsonl(stdlib_texts("asyncio"), "big" in bad), mtime=0))
+    (data / "big.jsonl.gz").write_bytes(gzip.compress(_jsonl(stdlib_texts("asyncio", limit=12), "big" in bad), mtime=0))
     return write_config(
         root, {"tiny": {"sources": [str(data / "tiny.jsonl")]}, "big": {"sources": [str(data / "big.jsonl.gz")]}},
         build={"split_size": "8KB"},
@@ -178,11 +178,13 @@ def test_readers_wait_for_a_dataset_without_committed_chunks(tmp_path: Path, das
         during = {key: future.result(timeout=120) for key, future in in_process.items()}
         builder.join(timeout=120)
         assert not builder.is_alive() and not errors, errors
-    finally:
+    finally:   # the holding tasks are released by now: nothing below waits for long
         pool.shutdown(wait=False, cancel_futures=True)
         for reader in readers.values():
             if reader.poll() is None:
                 reader.kill()
+        if builder.is_alive():
+            builder.join(timeout=120)
     assert committed(lake)["big"] == 1
     for key in READERS:
         after = Loader(configs[key])
@@ -197,20 +199,21 @@ def test_lake_whose_build_failed_before_committing_anything(tmp_path: Path, dask
     lake = fail_build(config, dask_scheduler)
     assert committed(lake) == {"tiny": 0, "big": 0}
     for key in READERS:
-        loader = Loader(variant(config, *key, wait_timeout=1))
+        loader = Loader(variant(config, *key, wait_timeout=0.5))
         started = time.monotonic()
         with pytest.raises(ChunkWaitTimeout) as error:
             loader.batch(0)
         assert time.monotonic() - started < 30
         message = str(error.value)
         assert "chunk 0 of dataset 'tiny'" in message and "none of its" in message, message
-        with pytest.raises(ChunkWaitTimeout, match="chunk 0 of dataset 'tiny'"):
-            loader.explain(0)
+        if key == READERS[-1]:   # and provenance of the batch waits the same way
+            with pytest.raises(ChunkWaitTimeout, match="chunk 0 of dataset 'tiny'"):
+                loader.explain(0)
         loader.close()
     out = tmp_path / "x.npz"
-    reader = subprocess.run([*CLI, "batches", str(variant(config, "pack", "window", wait_timeout=1)),
+    reader = subprocess.run([*CLI, "batches", str(variant(config, "pack", "window", wait_timeout=0.5)),
                              "--steps", "0:1", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert reader.returncode == 2, (reader.stdout, reader.stderr)
     assert "waiting for chunk 0 of dataset 'tiny'" in reader.stderr, reader.stderr
-    assert "waited 1s for chunk 0 of dataset 'tiny'" in reader.stderr and "Traceback" not in reader.stderr
+    assert "waited 0.5s for chunk 0 of dataset 'tiny'" in reader.stderr and "Traceback" not in reader.stderr
     assert not out.exists()

@@ -179,12 +179,12 @@ class CatalogView:
             if chunk < chunks.committed or chunks.complete:
                 return chunks
             if not announced:
-                log.info("waiting for chunk %d of dataset %r to be committed (%s; loader.wait_timeout %.0fs)",
+                log.info("waiting for chunk %d of dataset %r to be committed (%s; loader.wait_timeout %gs)",
                          chunk, name, chunks.describe_prefix(), timeout)
                 announced = True
             if time.monotonic() > deadline:
                 raise ChunkWaitTimeout(
-                    f"waited {timeout:.0f}s for chunk {chunk} of dataset {name!r} in lake {self.lake.url}, "
+                    f"waited {timeout:g}s for chunk {chunk} of dataset {name!r} in lake {self.lake.url}, "
                     f"but {chunks.describe_prefix()}. Is its "
                     "build running? Check with `lakeloader status CONFIG`, or raise loader.wait_timeout."
                 )
