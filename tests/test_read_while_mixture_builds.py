@@ -30,6 +30,7 @@ from lakeloader.build.driver import build
 from lakeloader.catalog import store
 from lakeloader.errors import InputError
 from lakeloader.feed.loader import Loader
+from lakeloader.index.render import make_template, stream_lengths
 from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import CatalogView, ChunkWaitTimeout
 
@@ -131,6 +132,17 @@ def load_steps(path: Path) -> list[dict[str, np.ndarray]]:
         return [{name: data[name][step] for name in data.files} for step in range(STEPS)]
 
 
+@pytest.mark.parametrize("kinds", [("text",), ("system", "user", "assistant")])
+def test_stream_lengths_of_no_chunks(kinds: tuple[str, ...]) -> None:
+    """A dataset with no committed chunk (or a chunk without row groups) has no stream lengths."""
+    template = make_template(kinds, bos=1, eos=2, part_prefix={kinds[-1]: [3, 4]})
+    empty = np.zeros(0, np.int64)
+    lengths = stream_lengths(template, empty, empty, np.zeros((0, len(kinds)), np.int64), empty)
+    assert lengths.dtype == np.int64 and lengths.shape == (0,)
+    one = stream_lengths(template, [5], [1], np.ones((1, len(kinds)), np.int64), [0])
+    assert one.tolist() == [5 + 2 + 2]
+
+
 def test_readers_wait_for_a_dataset_without_committed_chunks(tmp_path: Path, dask_scheduler: str) -> None:
     config = mixture_config(tmp_path, bad={"big"})
     lake = fail_build(config, dask_scheduler)
@@ -172,7 +184,8 @@ def test_readers_wait_for_a_dataset_without_committed_chunks(tmp_path: Path, das
                     assert reader.poll() is None, f"{key} exited early:\n{logs[key].read_text()}"
                 assert time.monotonic() < deadline, {key: logs[key].read_text() for key in READERS}
                 time.sleep(0.05)
-            assert not any(future.done() for future in in_process.values())
+            for future in in_process.values():   # blocked on dataset big's chunk 0
+                assert not future.done(), future.result()
         for key, reader in readers.items():
             assert reader.wait(timeout=120) == 0, f"{key}:\n{logs[key].read_text()}"
         during = {key: future.result(timeout=120) for key, future in in_process.items()}
