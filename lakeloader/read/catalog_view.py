@@ -56,6 +56,12 @@ class DatasetChunks:
         """Number of chunks in the committed prefix."""
         return len(self.paths)
 
+    def describe_prefix(self) -> str:
+        """The committed prefix in words, for wait messages (a dataset may have none yet)."""
+        if not self.committed:
+            return f"none of its {self.planned} planned chunks is committed yet"
+        return f"only chunks 0..{self.committed - 1} of {self.planned} are committed"
+
 
 def part_matrix(column: Any, kinds: int) -> np.ndarray:
     """A LIST column of per-kind counts (the few row groups of a chunk) as an int64
@@ -173,13 +179,13 @@ class CatalogView:
             if chunk < chunks.committed or chunks.complete:
                 return chunks
             if not announced:
-                log.info("waiting for chunk %d of dataset %r to be committed (committed prefix: %d of %d)",
-                         chunk, name, chunks.committed, chunks.planned)
+                log.info("waiting for chunk %d of dataset %r to be committed (%s; loader.wait_timeout %gs)",
+                         chunk, name, chunks.describe_prefix(), timeout)
                 announced = True
             if time.monotonic() > deadline:
                 raise ChunkWaitTimeout(
-                    f"waited {timeout:.0f}s for chunk {chunk} of dataset {name!r} in lake {self.lake.url}, "
-                    f"but only chunks 0..{chunks.committed - 1} of {chunks.planned} are committed. Is its "
+                    f"waited {timeout:g}s for chunk {chunk} of dataset {name!r} in lake {self.lake.url}, "
+                    f"but {chunks.describe_prefix()}. Is its "
                     "build running? Check with `lakeloader status CONFIG`, or raise loader.wait_timeout."
                 )
             time.sleep(POLL_SECONDS)
