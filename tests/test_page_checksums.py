@@ -1,0 +1,177 @@
+"""Chunk pages carry CRC-32 checksums checked on every read: a flipped bit anywhere in a chunk's
+token pages is an error naming the chunk, in every verify mode, never different tokens."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import stdlib_texts, write_config, write_jsonl
+
+from lakeloader.build.chunk import TOKENS_COLUMN
+from lakeloader.build.driver import build
+from lakeloader.errors import ChunkIntegrityError
+from lakeloader.feed.loader import Loader
+from lakeloader.lake import Lake, open_lake
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
+from lakeloader.read.chunks import ChunkFiles, RowGroup, RowGroupCache
+
+SEQ_LEN = 32
+BATCH = 4
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"   # first bytes of a zstd frame: where a page's compressed data starts
+
+
+@pytest.fixture(scope="module")
+def lake_root(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """A built lake of one dataset ``d`` with chunks of a few row groups each (never modified)."""
+    root = tmp_path_factory.mktemp("checksums")
+    texts = stdlib_texts("json") + stdlib_texts("email", limit=6)
+    write_jsonl(root / "d.jsonl", [p for text in texts for p in text.split("\n\n") if p.strip()])
+    config = write_config(root, {"d": {"sources": [str(root / "d.jsonl")]}},
+                          build={"split_size": "8KB", "row_group_tokens": 400})
+    build(config, scheduler=dask_scheduler, progress=False)
+    return root
+
+
+def copy_lake(root: Path, out: Path, **loader: object) -> Path:
+    """A config reading a fresh copy of the lake (in ``out``) with ``loader`` settings."""
+    shutil.copytree(root / "lake", out / "lake")
+    config = yaml.safe_load((root / "config.yaml").read_text())
+    config["lake"] = str(out / "lake")
+    config["loader"] = {"seq_len": SEQ_LEN, "batch_size": BATCH, "shuffle": "none", "prefetch": 0, **loader}
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def target_chunk(lake: Lake, chunks: DatasetChunks) -> int:
+    """An early chunk (not the first) with at least two row groups."""
+    groups = [pq.ParquetFile(lake.path_of(p)).metadata.num_row_groups for p in chunks.paths]
+    candidates = [i for i, n in enumerate(groups) if n >= 2]
+    assert candidates, groups
+    return candidates[min(1, len(candidates) - 1)]
+
+
+def token_page_ranges(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Byte ranges of the tokens column in each row group of a chunk file: the whole column chunks
+    (page headers included) and the compressed page data only (from the Parquet metadata)."""
+    data = Path(path).read_bytes()
+    metadata = pq.ParquetFile(path).metadata
+    whole, payload = [], []
+    for g in range(metadata.num_row_groups):
+        row_group = metadata.row_group(g)
+        [column] = [row_group.column(i) for i in range(row_group.num_columns)
+                    if row_group.column(i).path_in_schema.split(".")[0] == TOKENS_COLUMN]
+        assert not column.has_dictionary_page and column.compression == "ZSTD"
+        start = column.data_page_offset
+        stop = start + column.total_compressed_size
+        assert data[start:stop].count(ZSTD_MAGIC) == 1   # one data page per column chunk
+        whole.append((start, stop))
+        payload.append((start + data[start:stop].index(ZSTD_MAGIC), stop))
+    return whole, payload
+
+
+def random_positions(ranges: list[tuple[int, int]], count: int, seed: int) -> list[tuple[int, int]]:
+    """``count`` distinct (byte offset, bit) pairs inside ``ranges``."""
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([np.arange(a, b) for a, b in ranges])
+    chosen = rng.choice(len(offsets), size=min(count, len(offsets)), replace=False)
+    return [(int(offsets[i]), int(rng.integers(8))) for i in chosen]
+
+
+def flip(path: Path, offset: int, bit: int) -> None:
+    """Flip one bit of a file in place (same size, so ``verify: size`` still passes)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ (1 << bit)]))
+
+
+def read_all(files: ChunkFiles, chunks: DatasetChunks, index: int, groups: int) -> Iterator[RowGroup]:
+    for group in range(groups):
+        yield files.row_group(chunks, index, group)
+
+
+def same(a: RowGroup, b: RowGroup) -> bool:
+    return (np.array_equal(a.values, b.values) and np.array_equal(a.parts.part_lengths, b.parts.part_lengths)
+            and np.array_equal(a.parts.part_kinds, b.parts.part_kinds))
+
+
+@pytest.mark.parametrize("mode", ["size", "checksum"])
+def test_every_bit_flip_in_token_pages_is_an_error_naming_the_chunk(lake_root: Path, tmp_path: Path,
+                                                                    mode: str) -> None:
+    """(a) ``verify: size`` never hashes the file; (b) the default mode hashes it once per process:
+    here the file is altered after this process verified it. Either way, every flip in the tokens
+    column's page data raises ChunkIntegrityError naming the chunk, and a flip anywhere in the
+    column chunk (page headers too) never yields different tokens."""
+    config = copy_lake(lake_root, tmp_path, verify=mode)
+    lake = open_lake(config)
+    view = CatalogView(lake)
+    chunks = view.dataset("d")
+    index = target_chunk(lake, chunks)
+    path = Path(lake.path_of(chunks.paths[index]))
+    pristine = path.read_bytes()
+    groups = pq.ParquetFile(path).metadata.num_row_groups
+    expected = list(read_all(ChunkFiles(lake, "checksum", 2**30, 0), chunks, index, groups))
+    whole, payload = token_page_ranges(str(path))
+    cases = [(p, True) for p in random_positions(payload, 40, seed=1)]
+    cases += [(p, False) for p in random_positions(whole, 20, seed=2)]
+    errors = 0
+    for (offset, bit), in_page_data in cases:
+        path.write_bytes(pristine)
+        files = ChunkFiles(lake, mode, 2**30, 0)
+        if mode == "checksum":
+            list(read_all(files, chunks, index, groups))   # verified (hashed) while intact...
+            files.cache = RowGroupCache(2**30)             # ...and its decoded row groups since evicted
+        flip(path, offset, bit)
+        try:
+            got = list(read_all(files, chunks, index, groups))
+        except ChunkIntegrityError as exc:
+            errors += 1
+            message = str(exc)
+            assert f"chunk {index} of dataset 'd'" in message and str(path) in message, message
+            assert "lakeloader verify CONFIG --repair" in message, message
+            continue
+        assert not in_page_data, f"flip of bit {bit} at byte {offset} decoded without an error"
+        assert all(same(a, b) for a, b in zip(got, expected)), f"bit {bit} at byte {offset}: different tokens"
+    assert errors >= 40
+    view.close()
+
+
+def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) -> None:
+    """Through the Loader, in the default mode: a chunk altered after this process verified and read
+    it makes the batches that need it fail with an error naming it (the issue's case (b)), and a
+    fresh ``verify: size`` loader fails the same way (case (a))."""
+    config = copy_lake(lake_root, tmp_path, cache_bytes="1KB")
+    loader = Loader(config)
+    chunks = loader.view.dataset("d")
+    index = target_chunk(loader.lake, chunks)
+    path = Path(loader.lake.path_of(chunks.paths[index]))
+    steps = [s for s in range(80) if str(chunks.paths[index]) in set(loader.explain(s).chunk_path)]
+    assert steps and steps[-1] < 79
+    for s in steps:
+        loader.batch(s)
+    for s in range(steps[-1] + 1, steps[-1] + 4):   # evicts the chunk's row groups from the small cache
+        loader.batch(s)
+    _, payload = token_page_ranges(str(path))
+    for n, page in enumerate(payload):   # one flipped bit in each of its row groups' token pages
+        [(offset, bit)] = random_positions([page], 1, seed=n)
+        flip(path, offset, bit)
+    for step in steps:
+        with pytest.raises(ChunkIntegrityError, match=f"chunk {index} of dataset 'd'") as error:
+            loader.batch(step)
+        assert "CRC" in str(error.value) and "lakeloader verify CONFIG --repair" in str(error.value)
+    loader.close()
+    fresh = copy_lake(lake_root, tmp_path / "size", verify="size")
+    shutil.copyfile(path, tmp_path / "size" / "lake" / chunks.paths[index])
+    sized = Loader(fresh)
+    with pytest.raises(ChunkIntegrityError, match=f"chunk {index} of dataset 'd'"):
+        for step in steps:
+            sized.batch(step)
+    sized.close()
