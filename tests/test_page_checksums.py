@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.chunk import TOKENS_COLUMN
+from lakeloader.build.chunk import TOKENS_COLUMN, open_chunk
 from lakeloader.build.driver import build
 from lakeloader.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
@@ -30,7 +30,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"   # first bytes of a zstd frame: where a page's
 def lake_root(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
     """A built lake of one dataset ``d`` with chunks of a few row groups each (never modified)."""
     root = tmp_path_factory.mktemp("checksums")
-    texts = stdlib_texts("json") + stdlib_texts("email", limit=6)
+    texts = stdlib_texts("json") + stdlib_texts("email", limit=3)
     write_jsonl(root / "d.jsonl", [p for text in texts for p in text.split("\n\n") if p.strip()])
     config = write_config(root, {"d": {"sources": [str(root / "d.jsonl")]}},
                           build={"split_size": "8KB", "row_group_tokens": 400})
@@ -175,3 +175,21 @@ def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) ->
         for step in steps:
             sized.batch(step)
     sized.close()
+
+
+def test_chunks_written_without_page_checksums_still_read(lake_root: Path, tmp_path: Path) -> None:
+    """Chunk files written before page checksums (no CRC in their page headers) read as before."""
+    lake = open_lake(lake_root / "config.yaml")
+    chunks = CatalogView(lake).dataset("d")
+    index = target_chunk(lake, chunks)
+    current = pq.ParquetFile(lake.path_of(chunks.paths[index]))
+    table = current.read()
+    old = tmp_path / "old.parquet"
+    with pq.ParquetWriter(old, table.schema, compression="zstd", compression_level=1, use_dictionary=False,
+                          write_statistics=False, store_schema=True) as writer:
+        for g in range(current.metadata.num_row_groups):
+            writer.write_table(current.read_row_group(g))
+    assert old.stat().st_size < Path(lake.path_of(chunks.paths[index])).stat().st_size   # no CRCs
+    reopened = open_chunk(str(old))
+    assert reopened.metadata.num_row_groups == current.metadata.num_row_groups
+    assert reopened.read().equals(table)
