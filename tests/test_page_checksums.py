@@ -13,7 +13,8 @@ import pytest
 import yaml
 from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.chunk import TOKENS_COLUMN, open_chunk
+from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, RECORD_COLUMN, TOKENS_COLUMN, open_chunk,
+                                    plan_committed_chunk)
 from lakeloader.build.driver import build
 from lakeloader.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
@@ -57,8 +58,8 @@ def target_chunk(lake: Lake, chunks: DatasetChunks) -> int:
     return candidates[min(1, len(candidates) - 1)]
 
 
-def token_page_ranges(path: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Byte ranges of the tokens column in each row group of a chunk file: the whole column chunks
+def token_page_ranges(path: str, name: str = TOKENS_COLUMN) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Byte ranges of column ``name`` in each row group of a chunk file: the whole column chunks
     (page headers included) and the compressed page data only (from the Parquet metadata)."""
     data = Path(path).read_bytes()
     metadata = pq.ParquetFile(path).metadata
@@ -66,7 +67,7 @@ def token_page_ranges(path: str) -> tuple[list[tuple[int, int]], list[tuple[int,
     for g in range(metadata.num_row_groups):
         row_group = metadata.row_group(g)
         [column] = [row_group.column(i) for i in range(row_group.num_columns)
-                    if row_group.column(i).path_in_schema.split(".")[0] == TOKENS_COLUMN]
+                    if row_group.column(i).path_in_schema.split(".")[0] == name]
         assert not column.has_dictionary_page and column.compression == "ZSTD"
         start = column.data_page_offset
         stop = start + column.total_compressed_size
@@ -74,6 +75,14 @@ def token_page_ranges(path: str) -> tuple[list[tuple[int, int]], list[tuple[int,
         whole.append((start, stop))
         payload.append((start + data[start:stop].index(ZSTD_MAGIC), stop))
     return whole, payload
+
+
+def steps_of(chunks: DatasetChunks, index: int) -> range:
+    """The steps whose batches hold tokens of chunk ``index`` (concat packing, no shuffling: rows
+    are the token stream, one EOS after each document, cut every SEQ_LEN tokens)."""
+    lengths = chunks.num_tokens + chunks.num_docs
+    start, stop = int(lengths[:index].sum()), int(lengths[:index + 1].sum())
+    return range(start // SEQ_LEN // BATCH, (stop - 1) // SEQ_LEN // BATCH + 1)
 
 
 def random_positions(ranges: list[tuple[int, int]], count: int, seed: int) -> list[tuple[int, int]]:
@@ -153,8 +162,8 @@ def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) ->
     chunks = loader.view.dataset("d")
     index = target_chunk(loader.lake, chunks)
     path = Path(loader.lake.path_of(chunks.paths[index]))
-    steps = [s for s in range(80) if str(chunks.paths[index]) in set(loader.explain(s).chunk_path)]
-    assert steps and steps[-1] < 79
+    steps = steps_of(chunks, index)
+    assert all(str(chunks.paths[index]) in set(loader.explain(s).chunk_path) for s in (steps[0], steps[-1]))
     for s in steps:
         loader.batch(s)
     for s in range(steps[-1] + 1, steps[-1] + 4):   # evicts the chunk's row groups from the small cache
@@ -193,3 +202,33 @@ def test_chunks_written_without_page_checksums_still_read(lake_root: Path, tmp_p
     reopened = open_chunk(str(old))
     assert reopened.metadata.num_row_groups == current.metadata.num_row_groups
     assert reopened.read().equals(table)
+
+
+@pytest.mark.parametrize("column", [RECORD_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
+def test_every_reader_of_a_chunk_checks_its_pages(lake_root: Path, tmp_path: Path, column: str) -> None:
+    """Not only token pages: a flipped bit in any column a reader decodes is an error naming the
+    chunk (the loader's part layouts, the build's packing counts, ``explain``'s record numbers)."""
+    config = copy_lake(lake_root, tmp_path, verify="size")
+    loader = Loader(config)
+    chunks = loader.view.dataset("d")
+    index = target_chunk(loader.lake, chunks)
+    path = loader.lake.path_of(chunks.paths[index])
+    step = steps_of(chunks, index)[0]
+    assert str(chunks.paths[index]) in set(loader.explain(step).chunk_path)
+    _, payload = token_page_ranges(path, column)
+    [(offset, bit)] = random_positions(payload[:1], 1, seed=7)
+    flip(Path(path), offset, bit)
+    named = f"chunk {index} "
+    if column == RECORD_COLUMN:
+        with pytest.raises(ChunkIntegrityError, match=f"{named}of dataset 'd'.*CRC"):
+            loader.explain(step)
+    else:
+        with pytest.raises(ChunkIntegrityError, match=f"{named}of dataset 'd'.*CRC"):
+            ChunkFiles(loader.lake, "size", 2**30, 0).chunk_parts(chunks, index)
+        with pytest.raises(ChunkIntegrityError, match=f"{named}.*{chunks.paths[index]}.*CRC"):
+            plan_committed_chunk(loader.lake.url_of(chunks.paths[index]), {}, index, ())
+        fresh = Loader(config)   # ``loader`` holds the row group decoded by explain() above
+        with pytest.raises(ChunkIntegrityError, match=f"{named}of dataset 'd'.*CRC"):
+            fresh.batch(step)
+        fresh.close()
+    loader.close()
