@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, RECORD_COLUMN, TOKENS_COLUMN, open_chunk,
+from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, RECORD_COLUMN, TOKENS_COLUMN,
                                     plan_committed_chunk)
 from lakeloader.build.driver import build
 from lakeloader.errors import ChunkIntegrityError
@@ -188,6 +188,8 @@ def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) ->
 
 def test_chunks_written_without_page_checksums_still_read(lake_root: Path, tmp_path: Path) -> None:
     """Chunk files written before page checksums (no CRC in their page headers) read as before."""
+    from lakeloader.build.chunk import open_chunk
+
     lake = open_lake(lake_root / "config.yaml")
     chunks = CatalogView(lake).dataset("d")
     index = target_chunk(lake, chunks)
