@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -16,7 +17,7 @@ from conftest import stdlib_texts, write_config, write_jsonl
 from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, RECORD_COLUMN, TOKENS_COLUMN,
                                     plan_committed_chunk)
 from lakeloader.build.driver import build
-from lakeloader.errors import ChunkIntegrityError
+from lakeloader.errors import ChunkIntegrityError, InputError
 from lakeloader.feed.loader import Loader
 from lakeloader.lake import Lake, open_lake
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
@@ -234,3 +235,18 @@ def test_every_reader_of_a_chunk_checks_its_pages(lake_root: Path, tmp_path: Pat
             fresh.batch(step)
         fresh.close()
     loader.close()
+
+
+def test_damaged_page_of_a_parquet_source_is_an_input_error(tmp_path: Path, dask_scheduler: str) -> None:
+    """A Parquet source written with page checksums: a damaged page fails the build naming the file
+    and row group, instead of tokenizing altered text into the lake."""
+    texts = [p for text in stdlib_texts("json") for p in text.split("\n\n") if p.strip()]
+    source = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"text": texts}), source, row_group_size=50, write_page_checksum=True,
+                   compression="none")
+    column = pq.ParquetFile(source).metadata.row_group(1).column(0)
+    assert column.has_dictionary_page
+    flip(source, (column.dictionary_page_offset + column.data_page_offset) // 2, 3)  # in the dictionary's texts
+    config = write_config(tmp_path, {"d": {"sources": [str(source)]}})
+    with pytest.raises(InputError, match=f"{source}: row group 1 \\(rows 50-99\\) is corrupt.*CRC"):
+        build(config, scheduler=dask_scheduler, progress=False)
