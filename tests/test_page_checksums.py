@@ -22,6 +22,7 @@ from lakeloader.feed.loader import Loader
 from lakeloader.lake import Lake, open_lake
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles, RowGroup, RowGroupCache
+from lakeloader.read.disk_cache import DiskCache
 
 SEQ_LEN = 32
 BATCH = 4
@@ -250,3 +251,23 @@ def test_damaged_page_of_a_parquet_source_is_an_input_error(tmp_path: Path, dask
     config = write_config(tmp_path, {"d": {"sources": [str(source)]}})
     with pytest.raises(InputError, match=f"{source}: row group 1 \\(rows 50-99\\) is corrupt.*CRC"):
         build(config, scheduler=dask_scheduler, progress=False)
+
+
+def test_damaged_local_copy_of_a_remote_chunk_is_named(lake_root: Path, tmp_path: Path) -> None:
+    """A remote lake's chunks are read from local disk-cache copies: a damaged copy is an error naming
+    that copy (the lake's file may be intact). The lake here is local, given a real disk cache."""
+    config = copy_lake(lake_root, tmp_path, verify="size")
+    lake = open_lake(config)
+    chunks = CatalogView(lake).dataset("d")
+    index = target_chunk(lake, chunks)
+    files = ChunkFiles(lake, "size", 2**30, 0)
+    files.disk = DiskCache(lake, 2**30)
+    files.row_group(chunks, index, 0)
+    files.cache = RowGroupCache(2**30)
+    copy = files.disk.local_path(chunks.paths[index])
+    _, payload = token_page_ranges(copy)
+    [(offset, bit)] = random_positions(payload[:1], 1, seed=11)
+    flip(Path(copy), offset, bit)
+    with pytest.raises(ChunkIntegrityError, match="CRC") as error:
+        files.row_group(chunks, index, 0)
+    assert f"local copy {copy}: if `lakeloader verify CONFIG` finds" in str(error.value)

@@ -149,17 +149,19 @@ def open_chunk(source: pa.NativeFile | io.IOBase | str) -> pq.ParquetFile:
     return pq.ParquetFile(source, page_checksum_verification=True)
 
 
-def unreadable_chunk(where: str, exc: BaseException) -> ChunkIntegrityError:
+def unreadable_chunk(where: str, exc: BaseException, local_copy: str | None = None) -> ChunkIntegrityError:
     """The error for a chunk file (``where`` names its dataset, global index and path) that failed
-    its page checksums or could not be decoded: never read as data, and what to do about it."""
+    its page checksums or could not be decoded: never read as data, and what to do about it
+    (``local_copy``: the disk-cache copy of a remote chunk that was read instead of the lake's file)."""
     if "CRC checksum verification failed" in str(exc):
         problem = f"a page failed its CRC-32 checksum, the file was altered after it was written ({exc})"
     else:
         problem = f"it cannot be decoded ({type(exc).__name__}: {exc})"
-    return ChunkIntegrityError(
-        f"{where} is corrupt: {problem}. None of its tokens were used. Rebuild the chunk with "
-        "`lakeloader verify CONFIG --repair` (or restore the file from a copy)."
-    )
+    todo = ("Rebuild the chunk with `lakeloader verify CONFIG --repair` (or restore the file from a copy).")
+    if local_copy is not None:
+        todo = (f"It was read from its local copy {local_copy}: if `lakeloader verify CONFIG` finds the lake's "
+                f"file intact, delete that copy to download it again; otherwise {todo[0].lower()}{todo[1:]}")
+    return ChunkIntegrityError(f"{where} is corrupt: {problem}. The damaged data was not used. {todo}")
 
 
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,

@@ -170,7 +170,7 @@ class ChunkFiles:
                 return parquet.read_row_groups(groups, columns=present)
             except (OSError, pa.ArrowException) as exc:
                 raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
-                                       exc) from exc
+                                       exc, None if self.disk is None else self.disk.local_path(path)) from exc
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy)."""
