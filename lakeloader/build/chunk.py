@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from lakeloader.build.documents import Reject, SplitSource, read_split
 from lakeloader.build.formats import Document
+from lakeloader.errors import ChunkIntegrityError
 from lakeloader.index.layout import ChunkParts, PackingSpec, PlanStats, plan_stats
 from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import DocumentEncoder
@@ -141,14 +142,39 @@ def table_parts(table: pa.Table) -> ChunkParts:
                       np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
 
 
+def open_chunk(source: pa.NativeFile | io.IOBase | str) -> pq.ParquetFile:
+    """A chunk file opened for reading: every page a read decodes is first checked against the
+    CRC-32 its writer stored, so a damaged page raises instead of decoding to wrong tokens (chunks
+    written before page checksums have none to check and still read)."""
+    return pq.ParquetFile(source, page_checksum_verification=True)
+
+
+def unreadable_chunk(where: str, exc: BaseException, local_copy: str | None = None) -> ChunkIntegrityError:
+    """The error for a chunk file (``where`` names its dataset, global index and path) that failed
+    its page checksums or could not be decoded: never read as data, and what to do about it
+    (``local_copy``: the disk-cache copy of a remote chunk that was read instead of the lake's file)."""
+    if "CRC checksum verification failed" in str(exc):
+        problem = f"a page failed its CRC-32 checksum, the file was altered after it was written ({exc})"
+    else:
+        problem = f"it cannot be decoded ({type(exc).__name__}: {exc})"
+    todo = ("Rebuild the chunk with `lakeloader verify CONFIG --repair` (or restore the file from a copy).")
+    if local_copy is not None:
+        todo = (f"It was read from its local copy {local_copy}: if `lakeloader verify CONFIG` finds the lake's "
+                f"file intact, delete that copy to download it again; otherwise {todo[0].lower()}{todo[1:]}")
+    return ChunkIntegrityError(f"{where} is corrupt: {problem}. The damaged data was not used. {todo}")
+
+
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,
                          specs: tuple[PackingSpec, ...]) -> tuple[int, tuple[PlanStats, ...]]:
     """Packing counts of an already built chunk (reads only its small part-layout columns)."""
     fs, path = url_to_fs(chunk_url, **storage_options)
-    with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
-    parts = table_parts(table)
     where = f"chunk {global_index} ({chunk_url})"
+    with fs.open(path, "rb") as handle:
+        try:
+            table = open_chunk(handle).read(columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
+        except (OSError, pa.ArrowException) as exc:
+            raise unreadable_chunk(where, exc) from exc
+    parts = table_parts(table)
     return global_index, tuple(plan_stats(spec, parts, global_index, where) for spec in specs)
 
 
@@ -157,7 +183,7 @@ def encode_chunk_file(table: pa.Table, bounds: np.ndarray) -> bytes:
     sink = io.BytesIO()
     with pq.ParquetWriter(
         sink, table.schema, compression="zstd", compression_level=1, use_dictionary=False,
-        write_statistics=False, store_schema=True,
+        write_statistics=False, store_schema=True, write_page_checksum=True,
     ) as writer:
         if len(bounds) == 1:
             writer.write_table(table)

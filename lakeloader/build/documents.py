@@ -217,7 +217,7 @@ def _parquet_documents(source: SplitSource, policy: _Policy, out: _Collected) ->
     split, record_format = source.split, source.record_format
     fs, path = url_to_fs(source.url, **source.storage_options)
     with fs.open(path, "rb") as handle:
-        parquet = pq.ParquetFile(handle)
+        parquet = pq.ParquetFile(handle, page_checksum_verification=True)  # checks CRCs a writer stored
         names = parquet.schema_arrow.names
         rows = parquet.metadata.row_group(split.start).num_rows
         nbytes = parquet.metadata.row_group(split.start).total_byte_size
@@ -228,7 +228,11 @@ def _parquet_documents(source: SplitSource, policy: _Policy, out: _Collected) ->
                 location=f"rows {split.first_row}-{split.first_row + rows - 1} (row group {split.start})",
             )
             return rows, nbytes
-        table = parquet.read_row_group(split.start, columns=list(dict.fromkeys(record_format.columns)))
+        try:
+            table = parquet.read_row_group(split.start, columns=list(dict.fromkeys(record_format.columns)))
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{source.url}: row group {split.start} (rows {split.first_row}-"
+                             f"{split.first_row + rows - 1}) is corrupt: {exc}") from None
     if record_format.text_only:
         _parquet_texts(source, table.column(0), policy, out)
         return rows, nbytes

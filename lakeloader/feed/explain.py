@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import pyarrow.parquet as pq
+import pyarrow as pa
 
-from lakeloader.build.chunk import RECORD_COLUMN
+from lakeloader.build.chunk import RECORD_COLUMN, open_chunk, unreadable_chunk
 from lakeloader.feed.examples import PackedExample, Window
 
 if TYPE_CHECKING:
@@ -21,7 +21,11 @@ def _records(loader: Loader, dataset: str, chunk: int) -> tuple[np.ndarray, dict
     path, split_index, source, _layout, kind, first_row, before, committed_before = view.named(
         "chunk_records", {"name": dataset, "global_index": chunk}).fetchone()
     with loader.lake.fs.open(loader.lake.path_of(path), "rb") as handle:
-        records = pq.read_table(handle, columns=[RECORD_COLUMN]).column(0).to_numpy()
+        try:
+            records = open_chunk(handle).read(columns=[RECORD_COLUMN]).column(0).to_numpy()
+        except (OSError, pa.ArrowException) as exc:
+            raise unreadable_chunk(f"chunk {chunk} of dataset {dataset!r} ({loader.lake.url_of(path)})",
+                                   exc) from exc
     if kind == "row_group":
         base, unit = first_row, "row"
     elif kind == "file" or split_index == 0:

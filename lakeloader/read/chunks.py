@@ -1,4 +1,5 @@
-"""Chunk files: verified once against the catalog, row groups read zero-copy and cached."""
+"""Chunk files: verified once against the catalog, every page read checked against its CRC-32,
+row groups read zero-copy and cached."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, PART_REFS_COLUMN, TOKENS_COLUMN,
-                                    table_parts)
+                                    open_chunk, table_parts, unreadable_chunk)
 from lakeloader.errors import ChunkIntegrityError
 from lakeloader.index.layout import ChunkParts
 from lakeloader.lake import Lake
@@ -163,15 +163,14 @@ class ChunkFiles:
             with self._lock:
                 self.files_opened.add(path)
             try:
-                parquet = pq.ParquetFile(handle)
+                parquet = open_chunk(handle)
                 present = [c for c in columns if c in parquet.schema_arrow.names]
                 if groups is None:
                     return parquet.read(columns=present)
                 return parquet.read_row_groups(groups, columns=present)
             except (OSError, pa.ArrowException) as exc:
-                raise ChunkIntegrityError(
-                    f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}"
-                ) from exc
+                raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
+                                       exc, None if self.disk is None else self.disk.local_path(path)) from exc
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy)."""

@@ -33,6 +33,10 @@ class DiskCache:
     def _local(self, relative: str) -> str:
         return os.path.join(self.folder, relative.replace("/", "__"))
 
+    def local_path(self, relative: str) -> str:
+        """Where the local copy of lake file ``relative`` is (or would be) kept."""
+        return self._local(relative)
+
     def open(self, relative: str, size: int) -> pa.NativeFile:
         """An open handle of lake file ``relative`` of ``size`` bytes, downloading it if needed.
 
