@@ -28,6 +28,7 @@ from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_specs
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
+from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
 from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
@@ -116,7 +117,7 @@ def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str
             dataset=row.dataset,
             global_index=int(row.global_index),
             source=SplitSource(
-                url=row.source,
+                url=url_from_bytes(row.source_raw) if isinstance(row.source_raw, (bytes, bytearray)) else row.source,
                 layout=row.layout,
                 compression=row.compression if isinstance(row.compression, str) else None,
                 split=Split(row.split_kind, int(row.split_start), int(row.split_stop), int(row.first_row)),
