@@ -357,8 +357,8 @@ def _read_lines(source: SplitSource, policy: _Policy, out: _Collected) -> tuple[
     # Lines before the split are counted only if a reject needs a line number.
     policy.line_base = functools.cache(lambda: _count_newlines(source, first))
     lines = _lines(data)
-    if fault is not None and lines:
-        lines = lines[:-1]  # the last line before a fault may end anywhere: never trust it
+    if fault is not None and lines and not data.endswith(b"\n"):
+        lines = lines[:-1]  # a line cut by the fault may end anywhere: never trust it
     num_records = len(lines)
     _line_documents(lines, source, policy, out)
     if fault is not None:
