@@ -235,6 +235,13 @@ SELECT chunk_dir FROM dataset_plans WHERE list_contains($datasets, name);
 -- name: chunk_count
 SELECT count(*) FROM chunks WHERE list_contains($datasets, dataset);
 
+-- name: datasets_without_documents
+-- Completely built datasets none of whose records became a document (all rejected or unreadable).
+SELECT d.name, d.num_rejects, list(s.source ORDER BY s.shard_index)[1:5] AS sources, count(s.source) AS num_sources
+FROM datasets d JOIN shard_plans s ON s.dataset = d.name
+WHERE list_contains($datasets, d.name) AND d.status = 'complete' AND d.num_docs = 0
+GROUP BY d.name, d.num_rejects ORDER BY d.name;
+
 -- name: committed_chunk_files
 SELECT dataset, global_index, path, num_bytes, checksum, num_docs FROM chunks
 WHERE status = 'committed' ORDER BY dataset, global_index;

@@ -213,6 +213,18 @@ def test_dataset_of_empty_files_has_no_documents(tmp_path: Path, on_error: str) 
     assert isinstance(info.value, LakeloaderError)
 
 
+def test_dataset_whose_every_record_is_rejected_has_no_documents(tmp_path: Path, dask_scheduler: str) -> None:
+    bad, _ = not_gzip(tmp_path)
+    config = write_config(tmp_path, {"d": {"sources": [str(bad)], "on_error": "skip"}})
+    with pytest.raises(SourceError) as info:
+        build(config, scheduler=dask_scheduler, progress=False)
+    message = str(info.value)
+    assert "'d' has no documents" in message and str(bad) in message and "1 rejects" in message, message
+    lake = open_lake(config)
+    assert lake.sql("SELECT status FROM builds").status.tolist() == ["failed"]
+    assert len(lake.sql("SELECT * FROM rejects")) == 1
+
+
 def test_utf8_bom_is_stripped_at_the_start_of_a_file_only(tmp_path: Path, dask_scheduler: str) -> None:
     bom = "\ufeff".encode()
     (tmp_path / "a.jsonl").write_bytes(bom + jsonl_bytes(TEXTS[:2]))

@@ -23,6 +23,7 @@ from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
+from lakeloader.errors import SourceError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_specs
@@ -227,6 +228,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
             dashboard = _run_tasks(config, lake, writer, pending, build_id, totals,
                                    lake.url_of(tokenizer_path), worker_count, scheduler, progress,
                                    packing, unplanned)
+        _check_documents(writer, names)
         status = "succeeded"
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
@@ -258,6 +260,20 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
     return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
                        totals.rejects, seconds, dashboard)
+
+
+def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
+    """SourceError for a built dataset without documents: no mixture or loader can use it."""
+    for row in writer.datasets_without_documents(names).itertuples(index=False):
+        listing = "\n".join(f"  {source}" for source in row.sources)
+        if row.num_sources > len(row.sources):
+            listing += f"\n  ... and {row.num_sources - len(row.sources)} more"
+        raise SourceError(
+            f"dataset {row.name!r} has no documents: every record of its {row.num_sources} source file(s) "
+            f"was rejected ({row.num_rejects} rejects):\n{listing}\nsee "
+            f"`lakeloader sql CONFIG \"SELECT * FROM rejects WHERE dataset = '{row.name}'\"`, "
+            f"then fix the sources or remove the dataset"
+        )
 
 
 def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:

@@ -235,6 +235,11 @@ class CatalogWriter:
         """Planned chunks of ``datasets``."""
         return int(self._run("chunk_count", {"datasets": list(datasets)}).fetchone()[0])
 
+    def datasets_without_documents(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Completely built ``datasets`` that hold no document: name, num_rejects, sources (the
+        first five) and num_sources."""
+        return self._run("datasets_without_documents", {"datasets": list(datasets)}).df()
+
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
         return self._run("pending_chunks", {"datasets": list(datasets)}).df()
