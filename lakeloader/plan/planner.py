@@ -107,16 +107,30 @@ def chunk_table(splits: list[list[Split]], folder: str, shard_keys: list[str]) -
     )
 
 
+def _listing(lines: list[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``lines`` indented, one a line, and how many more there are."""
+    listing = "\n".join(f"  {line}" for line in lines[:limit])
+    return listing + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+
+
+def _unreadable(name: str, missing: list[MissingSource]) -> SourceError:
+    """The error for sources of dataset ``name`` that cannot be read under ``on_error: raise``."""
+    return SourceError(
+        f"dataset {name!r}: {len(missing)} source(s) cannot be read:\n"
+        + "\n".join(f"  {m.source}: {m.reason}" for m in missing)
+        + f"\nfix the paths under datasets.{name}.sources (or the files), or set datasets.{name}.on_error: skip "
+        "to record them as rejects"
+    )
+
+
 def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordFormat, shards: list[Shard]) -> None:
     """ConfigError for plain-text sources of a format whose documents are more than one string."""
-    plain = [shard.url for shard in shards if shard.layout == "text"]
+    plain = [readable_url(shard.url) for shard in shards if shard.layout == "text"]
     if plain and not record_format.text_only:
-        listing = "\n".join(f"  {url}" for url in plain[:5])
-        if len(plain) > 5:
-            listing += f"\n  ... and {len(plain) - 5} more"
         raise ConfigError(
             f"dataset {name!r}: format: {dataset.format} needs JSON Lines or Parquet sources "
-            f"(.jsonl, .jsonl.gz, .jsonl.zst, .parquet), but {len(plain)} source(s) are plain text:\n{listing}\n"
+            f"(.jsonl, .jsonl.gz, .jsonl.zst, .parquet), but {len(plain)} source(s) are plain text:\n"
+            f"{_listing(plain)}\n"
             f"convert them or remove them from datasets.{name}.sources"
         )
 
@@ -135,11 +149,7 @@ def plan_dataset(
     options = config.storage_options if storage_options is None else storage_options
     shards, missing = expand_sources(dataset.sources, options)
     if missing and dataset.on_error == "raise":
-        listing = "\n".join(f"  {m.source}: {m.reason}" for m in missing)
-        raise SourceError(
-            f"dataset {name!r}: {len(missing)} source(s) cannot be read:\n{listing}\n"
-            f"fix the paths under datasets.{name}.sources, or set datasets.{name}.on_error: skip"
-        )
+        raise _unreadable(name, missing)
     record_format = RecordFormat.from_config(dataset)
     _check_layouts(name, dataset, record_format, shards)
     split_size = config.build.split_size
@@ -156,22 +166,17 @@ def plan_dataset(
             if not isinstance(exc, SourceError):
                 reason = f"cannot read: {type(exc).__name__}: {reason}"
             missing.append(MissingSource(url, reason))
-    if len(readable) < len(shards) and dataset.on_error == "raise":
-        listing = "\n".join(f"  {m.source}: {m.reason}" for m in missing)
-        raise SourceError(
-            f"dataset {name!r}: {len(shards) - len(readable)} source file(s) cannot be read:\n{listing}\n"
-            f"fix or remove them, or set datasets.{name}.on_error: skip to record them as rejects"
-        )
+    if missing and dataset.on_error == "raise":
+        raise _unreadable(name, missing)
     for m in missing:
         log.warning("dataset %r: skipping source %s: %s", name, m.source, m.reason)
     if not readable:
         raise SourceError(f"dataset {name!r}: no readable source files in {dataset.sources}")
     if not any(splits):
-        listing = "\n".join(f"  {readable_url(shard.url)}" for shard in readable[:5])
-        more = f"\n  ... and {len(readable) - 5} more" if len(readable) > 5 else ""
         raise SourceError(
             f"dataset {name!r} has no documents: its {len(readable)} readable source file(s) are empty:\n"
-            f"{listing}{more}\nadd non-empty sources to datasets.{name}.sources or remove the dataset"
+            f"{_listing([readable_url(shard.url) for shard in readable])}\n"
+            f"add non-empty sources to datasets.{name}.sources or remove the dataset"
         )
     fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size)
     settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size)
