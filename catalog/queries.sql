@@ -23,7 +23,7 @@ UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
 -- name: pending_chunks
 SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
        c.split_kind, c.split_start, c.split_stop, c.first_row,
-       s.source, s.layout, s.compression
+       s.source, s.layout, s.compression, s.source_raw
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 WHERE c.status <> 'committed' AND list_contains($datasets, c.dataset)
@@ -177,6 +177,51 @@ INSERT OR REPLACE INTO lake_meta VALUES ('schema_version', $version);
 -- From the DataFrame registered as new_shards (columns in table order).
 INSERT INTO shard_plans SELECT * FROM new_shards;
 
+-- name: keep_adoptable_chunks
+-- Before a dataset's plan is replaced: its committed chunks whose file the new plan (the
+-- DataFrame registered as new_chunks) names for the same split, with their row groups and
+-- rejects, under their new global and shard index. Chunk paths name the settings, the file
+-- (URL, size, version) and the split, so such a chunk holds exactly what rebuilding it would.
+CREATE OR REPLACE TEMP TABLE adopted_chunks AS
+SELECT n.global_index AS new_index, n.shard_index AS new_shard, n.split_index AS new_split, c.*
+FROM chunks c JOIN new_chunks n
+  ON n.path = c.path AND n.split_kind = c.split_kind AND n.split_start = c.split_start
+ AND n.split_stop = c.split_stop AND n.first_row = c.first_row
+WHERE c.dataset = $name AND c.status = 'committed';
+CREATE OR REPLACE TEMP TABLE adopted_row_groups AS
+SELECT a.new_index, r.* FROM row_groups r
+JOIN adopted_chunks a ON r.dataset = a.dataset AND r.global_index = a.global_index
+WHERE r.dataset = $name;
+CREATE OR REPLACE TEMP TABLE adopted_rejects AS
+SELECT a.new_index, a.new_shard, a.new_split, r.* FROM rejects r
+JOIN adopted_chunks a ON r.dataset = a.dataset AND r.global_index = a.global_index
+WHERE r.dataset = $name;
+
+-- name: adopt_chunks
+-- After the new plan is inserted: mark the chunks kept by keep_adoptable_chunks committed.
+-- Their packing counts are not copied: they depend on the global index (FIM), so the build
+-- recomputes them from the chunk files (chunks_without_plan), without tokenizing.
+UPDATE chunks SET
+    status = 'committed', num_docs = a.num_docs, num_tokens = a.num_tokens,
+    num_records = a.num_records, num_bytes = a.num_bytes, checksum = a.checksum,
+    num_rejects = a.num_rejects, source_bytes = a.source_bytes, build_id = a.build_id,
+    worker = a.worker, seconds = a.seconds, committed_at = a.committed_at,
+    num_parts = a.num_parts, part_tokens = a.part_tokens
+FROM adopted_chunks a
+WHERE chunks.dataset = $name AND chunks.global_index = a.new_index;
+INSERT INTO row_groups
+SELECT dataset, new_index, row_group, first_doc, num_docs, first_token, num_tokens, num_parts, part_tokens
+FROM adopted_row_groups WHERE dataset = $name;
+INSERT INTO rejects
+SELECT dataset, source, location, line, reason, new_shard, new_split, new_index, build_id, recorded_at
+FROM adopted_rejects WHERE dataset = $name;
+SELECT count(*) FROM adopted_chunks WHERE dataset = $name;
+
+-- name: drop_adopted_chunks
+DROP TABLE IF EXISTS adopted_chunks;
+DROP TABLE IF EXISTS adopted_row_groups;
+DROP TABLE IF EXISTS adopted_rejects;
+
 -- name: insert_chunk_plans
 -- From the DataFrame registered as new_chunks (the planner's chunk table plus dataset).
 INSERT INTO chunks (dataset, global_index, shard_index, split_index, path, split_kind,
@@ -189,6 +234,13 @@ SELECT chunk_dir FROM dataset_plans WHERE list_contains($datasets, name);
 
 -- name: chunk_count
 SELECT count(*) FROM chunks WHERE list_contains($datasets, dataset);
+
+-- name: datasets_without_documents
+-- Completely built datasets none of whose records became a document (all rejected or unreadable).
+SELECT d.name, d.num_rejects, list(s.source ORDER BY s.shard_index)[1:5] AS sources, count(s.source) AS num_sources
+FROM datasets d JOIN shard_plans s ON s.dataset = d.name
+WHERE list_contains($datasets, d.name) AND d.status = 'complete' AND d.num_docs = 0
+GROUP BY d.name, d.num_rejects ORDER BY d.name;
 
 -- name: committed_chunk_files
 SELECT dataset, global_index, path, num_bytes, checksum, num_docs FROM chunks

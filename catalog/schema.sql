@@ -31,8 +31,12 @@ CREATE TABLE IF NOT EXISTS shard_plans (
     size_bytes  BIGINT NOT NULL,
     version     VARCHAR NOT NULL,          -- mtime or ETag seen at planning
     num_splits  INTEGER NOT NULL,
+    source_raw  BLOB,                      -- exact bytes of source (file names that are not UTF-8
+                                           -- show as \xNN in source; the build reads this one)
     PRIMARY KEY (dataset, shard_index)
 );
+-- Catalogs created before source_raw existed.
+ALTER TABLE shard_plans ADD COLUMN IF NOT EXISTS source_raw BLOB;
 
 -- One row per chunk, inserted at planning in global order; the build fills in the rest.
 CREATE TABLE IF NOT EXISTS chunks (

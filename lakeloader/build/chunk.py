@@ -201,7 +201,7 @@ def build_chunk(task: ChunkTask) -> ChunkResult:
         retries[0] += 1
 
     result = with_retries(lambda: _build_chunk(task), on_retry=count, deadline=task.io_retry_deadline,
-                          what=f"chunk {task.global_index} of dataset {task.dataset!r} ({task.source.url})")
+                          what=f"chunk {task.global_index} of dataset {task.dataset!r} ({task.source.name})")
     return dataclasses.replace(result, retries=retries[0])
 
 
@@ -236,6 +236,6 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         seconds=time.perf_counter() - started,
         worker=f"{os.uname().nodename}:{os.getpid()}",
         plans=tuple(plan_stats(spec, encoded.parts, task.global_index,
-                               f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.url})")
+                               f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.name})")
                     for spec in task.packing),
     )

@@ -18,9 +18,15 @@ from fsspec.core import url_to_fs
 
 from lakeloader.build.formats import Document, RecordError, RecordFormat
 from lakeloader.errors import InputError
+from lakeloader.plan.sources import readable_url
 from lakeloader.plan.splits import Split
+from lakeloader.storage import is_transient
 
 _BLOCK = 1 << 20
+_BOM = b"\xef\xbb\xbf"   # UTF-8 byte order mark: dropped at the start of a file, as text tools do
+# Errors of reading or decoding a whole split (the file vanished, is not gzip, fails its CRC, ...):
+# with on_error: skip the split becomes one reject instead of failing the build.
+_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,11 @@ class SplitSource:
     on_error: str             # raise | skip
     storage_options: dict[str, Any]
 
+    @property
+    def name(self) -> str:
+        """The file's URL as shown in messages and the catalog (see ``readable_url``)."""
+        return readable_url(self.url)
+
 
 class _Policy:
     """Raises an InputError naming the file and location, or records a reject, per ``on_error``."""
@@ -62,16 +73,16 @@ class _Policy:
     def __init__(self, source: SplitSource, line_base: Callable[[], int]) -> None:
         self.source = source
         self.rejects: list[Reject] = []
-        self._line_base = line_base
+        self.line_base = line_base
 
     def reject(self, index: int | None, reason: str, *, rows: bool = False, location: str | None = None) -> None:
         line = None
         if index is not None:
-            line = self.source.split.first_row + index if rows else self._line_base() + index + 1
+            line = self.source.split.first_row + index if rows else self.line_base() + index + 1
         where = location or (f"row {line}" if rows else f"line {line}")
         if self.source.on_error == "raise":
             raise InputError(
-                f"{self.source.url}: {where}: {reason}; fix the input or set on_error: skip "
+                f"{self.source.name}: {where}: {reason}; fix the input or set on_error: skip "
                 "to record such inputs in the catalog's rejects table"
             )
         self.rejects.append(Reject(where, line, reason))
@@ -122,8 +133,10 @@ def _read_byte_range(source: SplitSource) -> tuple[bytes, int]:
     return body, first
 
 
-def _decompressed(source: SplitSource) -> tuple[bytes, bool]:
-    """The whole decompressed stream, and whether it was truncated (no end-of-stream marker)."""
+def _decompressed(source: SplitSource) -> tuple[bytes, str | None]:
+    """The decompressed stream up to its end or its first fault, and the fault (None for a whole
+    stream). The output decoded before a fault is kept, except that of a gzip member or zstd
+    frame that fails its checksum; the result depends only on the file's bytes."""
     fs, path = url_to_fs(source.url, **source.storage_options)
 
     def new() -> Any:
@@ -134,6 +147,7 @@ def _decompressed(source: SplitSource) -> tuple[bytes, bool]:
     out: list[bytes] = []
     decompressor = new()
     pending = b""
+    member = 0  # where the output of the current member/frame starts in ``out``
     try:
         with fs.open(path, "rb") as handle:
             while True:
@@ -145,9 +159,14 @@ def _decompressed(source: SplitSource) -> tuple[bytes, bool]:
                 if decompressor.eof and decompressor.unused_data:
                     pending = decompressor.unused_data  # next member (gzip) or frame (zstd)
                     decompressor = new()
+                    member = len(out)
     except (zlib.error, zstandard.ZstdError) as exc:
-        raise InputError(f"{source.url}: corrupt {source.compression} stream: {exc}") from None
-    return b"".join(out), not decompressor.eof
+        if "check" in str(exc).lower():  # CRC/length/checksum: the member's output is wrong somewhere
+            del out[member:]
+        return b"".join(out), f"corrupt {source.compression} stream ({exc})"
+    if not decompressor.eof:
+        return b"".join(out), f"truncated {source.compression} stream (no end-of-stream marker)"
+    return b"".join(out), None
 
 
 def _lines(data: bytes) -> list[bytes]:
@@ -177,7 +196,7 @@ def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, ou
     record_format = source.record_format
     plain = source.layout == "text"
     if plain and not record_format.text_only:
-        raise InputError(f"{source.url}: format: {record_format.format} needs JSON Lines or Parquet sources, "
+        raise InputError(f"{source.name}: format: {record_format.format} needs JSON Lines or Parquet sources, "
                          "not plain text")
     parts_of, text_parts = record_format.parts, record_format.text_parts
     add_document, add_record = out.documents.append, out.records.append
@@ -234,7 +253,8 @@ def _parquet_documents(source: SplitSource, policy: _Policy, out: _Collected) ->
             raise InputError(f"{source.url}: row group {split.start} (rows {split.first_row}-"
                              f"{split.first_row + rows - 1}) is corrupt: {exc}") from None
     if record_format.text_only:
-        _parquet_texts(source, table.column(0), policy, out)
+        _parquet_texts(source, table.column(0), policy, out,
+                       f"rows {split.first_row}-{split.first_row + rows - 1} (row group {split.start})")
         return rows, nbytes
     parts_of = record_format.parts
     for index, record in enumerate(table.to_pylist()):
@@ -247,14 +267,14 @@ def _parquet_documents(source: SplitSource, policy: _Policy, out: _Collected) ->
     return rows, nbytes
 
 
-def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy, out: _Collected) -> None:
+def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy, out: _Collected,
+                   location: str) -> None:
     """Documents of a text-only format's string column (checked once for its type)."""
     field = source.record_format.columns[0]
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise InputError(
-            f"{source.url}: column {field!r} has type {column.type}, expected strings; "
-            "point text_field at a string column"
-        )
+        policy.reject(None, f"column {field!r} has type {column.type}, expected strings; "
+                      "point text_field at a string column", location=location)
+        return
     text_parts = source.record_format.text_parts
     for index, text in enumerate(column.to_pylist()):
         if text is None:
@@ -290,31 +310,36 @@ def read_split(source: SplitSource) -> SplitDocuments:
         return _read_split(source)
 
 
+def _split_location(split: Split) -> str:
+    if split.kind == "row_group":
+        return f"row group {split.start}"
+    return "whole file" if split.kind == "file" else f"bytes {split.start}-{split.stop}"
+
+
+def _unreadable_reason(exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return ("cannot read: file not found (deleted or moved after the build planned it); "
+                "re-run the build to re-plan the dataset without it")
+    if isinstance(exc, PermissionError):
+        return f"cannot read: permission denied ({exc.strerror or exc})"
+    return f"cannot read: {type(exc).__name__}: {exc}"
+
+
 def _read_split(source: SplitSource) -> SplitDocuments:
     out = _Collected()
-    if source.layout == "parquet":
-        policy = _Policy(source, lambda: 0)
-        num_records, nbytes = _parquet_documents(source, policy, out)
-    else:
-        truncated = False
-        if source.split.kind == "bytes":
-            data, first = _read_byte_range(source)
+    policy = _Policy(source, lambda: 0)
+    try:
+        if source.layout == "parquet":
+            num_records, nbytes = _parquet_documents(source, policy, out)
         else:
-            (data, truncated), first = _decompressed(source), 0
-        # Lines before the split are counted only if a reject needs a line number.
-        policy = _Policy(source, functools.cache(lambda: _count_newlines(source, first)))
-        lines = _lines(data)
-        if truncated and lines:
-            lines = lines[:-1]  # the last line of a cut stream may end anywhere: never trust it
-        num_records, nbytes = len(lines), len(data)
-        _line_documents(lines, source, policy, out)
-        if truncated:
-            policy.reject(
-                None,
-                f"truncated {source.compression} stream (no end-of-stream marker) after line "
-                f"{num_records}; the rest of the file is lost, re-create or re-download it",
-                location=f"after line {num_records}",
-            )
+            num_records, nbytes = _read_lines(source, policy, out)
+    except _UNREADABLE as exc:
+        if is_transient(exc):
+            raise
+        # Nothing of the split is kept: where the fault lies within it is unknown.
+        policy.rejects.clear()
+        policy.reject(None, _unreadable_reason(exc), location=_split_location(source.split))
+        return SplitDocuments(documents=[], records=[], num_records=0, rejects=policy.rejects, source_bytes=0)
     return SplitDocuments(
         documents=out.documents,
         records=out.records,
@@ -322,3 +347,28 @@ def _read_split(source: SplitSource) -> SplitDocuments:
         rejects=policy.rejects,
         source_bytes=nbytes,
     )
+
+
+def _read_lines(source: SplitSource, policy: _Policy, out: _Collected) -> tuple[int, int]:
+    """Reads the documents of a text/JSONL split into ``out``; returns its lines and bytes."""
+    fault = None
+    if source.split.kind == "bytes":
+        data, first = _read_byte_range(source)
+    else:
+        (data, fault), first = _decompressed(source), 0
+    if first == 0 and data.startswith(_BOM):
+        data = data[len(_BOM):]
+    # Lines before the split are counted only if a reject needs a line number.
+    policy.line_base = functools.cache(lambda: _count_newlines(source, first))
+    lines = _lines(data)
+    if fault is not None and lines and not data.endswith(b"\n"):
+        lines = lines[:-1]  # a line cut by the fault may end anywhere: never trust it
+    num_records = len(lines)
+    _line_documents(lines, source, policy, out)
+    if fault is not None:
+        policy.reject(
+            None,
+            f"{fault} after line {num_records}; the rest of the file is lost, re-create or re-download it",
+            location=f"after line {num_records}",
+        )
+    return num_records, len(data)

@@ -23,11 +23,13 @@ from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config, load_config
+from lakeloader.errors import SourceError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_specs
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
+from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
 from lakeloader.storage import with_retries, write_atomically
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
@@ -116,7 +118,7 @@ def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str
             dataset=row.dataset,
             global_index=int(row.global_index),
             source=SplitSource(
-                url=row.source,
+                url=url_from_bytes(row.source_raw) if isinstance(row.source_raw, (bytes, bytearray)) else row.source,
                 layout=row.layout,
                 compression=row.compression if isinstance(row.compression, str) else None,
                 split=Split(row.split_kind, int(row.split_start), int(row.split_stop), int(row.first_row)),
@@ -226,6 +228,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
             dashboard = _run_tasks(config, lake, writer, pending, build_id, totals,
                                    lake.url_of(tokenizer_path), worker_count, scheduler, progress,
                                    packing, unplanned)
+        _check_documents(writer, names)
         status = "succeeded"
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
@@ -257,6 +260,20 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
     return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
                        totals.rejects, seconds, dashboard)
+
+
+def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
+    """SourceError for a built dataset without documents: no mixture or loader can use it."""
+    for row in writer.datasets_without_documents(names).itertuples(index=False):
+        listing = "\n".join(f"  {source}" for source in row.sources)
+        if row.num_sources > len(row.sources):
+            listing += f"\n  ... and {row.num_sources - len(row.sources)} more"
+        raise SourceError(
+            f"dataset {row.name!r} has no documents: every record of its {row.num_sources} source file(s) "
+            f"was rejected ({row.num_rejects} rejects):\n{listing}\nsee "
+            f"`lakeloader sql CONFIG \"SELECT * FROM rejects WHERE dataset = '{row.name}'\"`, "
+            f"then fix the sources or remove the dataset"
+        )
 
 
 def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:

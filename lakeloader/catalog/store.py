@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -18,10 +19,12 @@ from lakeloader.errors import CatalogError, CatalogLockedError
 from lakeloader.index.layout import PackingSpec, PlanStats
 from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
+from lakeloader.plan.sources import readable_url, url_bytes
 
 if TYPE_CHECKING:
     from lakeloader.index.mixing import Mixer
 
+log = logging.getLogger(__name__)
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
 _ACTIVE_WRITERS: dict[str, duckdb.DuckDBPyConnection] = {}
@@ -108,15 +111,21 @@ class CatalogWriter:
                       vocab_size: int, split_size: int, on_error: str) -> bool:
         """Store ``plan`` unless the same fingerprint is already planned; returns whether it was new.
 
-        A dataset whose fingerprint changed loses its old plan, chunks and rejects (its old chunk
-        files stay in their own folder and are never read again).
+        A dataset whose fingerprint changed gets the new plan; its committed chunks that the new
+        plan names for the same split of the same unchanged file (same chunk path) stay committed
+        under their new global index, with their row groups and rejects, so they are not
+        tokenized again. Its other chunks and rejects are forgotten (their files are never read
+        again). Sources are stored readable in ``source`` and exactly in ``source_raw``.
         """
         current = self._run("dataset_plan", {"name": plan.name}).fetchone()
         if current and current[0] == plan.fingerprint:
             self._run("set_on_error", {"name": plan.name, "on_error": on_error})
             return False
+        chunk_rows = plan.chunks.assign(dataset=plan.name)
         self.con.execute("BEGIN TRANSACTION")
         try:
+            self.con.register("new_chunks", chunk_rows)
+            self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
                 "name": plan.name, "fingerprint": plan.fingerprint, "format": plan.format,
@@ -128,20 +137,20 @@ class CatalogWriter:
             shard_rows = pd.DataFrame({
                 "dataset": plan.name,
                 "shard_index": range(len(plan.shards)),
-                "source": [s.url for s in plan.shards],
+                "source": [readable_url(s.url) for s in plan.shards],
                 "layout": [s.layout for s in plan.shards],
                 "compression": [s.compression for s in plan.shards],
                 "size_bytes": [s.size for s in plan.shards],
                 "version": [s.version for s in plan.shards],
                 "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
+                "source_raw": [url_bytes(s.url) for s in plan.shards],
             })
             self.con.register("new_shards", shard_rows)
             self._run("insert_shard_plans")
             self.con.unregister("new_shards")
-            chunk_rows = plan.chunks.assign(dataset=plan.name)
-            self.con.register("new_chunks", chunk_rows)
             self._run("insert_chunk_plans")
-            self.con.unregister("new_chunks")
+            adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
+            self._run("drop_adopted_chunks")
             for missing in plan.missing:
                 self._run("insert_reject", {
                     "dataset": plan.name, "source": missing.source, "location": "whole file",
@@ -152,6 +161,10 @@ class CatalogWriter:
         except BaseException:
             self.con.execute("ROLLBACK")
             raise
+        finally:
+            self.con.unregister("new_chunks")
+        if adopted:
+            log.info("dataset %r: re-planned; %d committed chunk(s) of unchanged files kept", plan.name, adopted)
         return True
 
     def register_packing(self, dataset: str, spec: PackingSpec) -> None:
@@ -221,6 +234,11 @@ class CatalogWriter:
     def chunk_count(self, datasets: Sequence[str]) -> int:
         """Planned chunks of ``datasets``."""
         return int(self._run("chunk_count", {"datasets": list(datasets)}).fetchone()[0])
+
+    def datasets_without_documents(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Completely built ``datasets`` that hold no document: name, num_rejects, sources (the
+        first five) and num_sources."""
+        return self._run("datasets_without_documents", {"datasets": list(datasets)}).df()
 
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""

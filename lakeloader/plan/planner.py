@@ -10,13 +10,15 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from lakeloader.build.formats import RecordFormat
 from lakeloader.config import Config, DatasetConfig
 from lakeloader.errors import ConfigError, SourceError
 from lakeloader.plan.order import round_robin_order
-from lakeloader.plan.sources import MissingSource, Shard, expand_sources
+from lakeloader.plan.sources import MissingSource, Shard, expand_sources, readable_url
 from lakeloader.plan.splits import Split, plan_splits
+from lakeloader.storage import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -35,35 +37,59 @@ class DatasetPlan:
     shards: list[Shard]
     chunks: pd.DataFrame  # one row per chunk in global order: see chunk_table()
     missing: list[MissingSource]
+    settings_fingerprint: str = ""   # settings_fingerprint(): names the chunk folder
 
     @property
     def chunk_dir(self) -> str:
         """Folder (relative to the lake root) of this dataset's chunk files."""
-        return chunk_folder(self.name, self.fingerprint)
+        return chunk_folder(self.name, self.settings_fingerprint or self.fingerprint)
 
 
 def chunk_folder(name: str, fingerprint: str) -> str:
-    """Folder of a dataset's chunk files: named by its fingerprint, so builds never mix."""
+    """Folder of a dataset's chunk files: named by the fingerprint of its settings, so chunks of
+    other tokenizers, formats or split sizes never mix."""
     return f"{name}/{fingerprint[:16]}"
+
+
+def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> dict[str, Any]:
+    return {
+        "chunk_format": CHUNK_FORMAT_VERSION,
+        "tokenizer": tokenizer_fingerprint,
+        "format": dataset.format,
+        "fields": dataset.build_fields,
+        "split_size": split_size,
+    }
+
+
+def _hash(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def dataset_fingerprint(
     dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int
 ) -> str:
     """Hash of everything that changes the dataset's tokens or chunk boundaries."""
-    payload = {
-        "chunk_format": CHUNK_FORMAT_VERSION,
-        "sources": [(s.url, s.size, s.version) for s in shards],
-        "tokenizer": tokenizer_fingerprint,
-        "format": dataset.format,
-        "fields": dataset.build_fields,
-        "split_size": split_size,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size),
+                  "sources": [(s.url, s.size, s.version) for s in shards]})
 
 
-def chunk_table(splits: list[list[Split]], folder: str) -> pd.DataFrame:
-    """One row per chunk in global (round-robin) order with its split and file path."""
+def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> str:
+    """Hash of what changes every chunk's tokens or boundaries, whichever files the dataset has."""
+    return _hash(_settings(dataset, tokenizer_fingerprint, split_size))
+
+
+def shard_fingerprint(shard: Shard) -> str:
+    """Hash of one file's identity (URL, size, version): names its chunk files, so the chunks of
+    a file that did not change keep their names when other files of the dataset come or go."""
+    return _hash([shard.url, shard.size, shard.version])
+
+
+def chunk_table(splits: list[list[Split]], folder: str, shard_keys: list[str]) -> pd.DataFrame:
+    """One row per chunk in global (round-robin) order with its split and file path.
+
+    A chunk file is named by its folder, its shard's ``shard_keys`` entry and its split index:
+    the same split of the same file under the same settings always has the same path.
+    """
     shard_index, split_index = round_robin_order(np.array([len(s) for s in splits], dtype=np.int64))
     rows = [splits[k][r] for k, r in zip(shard_index.tolist(), split_index.tolist())]
     return pd.DataFrame(
@@ -71,7 +97,8 @@ def chunk_table(splits: list[list[Split]], folder: str) -> pd.DataFrame:
             "global_index": np.arange(len(rows), dtype=np.int64),
             "shard_index": shard_index,
             "split_index": split_index,
-            "path": [f"{folder}/{k:05d}-{r:06d}.parquet" for k, r in zip(shard_index, split_index)],
+            "path": [f"{folder}/{shard_keys[k][:16]}-{r:06d}.parquet"
+                     for k, r in zip(shard_index.tolist(), split_index.tolist())],
             "split_kind": [s.kind for s in rows],
             "split_start": np.array([s.start for s in rows], dtype=np.int64),
             "split_stop": np.array([s.stop for s in rows], dtype=np.int64),
@@ -80,16 +107,30 @@ def chunk_table(splits: list[list[Split]], folder: str) -> pd.DataFrame:
     )
 
 
+def _listing(lines: list[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``lines`` indented, one a line, and how many more there are."""
+    listing = "\n".join(f"  {line}" for line in lines[:limit])
+    return listing + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+
+
+def _unreadable(name: str, missing: list[MissingSource]) -> SourceError:
+    """The error for sources of dataset ``name`` that cannot be read under ``on_error: raise``."""
+    return SourceError(
+        f"dataset {name!r}: {len(missing)} source(s) cannot be read:\n"
+        + "\n".join(f"  {m.source}: {m.reason}" for m in missing)
+        + f"\nfix the paths under datasets.{name}.sources (or the files), or set datasets.{name}.on_error: skip "
+        "to record them as rejects"
+    )
+
+
 def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordFormat, shards: list[Shard]) -> None:
     """ConfigError for plain-text sources of a format whose documents are more than one string."""
-    plain = [shard.url for shard in shards if shard.layout == "text"]
+    plain = [readable_url(shard.url) for shard in shards if shard.layout == "text"]
     if plain and not record_format.text_only:
-        listing = "\n".join(f"  {url}" for url in plain[:5])
-        if len(plain) > 5:
-            listing += f"\n  ... and {len(plain) - 5} more"
         raise ConfigError(
             f"dataset {name!r}: format: {dataset.format} needs JSON Lines or Parquet sources "
-            f"(.jsonl, .jsonl.gz, .jsonl.zst, .parquet), but {len(plain)} source(s) are plain text:\n{listing}\n"
+            f"(.jsonl, .jsonl.gz, .jsonl.zst, .parquet), but {len(plain)} source(s) are plain text:\n"
+            f"{_listing(plain)}\n"
             f"convert them or remove them from datasets.{name}.sources"
         )
 
@@ -99,33 +140,53 @@ def plan_dataset(
 ) -> DatasetPlan:
     """Plan dataset ``name`` of ``config``.
 
-    Missing or unreadable sources raise :class:`SourceError` before any work starts, unless the
-    dataset has ``on_error: skip``; then they are returned in ``missing`` (they become rejects).
+    Missing or unreadable sources (Parquet files whose footer cannot be read or whose text
+    column holds no strings included) raise :class:`SourceError` before any work starts, unless
+    the dataset has ``on_error: skip``; then they are returned in ``missing`` (they become
+    rejects). A dataset whose readable files are all empty raises :class:`SourceError` either way.
     """
     dataset = config.datasets[name]
     options = config.storage_options if storage_options is None else storage_options
     shards, missing = expand_sources(dataset.sources, options)
     if missing and dataset.on_error == "raise":
-        listing = "\n".join(f"  {m.source}: {m.reason}" for m in missing)
-        raise SourceError(
-            f"dataset {name!r}: {len(missing)} source(s) cannot be read:\n{listing}\n"
-            f"fix the paths under datasets.{name}.sources, or set datasets.{name}.on_error: skip"
-        )
+        raise _unreadable(name, missing)
     record_format = RecordFormat.from_config(dataset)
     _check_layouts(name, dataset, record_format, shards)
+    split_size = config.build.split_size
+    splits, readable = [], []
+    for shard in shards:
+        try:
+            splits.append(plan_splits(shard, split_size, options, record_format))
+            readable.append(shard)
+        except Exception as exc:
+            if is_transient(exc) or not isinstance(exc, (SourceError, OSError, pa.ArrowException)):
+                raise
+            url = readable_url(shard.url)
+            reason = str(exc).removeprefix(f"{url}: ")
+            if not isinstance(exc, SourceError):
+                reason = f"cannot read: {type(exc).__name__}: {reason}"
+            missing.append(MissingSource(url, reason))
+    if missing and dataset.on_error == "raise":
+        raise _unreadable(name, missing)
     for m in missing:
         log.warning("dataset %r: skipping source %s: %s", name, m.source, m.reason)
-    if not shards:
+    if not readable:
         raise SourceError(f"dataset {name!r}: no readable source files in {dataset.sources}")
-    split_size = config.build.split_size
-    fingerprint = dataset_fingerprint(dataset, shards, tokenizer_fingerprint, split_size)
-    splits = [plan_splits(shard, split_size, options) for shard in shards]
+    if not any(splits):
+        raise SourceError(
+            f"dataset {name!r} has no documents: its {len(readable)} readable source file(s) are empty:\n"
+            f"{_listing([readable_url(shard.url) for shard in readable])}\n"
+            f"add non-empty sources to datasets.{name}.sources or remove the dataset"
+        )
+    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size)
+    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size)
     return DatasetPlan(
         name=name,
         fingerprint=fingerprint,
         format=dataset.format,
         fields=record_format.kind_names,
-        shards=shards,
-        chunks=chunk_table(splits, chunk_folder(name, fingerprint)),
+        shards=readable,
+        chunks=chunk_table(splits, chunk_folder(name, settings), [shard_fingerprint(s) for s in readable]),
         missing=missing,
+        settings_fingerprint=settings,
     )

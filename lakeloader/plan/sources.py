@@ -38,8 +38,25 @@ class Shard:
 class MissingSource:
     """A source pattern or file that cannot be read, with the reason."""
 
-    source: str
+    source: str      # readable_url of the source
     reason: str
+
+
+def readable_url(url: str) -> str:
+    """``url`` printable and storable as UTF-8 text: bytes of a file name that are not UTF-8 (held
+    by Python as surrogate escapes) are shown as ``\\xNN``. Only for messages and display; the
+    lossless name is :func:`url_bytes`."""
+    return url.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def url_bytes(url: str) -> bytes:
+    """The exact bytes of ``url`` (file names that are not UTF-8 included)."""
+    return url.encode("utf-8", "surrogateescape")
+
+
+def url_from_bytes(raw: bytes) -> str:
+    """The URL whose :func:`url_bytes` are ``raw``."""
+    return bytes(raw).decode("utf-8", "surrogateescape")
 
 
 def layout_of(url: str) -> tuple[str, str | None]:
@@ -49,7 +66,7 @@ def layout_of(url: str) -> tuple[str, str | None]:
         if name.endswith(suffix):
             return _LAYOUTS[suffix]
     raise SourceError(
-        f"{url}: unsupported file type; use one of {', '.join(sorted(_LAYOUTS))}"
+        f"{readable_url(url)}: unsupported file type; use one of {', '.join(sorted(_LAYOUTS))}"
     )
 
 
@@ -88,14 +105,14 @@ def expand_sources(
         for found, info in sorted(infos.items()):
             url = _full_url(fs, found)
             if info.get("type") == "directory":
-                missing.append(MissingSource(url, "is a directory, not a file"))
+                missing.append(MissingSource(readable_url(url), "is a directory, not a file"))
                 continue
             if is_local(fs):
                 try:
                     with open(found, "rb"):
                         pass
                 except OSError as exc:
-                    missing.append(MissingSource(url, f"cannot read: {exc.strerror or exc}"))
+                    missing.append(MissingSource(readable_url(url), f"cannot read: {exc.strerror or exc}"))
                     continue
             layout, compression = layout_of(url)
             shards[url] = Shard(url, int(info.get("size") or 0), _version(info), layout, compression)

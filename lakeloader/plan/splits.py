@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from lakeloader.plan.sources import Shard
+from lakeloader.build.formats import RecordFormat
+from lakeloader.errors import SourceError
+from lakeloader.plan.sources import Shard, readable_url
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +29,25 @@ class Split:
     first_row: int = 0
 
 
-def plan_splits(shard: Shard, split_size: int, storage_options: dict[str, Any]) -> list[Split]:
-    """The splits of ``shard`` in order; empty files have none."""
+def plan_splits(shard: Shard, split_size: int, storage_options: dict[str, Any],
+                record_format: RecordFormat | None = None) -> list[Split]:
+    """The splits of ``shard`` in order; empty files have none.
+
+    A Parquet file whose text column (of a text-only ``record_format``) does not hold strings
+    raises :class:`SourceError`: none of its rows could be read.
+    """
     if shard.layout == "parquet":
         fs, path = url_to_fs(shard.url, **storage_options)
         with fs.open(path, "rb") as handle:
-            metadata = pq.ParquetFile(handle).metadata
+            parquet = pq.ParquetFile(handle)
+            metadata, schema = parquet.metadata, parquet.schema_arrow
+        if record_format is not None and record_format.text_only:
+            field = record_format.columns[0]
+            if field in schema.names:
+                kind = schema.field(field).type
+                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                    raise SourceError(f"{readable_url(shard.url)}: column {field!r} has type {kind}, "
+                                      "expected strings; point text_field at a string column")
         splits, first_row = [], 0
         for group in range(metadata.num_row_groups):
             rows = metadata.row_group(group).num_rows
