@@ -40,7 +40,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from lakeloader.build.driver import build
 
     report = build(args.config, workers=args.workers, scheduler=args.scheduler,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, dashboard_address=args.dashboard_address)
     print(
         f"built {report.chunks_built} chunks ({report.chunks_total} in the lake): {report.docs:,} docs, "
         f"{report.tokens:,} tokens, {report.rejects} rejects in {report.seconds:.1f}s "
@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local Dask worker processes (default: build.workers, else the cores)")
     build.add_argument("--scheduler", default=None, metavar="ADDRESS",
                        help="use an existing Dask cluster: tcp://host:port or a scheduler-file .json")
+    build.add_argument("--dashboard-address", default=None, metavar="HOST:PORT",
+                       help="where a local cluster's Dask dashboard listens (default: build.dashboard, "
+                       "127.0.0.1:0: this host only, any free port); e.g. 0.0.0.0:8787 opens it to the "
+                       "network (it has no authentication)")
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     build.set_defaults(func=_cmd_build)
 

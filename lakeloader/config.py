@@ -197,6 +197,10 @@ class BuildConfig(_Strict):
     workers: int | None = Field(default=None, ge=1)
     row_group_tokens: int = Field(default=1 << 20, ge=1)
     publish_interval: float = Field(default=5.0, gt=0)
+    # host:port of a local build's Dask dashboard (port 0: any free one). It is unauthenticated
+    # (task names, worker logs and stacks), so only this host may reach it unless a user opens
+    # it, e.g. 0.0.0.0:8787; null turns it off.
+    dashboard: str | None = "127.0.0.1:0"
 
     @field_validator("split_size", mode="before")
     @classmethod

@@ -21,9 +21,11 @@ def default_workers() -> int:
 
 
 @contextlib.contextmanager
-def dask_client(workers: int | None = None, scheduler: str | None = None) -> Iterator[Client]:
+def dask_client(workers: int | None = None, scheduler: str | None = None,
+                dashboard: str | None = "127.0.0.1:0") -> Iterator[Client]:
     """A Dask client: connected to ``scheduler`` (address or scheduler-file path) if given,
-    else to a new LocalCluster of ``workers`` single-threaded processes, closed on exit."""
+    else to a new LocalCluster of ``workers`` single-threaded processes, closed on exit, whose
+    dashboard listens on ``dashboard`` (host:port; loopback by default; None: no dashboard)."""
     if scheduler:
         kwargs = {"scheduler_file": scheduler} if scheduler.endswith(".json") else {"address": scheduler}
         with Client(**kwargs) as client:
@@ -32,7 +34,7 @@ def dask_client(workers: int | None = None, scheduler: str | None = None) -> Ite
         return
     count = workers or default_workers()
     with LocalCluster(
-        n_workers=count, threads_per_worker=1, processes=True, dashboard_address=":0",
+        n_workers=count, threads_per_worker=1, processes=True, dashboard_address=dashboard,
         env=WORKER_ENV,
     ) as cluster, Client(cluster) as client:
         log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
