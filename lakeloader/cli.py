@@ -102,11 +102,22 @@ def _loader(args: argparse.Namespace) -> Loader:
                   mode=args.mode)
 
 
+def _check_writable(path: str) -> None:
+    """Fail before any work when ``path`` cannot be written (no such folder, no permission)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise LakeloaderError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise LakeloaderError(f"--out {path}: not writable by this user; choose another path")
+
+
 def _cmd_batches(args: argparse.Namespace) -> int:
     import numpy as np
 
+    _check_writable(args.out)
     loader = _loader(args)
     first, last = args.steps
+    loader.check_step(last - 1)  # before computing any batch
     batches = [loader.batch(step) for step in range(first, last)]
     arrays = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
     np.savez(args.out, **arrays)
@@ -256,7 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader of stdout left (`lakeloader status LAKE | head -3`): stop quietly like
+        # unix tools do, with the status of a process ended by SIGPIPE (128 + 13).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except LakeloaderError as exc:
         print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)
         return 2
