@@ -264,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         # Dask logs every worker start and stop at INFO; keep its warnings and errors only.
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-        for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs"):
+        for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs",
+                      "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         status = args.func(args)
