@@ -313,6 +313,20 @@ class Config(_Strict):
     mixture: MixtureConfig | None = None
     source_file: str | None = Field(default=None, exclude=True)
 
+    def redact(self, text: str) -> str:
+        """``text`` with every string value of ``storage_options`` (credentials, at any depth)
+        replaced by ``***``: for messages stored or shown beyond this process."""
+        def strings(value: Any) -> list[str]:
+            if isinstance(value, dict):
+                return [s for item in value.values() for s in strings(item)]
+            if isinstance(value, (list, tuple)):
+                return [s for item in value for s in strings(item)]
+            return [value] if isinstance(value, str) and len(value) >= 4 else []
+
+        for secret in sorted(strings(self.storage_options), key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
+
     @field_validator("datasets")
     @classmethod
     def _dataset_names(cls, value: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:

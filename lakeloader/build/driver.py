@@ -235,7 +235,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         status, error = "interrupted", "interrupted by the user"
         raise
     except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = config.redact(f"{type(exc).__name__}: {exc}")  # the builds table is shared
         raise
     finally:
         seconds = time.perf_counter() - started
