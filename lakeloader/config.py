@@ -17,6 +17,7 @@ _SIZE_UNITS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
+_PUBLIC_OPTION = re.compile(r"endpoint|region|url", re.IGNORECASE)   # storage options that are no secret
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -314,11 +315,13 @@ class Config(_Strict):
     source_file: str | None = Field(default=None, exclude=True)
 
     def redact(self, text: str) -> str:
-        """``text`` with every string value of ``storage_options`` (credentials, at any depth)
-        replaced by ``***``: for messages stored or shown beyond this process."""
+        """``text`` with every string value of ``storage_options`` (credentials, at any depth;
+        endpoints and regions excepted) replaced by ``***``: for messages stored or shown beyond
+        this process."""
         def strings(value: Any) -> list[str]:
             if isinstance(value, dict):
-                return [s for item in value.values() for s in strings(item)]
+                return [s for key, item in value.items() if not _PUBLIC_OPTION.search(str(key))
+                        for s in strings(item)]
             if isinstance(value, (list, tuple)):
                 return [s for item in value for s in strings(item)]
             return [value] if isinstance(value, str) and len(value) >= 4 else []
