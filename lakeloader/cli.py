@@ -107,6 +107,8 @@ def _check_writable(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise LakeloaderError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
+    if os.path.isdir(path):
+        raise LakeloaderError(f"--out {path}: is a folder; give a file name such as {os.path.join(path, 'batches.npz')}")
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise LakeloaderError(f"--out {path}: not writable by this user; choose another path")
 

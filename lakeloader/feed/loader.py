@@ -200,14 +200,17 @@ class Loader:
 
     def check_step(self, step: int) -> None:
         """Raise :class:`StepRangeError` naming the valid steps unless batch ``step`` exists."""
-        total = self.num_batches if step >= 0 else None
-        if step < 0 or (total is not None and step >= total):
-            valid = "steps 0 and up" if step < 0 else (
-                f"steps 0..{total - 1}" if total else "no steps (the pass is empty)")
-            why = "" if step < 0 else (
-                f"; the {self.mode} pass has {total} batches" if self.mode == "eval" else
-                f"; training stops after {total} batches (mixture stop: {self.mixer.stop})")
-            raise StepRangeError(f"step {step} does not exist: valid are {valid}{why}")
+        # A negative step in training needs no count (a stop strategy's waits for the whole lake).
+        total = self.num_batches if step >= 0 or self.mode == "eval" else None
+        if step >= 0 and (total is None or step < total):
+            return
+        if total is None:
+            valid = "steps 0 and up"
+        else:
+            valid = f"steps 0..{total - 1}" if total else "none (no batches)"
+            valid += (f"; the eval pass has {total} batches" if self.mode == "eval" else
+                      f"; training stops after {total} batches (mixture stop: {self.mixer.stop})")
+        raise StepRangeError(f"step {step} does not exist: valid are {valid}")
 
     def batch(self, step: int) -> Batch:
         """This process's rows of global batch ``step``: arrays of shape [rows, seq_len]."""
