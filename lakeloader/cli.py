@@ -269,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs",
                       "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The S3 clients' DEBUG records show request headers and signing details (access key id):
+    # never shown, even with -v.
+    for signer in ("botocore", "aiobotocore", "s3fs", "urllib3"):
+        logging.getLogger(signer).setLevel(max(logging.getLogger(signer).level, logging.INFO))
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

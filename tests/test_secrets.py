@@ -167,6 +167,10 @@ def test_no_secret_anywhere_s3_lake(s3_endpoint: str, tmp_path: Path, capsys: py
     assert result.returncode == 0, result.stderr
     out.add(result)
     run_every_command(config, out, tmp_path)
+    verbose = subprocess.run([sys.executable, "-m", "lakeloader.cli", "-v", "batches", str(config), "--steps", "0:1",
+                              "--out", str(tmp_path / "v.npz")], capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0 and "DEBUG" in verbose.stderr, verbose.stderr
+    out.add(verbose)
     assert_no_secret_in_files({**s3_files(s3_endpoint, "secret-lake/"),
                                **local_files(Path(os.environ["LAKELOADER_CACHE"]))})
 
