@@ -84,7 +84,7 @@ class ChatFormat(_Strict):
         for key, names in (("template", list(self.template or {})), ("loss_roles", self.loss_roles)):
             unknown = sorted(set(names) - set(self.roles))
             if unknown:
-                raise ValueError(f"{key} names role(s) {unknown} that are not in roles {self.roles}")
+                raise KeyValueError((key,), f"{key} names role(s) {unknown} that are not in roles {self.roles}")
         return self
 
 
@@ -154,7 +154,8 @@ class DatasetConfig(_Strict):
     def _sections_match_format(self) -> DatasetConfig:
         for section in FORMAT_SECTIONS:
             if section in self.model_fields_set and section != self.format:
-                raise ValueError(
+                raise KeyValueError(
+                    (section,),
                     f"section {section!r} applies to format: {section}, but this dataset has format: "
                     f"{self.format}; remove the section or change the format")
         return self
@@ -278,10 +279,11 @@ class MixtureConfig(_Strict):
             raise ValueError("give exactly one of 'weights' or 'stages'")
         if self.stages is not None:
             if not self.stages or self.stages[0].start_step != 0:
-                raise ValueError("the first stage must have start_step: 0")
+                raise KeyValueError(("stages", 0, "start_step") if self.stages else ("stages",),
+                                    "the first stage must have start_step: 0")
             steps = [stage.start_step for stage in self.stages]
             if steps != sorted(set(steps)):
-                raise ValueError(f"stage start_step values must increase, got {steps}")
+                raise KeyValueError(("stages",), f"stage start_step values must increase, got {steps}")
         for path, weights in self.weight_paths():
             for name, weight in weights.items():
                 if not weight >= 0:

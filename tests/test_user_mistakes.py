@@ -156,3 +156,33 @@ def test_hub_log_records_printed_once() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert result.stderr.count("retrying once") == 1 and "APP retrying once" in result.stderr, result.stderr
+
+
+MODEL_LEVEL = """\
+lake: ./lake
+tokenizer: t.json
+datasets:
+  web:
+    sources: [a.jsonl]
+    format: chat
+    chat:
+      loss_roles: [robot]
+  code:
+    sources: [b.jsonl]
+    fim: {rate: 0.1}
+mixture:
+  stages:
+    - {start_step: 3, weights: {web: 1}}
+"""
+
+
+def test_model_level_errors_name_the_key_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(MODEL_LEVEL)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = str(info.value).splitlines()
+    assert lines[1].startswith("  line 8, datasets.web.chat.loss_roles: loss_roles names role(s) ['robot']")
+    assert lines[2].startswith("  line 11, datasets.code.fim: section 'fim' applies to format: fim")
+    assert lines[3] == "  line 14, mixture.stages.0.start_step: the first stage must have start_step: 0"
+    assert "a.jsonl" not in str(info.value) and "b.jsonl" not in str(info.value)  # no mapping printed
