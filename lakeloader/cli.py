@@ -40,7 +40,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from lakeloader.build.driver import build
 
     report = build(args.config, workers=args.workers, scheduler=args.scheduler,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, dashboard_address=args.dashboard_address)
     print(
         f"built {report.chunks_built} chunks ({report.chunks_total} in the lake): {report.docs:,} docs, "
         f"{report.tokens:,} tokens, {report.rejects} rejects in {report.seconds:.1f}s "
@@ -102,11 +102,24 @@ def _loader(args: argparse.Namespace) -> Loader:
                   mode=args.mode)
 
 
+def _check_writable(path: str) -> None:
+    """Fail before any work when ``path`` cannot be written (no such folder, no permission)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise LakeloaderError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
+    if os.path.isdir(path):
+        raise LakeloaderError(f"--out {path}: is a folder; give a file name such as {os.path.join(path, 'batches.npz')}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise LakeloaderError(f"--out {path}: not writable by this user; choose another path")
+
+
 def _cmd_batches(args: argparse.Namespace) -> int:
     import numpy as np
 
+    _check_writable(args.out)
     loader = _loader(args)
     first, last = args.steps
+    loader.check_step(last - 1)  # before computing any batch
     batches = [loader.batch(step) for step in range(first, last)]
     arrays = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
     np.savez(args.out, **arrays)
@@ -165,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local Dask worker processes (default: build.workers, else the cores)")
     build.add_argument("--scheduler", default=None, metavar="ADDRESS",
                        help="use an existing Dask cluster: tcp://host:port or a scheduler-file .json")
+    build.add_argument("--dashboard-address", default=None, metavar="HOST:PORT",
+                       help="where a local cluster's Dask dashboard listens (default: build.dashboard, "
+                       "127.0.0.1:0: this host only, any free port); e.g. 0.0.0.0:8787 opens it to the "
+                       "network (it has no authentication)")
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     build.set_defaults(func=_cmd_build)
 
@@ -249,10 +266,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         # Dask logs every worker start and stop at INFO; keep its warnings and errors only.
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-        for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs"):
+        for noisy in ("distributed", "bokeh", "tornado", "asyncio", "fsspec", "botocore", "s3fs",
+                      "httpx", "httpx2", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The S3 clients' DEBUG records show request headers and signing details (access key id):
+    # never shown, even with -v.
+    for signer in ("botocore", "aiobotocore", "s3fs", "urllib3"):
+        logging.getLogger(signer).setLevel(max(logging.getLogger(signer).level, logging.INFO))
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader of stdout left (`lakeloader status LAKE | head -3`): stop quietly like
+        # unix tools do, with the status of a process ended by SIGPIPE (128 + 13).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except LakeloaderError as exc:
         print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ _SIZE_UNITS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
+_PUBLIC_OPTION = re.compile(r"endpoint|region|url", re.IGNORECASE)   # storage options that are no secret
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -36,6 +37,15 @@ def parse_size(value: int | str) -> int:
     if size <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
     return size
+
+
+class KeyValueError(ValueError):
+    """A check over several keys failed at one key: ``path`` is that key's path below the model
+    being validated, so the error names it and its YAML line like a field-level error."""
+
+    def __init__(self, path: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class _Strict(BaseModel):
@@ -74,7 +84,7 @@ class ChatFormat(_Strict):
         for key, names in (("template", list(self.template or {})), ("loss_roles", self.loss_roles)):
             unknown = sorted(set(names) - set(self.roles))
             if unknown:
-                raise ValueError(f"{key} names role(s) {unknown} that are not in roles {self.roles}")
+                raise KeyValueError((key,), f"{key} names role(s) {unknown} that are not in roles {self.roles}")
         return self
 
 
@@ -144,7 +154,8 @@ class DatasetConfig(_Strict):
     def _sections_match_format(self) -> DatasetConfig:
         for section in FORMAT_SECTIONS:
             if section in self.model_fields_set and section != self.format:
-                raise ValueError(
+                raise KeyValueError(
+                    (section,),
                     f"section {section!r} applies to format: {section}, but this dataset has format: "
                     f"{self.format}; remove the section or change the format")
         return self
@@ -188,6 +199,10 @@ class BuildConfig(_Strict):
     workers: int | None = Field(default=None, ge=1)
     row_group_tokens: int = Field(default=1 << 20, ge=1)
     publish_interval: float = Field(default=5.0, gt=0)
+    # host:port of a local build's Dask dashboard (port 0: any free one). It is unauthenticated
+    # (task names, worker logs and stacks), so only this host may reach it unless a user opens
+    # it, e.g. 0.0.0.0:8787; null turns it off.
+    dashboard: str | None = "127.0.0.1:0"
 
     @field_validator("split_size", mode="before")
     @classmethod
@@ -264,15 +279,28 @@ class MixtureConfig(_Strict):
             raise ValueError("give exactly one of 'weights' or 'stages'")
         if self.stages is not None:
             if not self.stages or self.stages[0].start_step != 0:
-                raise ValueError("the first stage must have start_step: 0")
+                raise KeyValueError(("stages", 0, "start_step") if self.stages else ("stages",),
+                                    "the first stage must have start_step: 0")
             steps = [stage.start_step for stage in self.stages]
             if steps != sorted(set(steps)):
-                raise ValueError(f"stage start_step values must increase, got {steps}")
+                raise KeyValueError(("stages",), f"stage start_step values must increase, got {steps}")
+        for path, weights in self.weight_paths():
+            for name, weight in weights.items():
+                if not weight >= 0:
+                    raise KeyValueError((*path, name), f"weight {weight} of dataset {name!r} must be >= 0")
+            if sum(weights.values()) <= 0:
+                raise KeyValueError(path, f"weights must not all be zero, got {weights}")
         return self
+
+    def weight_paths(self) -> list[tuple[tuple[str | int, ...], dict[str, float]]]:
+        """Every weight mapping of the mixture with its key path below ``mixture``."""
+        if self.weights is not None:
+            return [(("weights",), self.weights)]
+        return [(("stages", i, "weights"), stage.weights) for i, stage in enumerate(self.stages or [])]
 
     def all_weights(self) -> list[dict[str, float]]:
         """Every weight mapping of the mixture, one per stage."""
-        return [self.weights] if self.weights is not None else [s.weights for s in self.stages or []]
+        return [weights for _, weights in self.weight_paths()]
 
 
 class Config(_Strict):
@@ -288,12 +316,29 @@ class Config(_Strict):
     mixture: MixtureConfig | None = None
     source_file: str | None = Field(default=None, exclude=True)
 
+    def redact(self, text: str) -> str:
+        """``text`` with every string value of ``storage_options`` (credentials, at any depth;
+        endpoints and regions excepted) replaced by ``***``: for messages stored or shown beyond
+        this process."""
+        def strings(value: Any) -> list[str]:
+            if isinstance(value, dict):
+                return [s for key, item in value.items() if not _PUBLIC_OPTION.search(str(key))
+                        for s in strings(item)]
+            if isinstance(value, (list, tuple)):
+                return [s for item in value for s in strings(item)]
+            return [value] if isinstance(value, str) and len(value) >= 4 else []
+
+        for secret in sorted(strings(self.storage_options), key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
+
     @field_validator("datasets")
     @classmethod
     def _dataset_names(cls, value: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
         for name in value:
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-                raise ValueError(
+                raise KeyValueError(
+                    (name,),
                     f"dataset name {name!r} must start with a letter or digit and contain only "
                     "letters, digits, '_', '.' or '-' (it names folders in the lake)"
                 )
@@ -303,15 +348,13 @@ class Config(_Strict):
     def _mixture_names_datasets(self) -> Config:
         if self.mixture is None:
             return self
-        for weights in self.mixture.all_weights():
+        for path, weights in self.mixture.weight_paths():
             unknown = sorted(set(weights) - set(self.datasets))
             if unknown:
-                raise ValueError(
+                raise KeyValueError(
+                    ("mixture", *path, unknown[0]),
                     f"mixture names unknown dataset(s) {unknown}; datasets are {sorted(self.datasets)}"
                 )
-            bad = {k: v for k, v in weights.items() if not v >= 0}
-            if bad or sum(weights.values()) <= 0:
-                raise ValueError(f"mixture weights must be >= 0 and not all zero, got {weights}")
         return self
 
 
@@ -374,15 +417,26 @@ def _line_of(loc: tuple[Any, ...], lines: dict[tuple[Any, ...], int]) -> int | N
     return None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _error_loc(error: dict[str, Any]) -> tuple[Any, ...]:
+    """Key path of a validation error, down to the key a :class:`KeyValueError` names."""
     loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    cause = (error.get("ctx") or {}).get("error")
+    return (*loc, *cause.path) if isinstance(cause, KeyValueError) else loc
+
+
+def _describe(error: dict[str, Any], loc: tuple[Any, ...]) -> str:
     key = ".".join(str(p) for p in loc) or "(top level)"
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown key; remove it or check its spelling"
     if error["type"] == "missing":
         return f"{key}: required key is missing"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{key} = {error.get('input')!r}: {message}"
+    value = error.get("input")
+    # Only a key's own scalar value is shown: a mapping's value may hold the whole config, and
+    # storage_options hold credentials.
+    if isinstance(value, (str, int, float, bool)) and "storage_options" not in loc:
+        return f"{key} = {value!r}: {message}"
+    return f"{key}: {message}"
 
 
 def parse_config(raw: Any, *, source: str = "<config>", base: Path | None = None, text: str | None = None) -> Config:
@@ -396,10 +450,24 @@ def parse_config(raw: Any, *, source: str = "<config>", base: Path | None = None
         lines = _key_lines(yaml.compose(text)) if text else {}
         problems = []
         for error in exc.errors():
-            line = _line_of(tuple(error["loc"]), lines)
+            loc = _error_loc(error)
+            line = _line_of(loc, lines)
             where = f"line {line}, " if line else ""
-            problems.append(f"  {where}{_describe(error)}")
+            problems.append(f"  {where}{_describe(error, loc)}")
         raise ConfigError(f"{source}: invalid config:\n" + "\n".join(problems)) from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML syntax error as ``line L, column C: problem (context)``, without the quoted source
+    text (the line may hold a credential)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return str(exc)
+    mark = exc.problem_mark or exc.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    context = ""
+    if exc.context and exc.context_mark is not None:
+        context = f" ({exc.context} at line {exc.context_mark.line + 1})"
+    return f"{where}{exc.problem or exc.context or 'syntax error'}{context}"
 
 
 def load_config(path: str | os.PathLike[str] | Config) -> Config:
@@ -414,5 +482,5 @@ def load_config(path: str | os.PathLike[str] | Config) -> Config:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     return parse_config(raw, source=str(path), base=path.parent, text=text)

@@ -36,3 +36,7 @@ class ChunkIntegrityError(LakeloaderError):
 
 class StorageUnavailableError(LakeloaderError):
     """Object storage stayed unreachable past the configured retry deadline."""
+
+
+class StepRangeError(LakeloaderError, IndexError):
+    """A step outside the batches the loader has: the message names the valid range."""

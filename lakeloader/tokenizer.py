@@ -6,6 +6,10 @@ import functools
 import hashlib
 import logging
 import os
+import socket
+import sys
+import urllib.parse
+import urllib.request
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -18,6 +22,7 @@ log = logging.getLogger(__name__)
 # at pre-tokenization boundaries and the pieces' ids concatenated.
 MAX_PIECE_CHARS = 64 * 1024
 _CHECK_MARGIN = 256
+HUB_CONNECT_TIMEOUT = 5.0   # seconds to reach the Hugging Face hub before using the local cache only
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -30,12 +35,55 @@ def load_tokenizer(spec: str) -> Tokenizer:
                 f"tokenizer: cannot load {spec!r} as a tokenizers JSON file ({exc}); "
                 "point 'tokenizer' at a tokenizer.json or a Hugging Face hub name"
             ) from exc
+    return _hub_tokenizer(spec)
+
+
+def _hub_unreachable(timeout: float = HUB_CONNECT_TIMEOUT) -> str | None:
+    """Why the Hugging Face hub (``HF_ENDPOINT``, or the proxy for it) takes no connection within
+    ``timeout`` seconds, or None when it does: a quick probe instead of the hub client's
+    minutes of retries."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    proxy = urllib.request.getproxies().get(endpoint.scheme)
+    target = urllib.parse.urlsplit(proxy if "://" in (proxy or "") else f"http://{proxy}") if proxy else endpoint
+    host = target.hostname or ""
+    port = target.port or (443 if target.scheme == "https" else 80)
     try:
-        return Tokenizer.from_pretrained(spec)
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"cannot connect to {host}:{port}{' (proxy)' if proxy else ''}: {exc.strerror or exc}"
+    return None
+
+
+def _one_output_for_hub_logs() -> None:
+    """huggingface_hub prints its records with a stderr handler of its own and also passes them
+    to the root logger; where the application configured the root logger, drop the hub's own
+    handler so that each record is printed once, in the application's format."""
+    if not logging.getLogger().handlers:
+        return
+    hub = logging.getLogger("huggingface_hub")
+    for handler in list(hub.handlers):
+        if type(handler) is logging.StreamHandler and handler.stream is sys.stderr:
+            hub.removeHandler(handler)
+
+
+def _hub_tokenizer(spec: str) -> Tokenizer:
+    """``tokenizer.json`` of hub repository ``spec``: downloaded when the hub answers, else from
+    the local hub cache; a ConfigError within seconds when neither has it."""
+    from huggingface_hub import hf_hub_download
+
+    _one_output_for_hub_logs()
+    unreachable = _hub_unreachable()
+    try:
+        return Tokenizer.from_file(hf_hub_download(spec, "tokenizer.json", local_files_only=unreachable is not None))
     except Exception as exc:
+        why = f"the hub is unreachable ({unreachable}) and the local hub cache has no copy" if unreachable else str(exc)
         raise ConfigError(
             f"tokenizer: {spec!r} is not a file and could not be fetched from the Hugging Face hub "
-            f"({exc}); give a path to tokenizer.json, or a hub name while online"
+            f"({why}); give a path to tokenizer.json, or a hub name while online"
         ) from exc
 
 

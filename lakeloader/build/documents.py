@@ -59,7 +59,7 @@ class SplitSource:
     split: Split
     record_format: RecordFormat
     on_error: str             # raise | skip
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any] = dataclasses.field(repr=False)   # credentials: never in a repr
 
     @property
     def name(self) -> str:

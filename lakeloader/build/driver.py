@@ -172,15 +172,19 @@ class _Scheduler:
 
 
 def build(config: Config | str | os.PathLike[str], *, workers: int | None = None,
-          scheduler: str | None = None, progress: bool = True) -> BuildReport:
+          scheduler: str | None = None, progress: bool = True,
+          dashboard_address: str | None = None) -> BuildReport:
     """Build (or resume) the lake of ``config``.
 
     Plans every dataset (chunks of the global order stored before tokenizing anything), runs one
     Dask task per uncommitted split, commits each finished chunk with its row groups and rejects in
     one transaction, and publishes a catalog snapshot every ``build.publish_interval`` seconds and
     at the end. Committed chunks are never rebuilt; a second build of the same lake fails at once.
+    A local cluster's dashboard listens on ``dashboard_address`` if given, else ``build.dashboard``.
     """
     config = load_config(config)
+    if dashboard_address is not None:
+        config = config.model_copy(update={"build": config.build.model_copy(update={"dashboard": dashboard_address})})
     lake = Lake(config.lake, config.storage_options)
     if lake.is_local:
         os.makedirs(lake.root, exist_ok=True)
@@ -234,7 +238,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         status, error = "interrupted", "interrupted by the user"
         raise
     except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = config.redact(f"{type(exc).__name__}: {exc}")  # the builds table is shared
         raise
     finally:
         seconds = time.perf_counter() - started
@@ -314,7 +318,7 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
         (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
         for row in pending.itertuples(index=False)
     }
-    with dask_client(workers, scheduler) as client:
+    with dask_client(workers, scheduler, config.build.dashboard) as client:
         dashboard = client.dashboard_link
         threads = max(1, sum(client.nthreads().values()))
         writer.set_build_cluster(build_id, workers=len(client.nthreads()), dashboard=dashboard)

@@ -22,7 +22,7 @@ import pandas as pd
 
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.config import Config, ShuffleConfig, load_config
-from lakeloader.errors import ConfigError, LakeloaderError
+from lakeloader.errors import ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window, fill_windows
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_spec, template_for, token_id
@@ -198,13 +198,23 @@ class Loader:
                 windows[row] = window
         return windows
 
+    def check_step(self, step: int) -> None:
+        """Raise :class:`StepRangeError` naming the valid steps unless batch ``step`` exists."""
+        # A negative step in training needs no count (a stop strategy's waits for the whole lake).
+        total = self.num_batches if step >= 0 or self.mode == "eval" else None
+        if step >= 0 and (total is None or step < total):
+            return
+        if total is None:
+            valid = "steps 0 and up"
+        else:
+            valid = f"steps 0..{total - 1}" if total else "none (no batches)"
+            valid += (f"; the eval pass has {total} batches" if self.mode == "eval" else
+                      f"; training stops after {total} batches (mixture stop: {self.mixer.stop})")
+        raise StepRangeError(f"step {step} does not exist: valid are {valid}")
+
     def batch(self, step: int) -> Batch:
         """This process's rows of global batch ``step``: arrays of shape [rows, seq_len]."""
-        if step < 0:
-            raise LakeloaderError(f"step must be >= 0, got {step}")
-        total = self.num_batches
-        if total is not None and step >= total:
-            raise IndexError(f"step {step} is past the last batch ({total} batches)")
+        self.check_step(step)
         arrays = self._empty_batch()
         example_mask = np.zeros(self.rows, np.float32)
         window_rows, windows = [], []
@@ -296,6 +306,7 @@ class Loader:
         source document (file and line/row) and token range fed each of its segments."""
         from lakeloader.feed.explain import explain_windows
 
+        self.check_step(step)
         return explain_windows(self, step, self._windows(step))
 
     def close(self) -> None:
