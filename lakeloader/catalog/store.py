@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 import socket
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,7 @@ class CatalogWriter:
                 f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version"
             )
         self._run("set_schema_version", {"version": SCHEMA_VERSION})
+        self._run("init_lake_id", {"lake_id": uuid.uuid4().hex})
         self.con.execute(sql_file("views"))
 
     def close(self) -> None:
@@ -225,6 +227,11 @@ class CatalogWriter:
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
         return self._run("pending_chunks", {"datasets": list(datasets)}).df()
+
+    def committed_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Committed chunks of ``datasets`` with their task columns (those of :meth:`pending_chunks`)
+        and their recorded ``num_bytes`` and ``checksum``."""
+        return self._run("committed_chunk_tasks", {"datasets": list(datasets)}).df()
 
     def commit(self, results: Iterable[ChunkResult], sources: dict[tuple[str, int], tuple[str, int, int]],
                build_id: int) -> int:
