@@ -217,7 +217,7 @@ SELECT value FROM lake_meta WHERE key = $key;
 INSERT OR REPLACE INTO lake_meta VALUES ($key, $value);
 
 -- name: init_lake_id
--- The lake's identity: written once, when its catalog is created; every snapshot carries it.
+-- The lake's identity: written once, when its catalog is created (every snapshot carries it).
 INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 
 -- name: committed_chunk_tasks
