@@ -346,7 +346,9 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     repairs = _chunks_to_repair(lake, writer, names, config, repair)
     expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
     pending = writer.pending_chunks(names)
-    if len(repairs):
+    if len(repairs):  # their packing counts come with the rebuilt chunks, not from their files
+        unplanned = {name: rows[~rows.global_index.isin(repairs.global_index[repairs.dataset == name])]
+                     for name, rows in unplanned.items()}
         pending = pd.concat([pending, repairs[pending.columns]]).sort_values("global_index", kind="stable")
     total = writer.chunk_count(names)
     log.info("%d of %d chunks to build%s", len(pending), total,

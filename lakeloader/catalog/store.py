@@ -253,7 +253,10 @@ class CatalogWriter:
                     "part_tokens": _column_sums(r.row_group_part_tokens),
                 }).fetchone()
                 if not changed or not changed[0]:
-                    continue  # committed already (a retried task finishing twice)
+                    # Committed already (a retried task finishing twice, or a repaired chunk: same
+                    # bytes); only packing counts it may lack are added.
+                    self._insert_plan_stats(r.dataset, r.global_index, r.plans)
+                    continue
                 committed += 1
                 first_doc = first_token = 0
                 for group, (docs, tokens) in enumerate(zip(r.row_group_docs, r.row_group_tokens)):

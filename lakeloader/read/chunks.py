@@ -173,7 +173,8 @@ class ChunkFiles:
                 return parquet.read_row_groups(groups, columns=present)
             except (OSError, pa.ArrowException) as exc:
                 raise ChunkIntegrityError(
-                    f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}"
+                    f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) cannot be read: {exc}. "
+                    "Run `lakeloader verify CONFIG --repair` to rebuild the damaged chunks of the lake."
                 ) from exc
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
