@@ -71,10 +71,17 @@ def test_build_rebuilds_missing_and_truncated_chunks(local_lake: Any, dask_sched
     missing, truncated = list(files)[0], list(files)[2]
     Path(lake.path_of(missing)).unlink()
     Path(lake.path_of(truncated)).write_bytes(files[truncated][:100])
+    # A new packing plan at the same time: the others' counts come from their files, the damaged
+    # chunks' from their rebuild.
+    raw = yaml.safe_load(config.read_text())
+    raw["loader"]["packing"] = "pack"
+    packed = config.with_name("packed.yaml")
+    packed.write_text(yaml.safe_dump(raw))
     with caplog.at_level(logging.WARNING, logger="lakeloader"):
-        report = build(config, scheduler=dask_scheduler, progress=False)
+        report = build(packed, scheduler=dask_scheduler, progress=False)
     assert report.chunks_built == 2  # exactly the two damaged chunks, nothing else re-tokenized
     assert "its file is missing" in caplog.text and "its file has 100 bytes" in caplog.text
+    assert lake.sql("SELECT count(*) AS n FROM chunk_examples").n[0] == len(files)
     assert_lake_as_built(config, files, batches)
 
 
