@@ -261,3 +261,24 @@ SELECT * FROM mixture_plan($mixture_id, $first, $last);
 SELECT coalesce(sum(e.num_tokens), 0)::BIGINT, coalesce(sum(e.num_examples), 0)::BIGINT,
        count(e.global_index), (SELECT count(*) FROM chunks c WHERE c.dataset = $name)
 FROM chunk_examples e WHERE e.dataset = $name AND e.plan_key = $plan_key;
+
+-- name: lake_meta_value
+SELECT value FROM lake_meta WHERE key = $key;
+
+-- name: set_lake_meta
+INSERT OR REPLACE INTO lake_meta VALUES ($key, $value);
+
+-- name: init_lake_id
+-- The lake's identity: written once, when its catalog is created (every snapshot carries it).
+INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
+
+-- name: committed_chunk_tasks
+-- Committed chunks of the datasets with what a build task needs to rebuild them (the columns of
+-- pending_chunks) and their catalog record (size and checksum) to check the files against.
+SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
+       c.split_kind, c.split_start, c.split_stop, c.first_row,
+       s.source, s.layout, s.compression, c.num_bytes, c.checksum
+FROM chunks c
+JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
+WHERE c.status = 'committed' AND list_contains($datasets, c.dataset)
+ORDER BY c.global_index, list_position($datasets, c.dataset);

@@ -40,7 +40,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from lakeloader.build.driver import build
 
     report = build(args.config, workers=args.workers, scheduler=args.scheduler,
-                   progress=not args.no_progress, dashboard_address=args.dashboard_address)
+                   progress=not args.no_progress, recover_catalog=args.recover_catalog,
+                   dashboard_address=args.dashboard_address)
     print(
         f"built {report.chunks_built} chunks ({report.chunks_total} in the lake): {report.docs:,} docs, "
         f"{report.tokens:,} tokens, {report.rejects} rejects in {report.seconds:.1f}s "
@@ -74,7 +75,7 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from lakeloader.read.verify import verify_lake
+    from lakeloader.read.verify import repair_lake, verify_lake
 
     report = verify_lake(args.target, progress=not args.no_progress)
     bad = report[report.status != "ok"]
@@ -82,6 +83,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         _print_frame(bad, args.format)
     counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
     print(f"verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
+    if len(bad) and args.repair:
+        report = repair_lake(args.target, report, workers=args.workers, scheduler=args.scheduler,
+                             progress=not args.no_progress)
+        bad = report[report.status != "ok"]
+        if len(bad):
+            _print_frame(bad, args.format)
+        counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
+        print(f"after repair, verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
+    elif len(bad):
+        print("run `lakeloader verify CONFIG --repair` to rebuild the damaged chunks", file=sys.stderr)
     return 1 if len(bad) else 0
 
 
@@ -171,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     build = commands.add_parser(
         "build", help="build or resume the lake of a config",
         description="Plan every dataset, tokenize each split on Dask and commit the chunks to the "
-        "catalog. Re-running resumes: committed chunks are never rebuilt. The Dask dashboard "
+        "catalog. Re-running resumes: committed chunks are never re-tokenized, except those whose "
+        "file is missing or of the wrong size, which are rebuilt byte for byte. The Dask dashboard "
         "address is printed at start.")
     build.add_argument("config", metavar="CONFIG", help="YAML config file")
     build.add_argument("--workers", type=int, default=None,
@@ -183,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "127.0.0.1:0: this host only, any free port); e.g. 0.0.0.0:8787 opens it to the "
                        "network (it has no authentication)")
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
+    build.add_argument("--recover-catalog", action="store_true",
+                       help="set the lake's catalog aside (e.g. a corrupt catalog.duckdb) and restore it "
+                       "from the lake's newest published snapshot; chunks committed after it are rebuilt")
     build.set_defaults(func=_cmd_build)
 
     formats = ("table", "csv", "json")
@@ -211,10 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="check every chunk file against the catalog",
         description="Read every committed chunk file and compare its size, sha256 checksum and "
         "document count with the catalog. Lists each problem (missing, size, checksum, "
-        "unreadable, rows) and exits with status 1 if there is any.")
+        "unreadable, rows) and exits with status 1 if there is any. With --repair (needs CONFIG), "
+        "rebuilds those chunks byte for byte, verifies again and exits with status 1 only if a "
+        "problem remains. (`lakeloader build` itself repairs chunk files that are missing or of the "
+        "wrong size; only verify's checksum pass finds a damaged file of the right size.)")
     verify.add_argument("target", metavar="CONFIG|LAKE")
     verify.add_argument("--format", choices=formats, default="table")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar")
+    verify.add_argument("--repair", action="store_true",
+                        help="rebuild the chunks found damaged (a build of CONFIG), then verify again")
+    verify.add_argument("--workers", type=int, default=None,
+                        help="--repair: local Dask worker processes (default: build.workers, else the cores)")
+    verify.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                        help="--repair: use an existing Dask cluster")
     verify.set_defaults(func=_cmd_verify)
 
     batches = commands.add_parser(

@@ -160,7 +160,7 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
         wait_until(lambda: read_pointer(lake) is not None, proc, log, "the first snapshot")
         while proc.poll() is None:
             pointer = read_pointer(lake)
-            assert set(pointer) == {"version", "file", "published_at", "build_id"}
+            assert set(pointer) == {"version", "file", "published_at", "build_id", "lake_id"}
             assert pointer["file"] == f"catalog-{pointer['version']:06d}.duckdb"
             assert pointer["build_id"] == 1
             path = lake_root / "_catalog" / pointer["file"]

@@ -6,9 +6,13 @@ import dataclasses
 import glob
 import logging
 import os
+import posixpath
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import duckdb
 import pandas as pd
 from distributed import Client, Future, as_completed
 from tokenizers import Tokenizer
@@ -20,10 +24,11 @@ from lakeloader.build.cluster import dask_client
 from lakeloader.build.documents import SplitSource
 from lakeloader.build.formats import RecordFormat
 from lakeloader.catalog.sql import example_token_means
-from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
-from lakeloader.catalog.store import CatalogWriter
+from lakeloader.catalog.snapshot import (POINTER, SNAPSHOT_DIR, catalog_identity, local_snapshot,
+                                         publish_snapshot, read_pointer)
+from lakeloader.catalog.store import CatalogWriter, connect_reader
 from lakeloader.config import Config, load_config
-from lakeloader.errors import SourceError
+from lakeloader.errors import CatalogError, ChunkIntegrityError, SourceError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_specs
@@ -77,14 +82,137 @@ class _Totals:
         self.retries += result.retries
 
 
-def _adopt_published_catalog(lake: Lake) -> None:
-    """A remote lake's build on a new host resumes from the lake's published snapshot."""
+RECOVER_HINT = ("run `lakeloader build CONFIG --recover-catalog` to restore it from the lake's newest "
+                "published snapshot (chunks committed after that snapshot are rebuilt)")
+
+
+def _catalog_identity_of(path: str) -> tuple[str | None, int]:
+    """Lake id and published version of the catalog file at ``path`` (opened read-only)."""
+    con = connect_reader(path)  # a build holding it raises CatalogLockedError: let it through
+    try:
+        return catalog_identity(con)
+    finally:
+        con.close()
+
+
+def _set_aside(lake: Lake, path: str, why: str) -> None:
+    """Remove the writer catalog at ``path`` (and its WAL): a local lake's is moved aside, never
+    deleted; a remote lake's is only this host's cache and is deleted."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for file in (path, f"{path}.wal"):
+        if not os.path.exists(file):
+            continue
+        if lake.is_local:
+            os.replace(file, f"{file}.{why}-{stamp}")
+            log.warning("moved %s aside to %s", file, f"{file}.{why}-{stamp}")
+        else:
+            os.remove(file)
+
+
+def _adopt(lake: Lake, pointer: dict[str, Any], why: str) -> None:
+    path = lake.writer_catalog_path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.adopt-{os.getpid()}"
+    shutil.copyfile(local_snapshot(lake, pointer), temporary)
+    os.replace(temporary, path)
+    log.warning("%s: adopting the lake's published catalog (snapshot version %d of lake %s) as the "
+                "writer catalog %s", why, pointer["version"], pointer.get("lake_id"), path)
+
+
+def _prepare_writer_catalog(lake: Lake, recover: bool) -> None:
+    """Make the writer catalog the lake's own before a build opens it.
+
+    A local catalog is used only if it belongs to this lake (same lake id as the published
+    snapshot) and is not older than the lake's newest snapshot; otherwise the snapshot is
+    adopted, or (a remote lake with nothing published: an empty lake) the build starts fresh.
+    ``recover`` sets a local catalog aside and adopts the newest snapshot whatever it holds.
+    """
+    path = lake.writer_catalog_path
     pointer = read_pointer(lake)
-    if lake.is_local or os.path.exists(lake.writer_catalog_path) or pointer is None:
+    if recover:
+        if pointer is None:
+            raise CatalogError(
+                f"--recover-catalog: lake {lake.url} has no published catalog snapshot ({POINTER}) to "
+                "recover from; delete the lake and build it again")
+        _set_aside(lake, path, "damaged")
+        _adopt(lake, pointer, "--recover-catalog")
         return
-    os.makedirs(os.path.dirname(lake.writer_catalog_path), exist_ok=True)
-    shutil.copyfile(local_snapshot(lake, pointer["file"]), lake.writer_catalog_path)
-    log.info("resuming from the lake's published catalog (version %d)", pointer["version"])
+    if not os.path.exists(path):
+        if pointer is not None:
+            _adopt(lake, pointer, f"no writer catalog at {path}")
+        else:
+            log.info("lake %s has no catalog yet: starting a new lake", lake.url)
+        return
+    try:
+        lake_id, version = _catalog_identity_of(path)
+    except duckdb.Error as exc:
+        raise CatalogError(f"the catalog {path} of lake {lake.url} cannot be opened ({type(exc).__name__}: "
+                           f"{exc}); {RECOVER_HINT}") from exc
+    if pointer is None:
+        if lake.is_local:
+            return  # the catalog lives in the lake itself: it is the lake's
+        log.warning("the local catalog %s (lake %s) is for a lake with published snapshots, but %s has "
+                    "none: the lake is empty, starting a fresh one", path, lake_id, lake.url)
+        _set_aside(lake, path, "stale")
+        return
+    published_id = pointer.get("lake_id")
+    if lake_id is None and published_id is None:
+        return  # a lake from before lake ids: nothing to compare
+    if lake_id != published_id:
+        why = f"the local catalog {path} belongs to lake {lake_id}, {lake.url} is lake {published_id}"
+    elif version < int(pointer["version"]):
+        why = (f"the local catalog {path} is as of snapshot version {version}, older than the lake's "
+               f"newest snapshot {pointer['version']}")
+    else:
+        log.info("using the writer catalog %s (lake %s, snapshot version %d)", path, lake_id, version)
+        return
+    _set_aside(lake, path, "replaced")
+    _adopt(lake, pointer, why)
+
+
+def _chunk_file_sizes(lake: Lake, folder: str, config: Config) -> dict[str, int]:
+    """Lake-relative path -> size of every file in chunk folder ``folder`` (one listing)."""
+    full = lake.path_of(folder)
+
+    def listing() -> list[dict[str, Any]]:
+        lake.fs.invalidate_cache(full)
+        try:
+            return lake.fs.ls(full, detail=True)
+        except FileNotFoundError:
+            return []
+
+    entries = with_retries(listing, what=f"listing the chunk folder {lake.url_of(folder)}",
+                           deadline=config.io_retry_deadline)
+    return {f"{folder}/{posixpath.basename(entry['name'].rstrip('/'))}": int(entry["size"])
+            for entry in entries if entry.get("type") == "file"}
+
+
+def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], config: Config,
+                      requested: Collection[tuple[str, int]]) -> pd.DataFrame:
+    """Committed chunks whose file is missing or not the size the catalog records (found by
+    listing each chunk folder, not by reading the files), plus those in ``requested``."""
+    committed = writer.committed_chunks(names)
+    if committed.empty:
+        return committed
+    sizes: dict[str, int] = {}
+    for folder in writer.chunk_folders(names):
+        sizes.update(_chunk_file_sizes(lake, folder, config))
+    wanted = set(requested)
+    rows = []
+    for row in committed.itertuples(index=False):
+        size = sizes.get(row.path)
+        if size is None:
+            problem = "its file is missing"
+        elif size != row.num_bytes:
+            problem = f"its file has {size} bytes, the catalog says {row.num_bytes}"
+        elif (row.dataset, int(row.global_index)) in wanted:
+            problem = "verify found it damaged"
+        else:
+            continue
+        log.warning("chunk %d of dataset %r (%s): %s; rebuilding it", row.global_index, row.dataset,
+                    lake.url_of(row.path), problem)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=committed.columns)
 
 
 def _publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config) -> None:
@@ -172,14 +300,18 @@ class _Scheduler:
 
 
 def build(config: Config | str | os.PathLike[str], *, workers: int | None = None,
-          scheduler: str | None = None, progress: bool = True,
-          dashboard_address: str | None = None) -> BuildReport:
+          scheduler: str | None = None, progress: bool = True, recover_catalog: bool = False,
+          repair: Collection[tuple[str, int]] = (), dashboard_address: str | None = None) -> BuildReport:
     """Build (or resume) the lake of ``config``.
 
     Plans every dataset (chunks of the global order stored before tokenizing anything), runs one
     Dask task per uncommitted split, commits each finished chunk with its row groups and rejects in
     one transaction, and publishes a catalog snapshot every ``build.publish_interval`` seconds and
-    at the end. Committed chunks are never rebuilt; a second build of the same lake fails at once.
+    at the end. Committed chunks are never re-tokenized unless their file is missing or not the
+    size the catalog records, or they are in ``repair`` (``(dataset, global_index)`` pairs, e.g.
+    what ``verify`` found corrupt): those are rebuilt byte for byte. A second build of the same
+    lake fails at once. The writer catalog is the lake's own (see :func:`_prepare_writer_catalog`);
+    ``recover_catalog`` replaces it with the lake's newest published snapshot.
     A local cluster's dashboard listens on ``dashboard_address`` if given, else ``build.dashboard``.
     """
     config = load_config(config)
@@ -188,13 +320,13 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
     lake = Lake(config.lake, config.storage_options)
     if lake.is_local:
         os.makedirs(lake.root, exist_ok=True)
-    _adopt_published_catalog(lake)
+    _prepare_writer_catalog(lake, recover_catalog)
     with CatalogWriter(lake.writer_catalog_path) as writer:
-        return _build_locked(config, lake, writer, workers, scheduler, progress)
+        return _build_locked(config, lake, writer, workers, scheduler, progress, repair)
 
 
 def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: int | None,
-                  scheduler: str | None, progress: bool) -> BuildReport:
+                  scheduler: str | None, progress: bool, repair: Collection[tuple[str, int]]) -> BuildReport:
     tokenizer = load_tokenizer(config.tokenizer)
     fingerprint = tokenizer_fingerprint(tokenizer)
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
@@ -215,9 +347,16 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     packing = _register_packing(config, writer, tokenizer)
     unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()}
     _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
+    repairs = _chunks_to_repair(lake, writer, names, config, repair)
+    expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
     pending = writer.pending_chunks(names)
+    if len(repairs):  # their packing counts come with the rebuilt chunks, not from their files
+        unplanned = {name: rows[~rows.global_index.isin(repairs.global_index[repairs.dataset == name])]
+                     for name, rows in unplanned.items()}
+        pending = pd.concat([pending, repairs[pending.columns]]).sort_values("global_index", kind="stable")
     total = writer.chunk_count(names)
-    log.info("%d of %d chunks to build", len(pending), total)
+    log.info("%d of %d chunks to build%s", len(pending), total,
+             f" ({len(repairs)} committed ones to repair)" if len(repairs) else "")
     worker_count = workers or config.build.workers
     started = time.perf_counter()
     totals = _Totals()
@@ -231,7 +370,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         if len(pending) or any(len(rows) for rows in unplanned.values()):
             dashboard = _run_tasks(config, lake, writer, pending, build_id, totals,
                                    lake.url_of(tokenizer_path), worker_count, scheduler, progress,
-                                   packing, unplanned)
+                                   packing, unplanned, expected)
         _check_documents(writer, names)
         status = "succeeded"
     except KeyboardInterrupt:
@@ -280,6 +419,18 @@ def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
         )
 
 
+def _check_repair(lake: Lake, result: ChunkResult, repairs: dict[tuple[str, int], str]) -> None:
+    """A repaired chunk must be the very file its catalog record describes."""
+    expected = repairs.get((result.dataset, result.global_index))
+    if expected is None or expected == result.checksum:
+        return
+    raise ChunkIntegrityError(
+        f"chunk {result.global_index} of dataset {result.dataset!r} was rebuilt, but the new file has "
+        f"sha256 {result.checksum[:16]}…, the catalog says {expected[:16]}…: its source changed since "
+        "it was planned, or this lakeloader/pyarrow writes different bytes. Readers will reject it; "
+        "build the dataset into a new lake.")
+
+
 def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:
     new = writer.register_mixture(mixer)
     log.info("mixture %s%s", mixer.mixture_id, " registered" if new else " (registered already)")
@@ -313,7 +464,7 @@ def _plan_committed(client: Client, config: Config, lake: Lake, writer: CatalogW
 def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.DataFrame,
                build_id: int, totals: _Totals, tokenizer_url: str, workers: int | None,
                scheduler: str | None, progress: bool, packing: dict[str, PackingSpec],
-               unplanned: dict[str, pd.DataFrame]) -> str:
+               unplanned: dict[str, pd.DataFrame], repairs: dict[tuple[str, int], str]) -> str:
     sources = {
         (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
         for row in pending.itertuples(index=False)
@@ -334,6 +485,8 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
             for batch in run.finished():
                 failed = [future for future in batch if future.status == "error"]
                 results: list[ChunkResult] = [future.result() for future in batch if future not in failed]
+                for result in results:
+                    _check_repair(lake, result, repairs)
                 writer.commit(results, sources, build_id)  # keep what finished beside a failure
                 if failed:
                     failed[0].result()  # raises the task's own error

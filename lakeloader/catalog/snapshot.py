@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from lakeloader.catalog.sql import query
 from lakeloader.storage import write_atomically
 from lakeloader.errors import CatalogError
 
@@ -51,11 +52,27 @@ def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str) -> None:
         con.execute("DETACH published_snapshot")
 
 
+def catalog_identity(con: duckdb.DuckDBPyConnection) -> tuple[str | None, int]:
+    """The lake id a catalog belongs to (None for catalogs from before lake ids) and the newest
+    snapshot version it was published as (0 if never)."""
+    def value(key: str) -> str | None:
+        row = con.execute(query("lake_meta_value"), {"key": key}).fetchone()
+        return row[0] if row else None
+
+    return value("lake_id"), int(value("published_version") or 0)
+
+
 def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int | None) -> int:
-    """Publish a copy of the writer's catalog as the lake's next snapshot version."""
+    """Publish a copy of the writer's catalog as the lake's next snapshot version.
+
+    The copy records its own version, and the pointer the lake id, so that a build can tell
+    whether a local catalog belongs to this lake and is as new as its newest snapshot.
+    """
     pointer = read_pointer(lake)
     version = (pointer["version"] + 1) if pointer else 1
     name = f"catalog-{version:06d}.duckdb"
+    con.execute(query("set_lake_meta"), {"key": "published_version", "value": str(version)})
+    lake_id, _ = catalog_identity(con)
     target = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
     staged = target if lake.is_local else os.path.join(lake.cache_dir, "publish", name)
     os.makedirs(os.path.dirname(staged), exist_ok=True)
@@ -70,7 +87,8 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int |
             lake.fs.put_file(temporary, target)
         finally:
             os.remove(temporary)
-    payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id}
+    payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id,
+               "lake_id": lake_id}
     write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
     for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
         stale = lake.path_of(f"{SNAPSHOT_DIR}/catalog-{old:06d}.duckdb")
@@ -94,21 +112,26 @@ def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
                 "`lakeloader build` on it first; readers can start once its first snapshot is published"
             )
         try:
-            return duckdb.connect(local_snapshot(lake, pointer["file"]), read_only=True), int(pointer["version"])
+            return duckdb.connect(local_snapshot(lake, pointer), read_only=True), int(pointer["version"])
         except (FileNotFoundError, duckdb.Error) as exc:
             if attempt == 2:
                 raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
     raise AssertionError("unreachable")
 
 
-def local_snapshot(lake: Lake, name: str) -> str:
-    """Local path of published snapshot ``name`` (downloaded into the cache for remote lakes)."""
+def local_snapshot(lake: Lake, pointer: dict[str, Any]) -> str:
+    """Local path of the snapshot ``pointer`` names (downloaded into the cache for remote lakes).
+
+    Cached copies are kept per lake id: a lake re-created at the same URL numbers its snapshots
+    from 1 again, and must never be read through the old lake's copies.
+    """
+    name = pointer["file"]
     remote = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
     if lake.is_local:
         if not os.path.exists(remote):
             raise FileNotFoundError(remote)
         return remote
-    local = os.path.join(lake.cache_dir, "snapshots", name)
+    local = os.path.join(lake.cache_dir, "snapshots", pointer.get("lake_id") or "no-lake-id", name)
     if not os.path.exists(local):
         os.makedirs(os.path.dirname(local), exist_ok=True)
         # Unique per call: threads of one process may fetch the same snapshot at once.

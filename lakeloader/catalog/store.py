@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import socket
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,7 @@ class CatalogWriter:
                 f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version"
             )
         self._run("set_schema_version", {"version": SCHEMA_VERSION})
+        self._run("init_lake_id", {"lake_id": uuid.uuid4().hex})
         self.con.execute(sql_file("views"))
 
     def close(self) -> None:
@@ -244,6 +246,11 @@ class CatalogWriter:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
         return self._run("pending_chunks", {"datasets": list(datasets)}).df()
 
+    def committed_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Committed chunks of ``datasets`` with their task columns (those of :meth:`pending_chunks`)
+        and their recorded ``num_bytes`` and ``checksum``."""
+        return self._run("committed_chunk_tasks", {"datasets": list(datasets)}).df()
+
     def commit(self, results: Iterable[ChunkResult], sources: dict[tuple[str, int], tuple[str, int, int]],
                build_id: int) -> int:
         """Commit finished chunks with their row groups and rejects in one transaction.
@@ -264,7 +271,10 @@ class CatalogWriter:
                     "part_tokens": _column_sums(r.row_group_part_tokens),
                 }).fetchone()
                 if not changed or not changed[0]:
-                    continue  # committed already (a retried task finishing twice)
+                    # Committed already (a retried task finishing twice, or a repaired chunk: same
+                    # bytes); only packing counts it may lack are added.
+                    self._insert_plan_stats(r.dataset, r.global_index, r.plans)
+                    continue
                 committed += 1
                 first_doc = first_token = 0
                 for group, (docs, tokens) in enumerate(zip(r.row_group_docs, r.row_group_tokens)):

@@ -131,7 +131,9 @@ class ChunkFiles:
         except FileNotFoundError:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} is missing: {self.lake.url_of(path)}. "
-                "The lake is damaged; rebuild it (delete the lake folder and run lakeloader build)."
+                "The lake is damaged: run `lakeloader build CONFIG` to rebuild the chunk files that are "
+                "missing or of the wrong size (`lakeloader verify CONFIG --repair` checks every chunk "
+                "and rebuilds the damaged ones)."
             ) from None
 
     def _check(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
@@ -151,7 +153,8 @@ class ChunkFiles:
         if problem:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) is corrupt: it "
-                f"{problem}. Never read as data: restore the file or rebuild the lake."
+                f"{problem}. Never read as data: run `lakeloader verify CONFIG --repair` to rebuild the "
+                "damaged chunks of the lake."
             )
         with self._lock:
             self._verified.add(path)
