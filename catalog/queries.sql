@@ -20,13 +20,15 @@ INSERT INTO dataset_plans VALUES (
 -- name: set_on_error
 UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
 
--- name: pending_chunks
+-- name: chunk_tasks
+-- Chunks of the datasets, committed or not ($committed), with what a build task needs to (re)build
+-- them and their catalog record (size and checksum, null until committed) to check files against.
 SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
        c.split_kind, c.split_start, c.split_stop, c.first_row,
-       s.source, s.layout, s.compression, s.source_raw
+       s.source, s.layout, s.compression, s.source_raw, c.num_bytes, c.checksum
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
-WHERE c.status <> 'committed' AND list_contains($datasets, c.dataset)
+WHERE (c.status = 'committed') = $committed AND list_contains($datasets, c.dataset)
 ORDER BY c.global_index, list_position($datasets, c.dataset);
 
 -- name: commit_chunk
@@ -272,13 +274,3 @@ INSERT OR REPLACE INTO lake_meta VALUES ($key, $value);
 -- The lake's identity: written once, when its catalog is created (every snapshot carries it).
 INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 
--- name: committed_chunk_tasks
--- Committed chunks of the datasets with what a build task needs to rebuild them (the columns of
--- pending_chunks) and their catalog record (size and checksum) to check the files against.
-SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
-       c.split_kind, c.split_start, c.split_stop, c.first_row,
-       s.source, s.layout, s.compression, c.num_bytes, c.checksum
-FROM chunks c
-JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
-WHERE c.status = 'committed' AND list_contains($datasets, c.dataset)
-ORDER BY c.global_index, list_position($datasets, c.dataset);

@@ -244,12 +244,12 @@ class CatalogWriter:
 
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
-        return self._run("pending_chunks", {"datasets": list(datasets)}).df()
+        return self._run("chunk_tasks", {"datasets": list(datasets), "committed": False}).df()
 
     def committed_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Committed chunks of ``datasets`` with their task columns (those of :meth:`pending_chunks`)
         and their recorded ``num_bytes`` and ``checksum``."""
-        return self._run("committed_chunk_tasks", {"datasets": list(datasets)}).df()
+        return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True}).df()
 
     def commit(self, results: Iterable[ChunkResult], sources: dict[tuple[str, int], tuple[str, int, int]],
                build_id: int) -> int:
