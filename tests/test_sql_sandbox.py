@@ -165,6 +165,9 @@ def test_reader_connections_reach_nothing_but_the_catalog(shared: dict[str, Path
             with pytest.raises(error):
                 con.execute(statement).fetchall()
         assert con.execute("SELECT count(*) FROM committed_prefix").fetchone()[0] == 2
+        # The catalog file is attached as `lake`; its tables are also reachable under that name.
+        assert con.execute("SELECT count(*) FROM lake.chunks").fetchone() == con.execute(
+            "SELECT count(*) FROM chunks").fetchone()
     finally:
         con.close()
     assert tree_state(shared["lake"].parent) == before
@@ -186,7 +189,6 @@ def test_analyst_queries_still_work(shared: dict[str, Path], capsys: pytest.Capt
     assert shares.share.sum() == pytest.approx(1.0)
     assert "num_tokens" in lake.sql("DESCRIBE chunks").column_name.tolist()
     assert len(lake.sql("EXPLAIN SELECT * FROM committed_prefix")) == 1
-    assert lake.sql("FROM lake.chunks SELECT count(*) AS n").n[0] == datasets.num_chunks.sum()
     assert main(["sql", str(shared["config"]), "SELECT dataset, count(*) AS n FROM chunks GROUP BY ALL "
                  "ORDER BY dataset", "--format", "csv"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "dataset,n"
