@@ -86,6 +86,7 @@ def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
 
     The connection is ``connect_reader``'s: it runs no SQL stored in the snapshot and reaches
     nothing outside it, whoever wrote the lake.
+
     Remote lakes' snapshots are copied into the local cache first (DuckDB opens local files).
     A snapshot pruned between reading the pointer and opening it is retried once.
     """
