@@ -38,14 +38,6 @@ def built(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path
     return config
 
 
-def copy_lake(built: Path, tmp: Path) -> Path:
-    """A copy of the built lake with its own config (same datasets) in ``tmp``; returns the config."""
-    shutil.copytree(built.parent / "lake", tmp / "lake")
-    config = tmp / "config.yaml"
-    config.write_text(built.read_text().replace(str(built.parent / "lake"), str(tmp / "lake")))
-    return config
-
-
 def tree_state(root: Path) -> dict[str, str]:
     """Every file and folder under ``root`` with the sha256 of each file."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
@@ -53,9 +45,12 @@ def tree_state(root: Path) -> dict[str, str]:
 
 
 def lake_copy(built: Path, tmp_path: Path) -> dict[str, Path]:
-    """A copy of the lake, a colleague's file outside it, and the paths the attacks aim at."""
-    config = copy_lake(built, tmp_path)
+    """A copy of the built lake with its own config (same datasets) in ``tmp_path``, a colleague's
+    file outside it, and the paths the attacks aim at."""
     lake = tmp_path / "lake"
+    shutil.copytree(built.parent / "lake", lake)
+    config = tmp_path / "config.yaml"
+    config.write_text(built.read_text().replace(str(built.parent / "lake"), str(lake)))
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "secret.txt").write_text(SECRET)
     return {
