@@ -104,6 +104,30 @@ SELECT build_id, status, started_at, ended_at, workers, chunks_built, docs, toke
        rejects, retries, error
 FROM builds ORDER BY build_id DESC LIMIT 5;
 
+-- name: attach_catalog
+-- Every reader's connection is an in-memory database that attaches the catalog file read-only as
+-- `lake` and reaches its tables through views (reader_table), with the views and macros of
+-- views.sql defined from the wheel: no SQL stored in the file runs.
+ATTACH $path AS lake (READ_ONLY);
+
+-- name: attached_objects
+-- Tables and views of the attached catalog file (a view where schema.sql has a table means the
+-- file was altered).
+SELECT table_name AS name, 'table' AS kind FROM duckdb_tables()
+WHERE database_name = 'lake' AND schema_name = 'main'
+UNION ALL
+SELECT view_name, 'view' FROM duckdb_views()
+WHERE database_name = 'lake' AND schema_name = 'main' AND NOT internal;
+
+-- name: reader_table
+-- One table of the attached catalog as a view of the reader's database ({table}: a table of schema.sql).
+CREATE VIEW {table} AS FROM lake.main.{table};
+
+-- name: lock_reader
+-- Then no file, network or extension is reachable, and no statement can change that.
+SET enable_external_access = false;
+SET lock_configuration = true;
+
 -- name: reader_dataset
 SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks
 FROM dataset_plans d JOIN committed_prefix p ON p.dataset = d.name

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from lakeloader.catalog.sql import ALLOWED_SQL
 from lakeloader.errors import LakeloaderError
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sql = commands.add_parser(
         "sql", help="run SQL against the catalog",
-        description="Run one SQL statement against the lake's DuckDB catalog (read-only). Tables: "
+        description="Query the lake's DuckDB catalog. Allowed: " + ALLOWED_SQL + " Tables: "
         "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
         "mixture_nodes, packing_plans, chunk_examples; views: committed_prefix, chunk_offsets, packing; "
         "table macros: mixture_plan(id, "

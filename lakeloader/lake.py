@@ -14,7 +14,7 @@ import pandas as pd
 from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
-from lakeloader.catalog.sql import query
+from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
 from lakeloader.config import Config, load_config
 from lakeloader.errors import CatalogError, CatalogLockedError
 from lakeloader.storage import is_local
@@ -55,15 +55,19 @@ class Lake:
             return self.path_of(WRITER_CATALOG)
         return os.path.join(self.cache_dir, WRITER_CATALOG)
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
+    def connect(self, *, sandboxed: bool = False) -> duckdb.DuckDBPyConnection:
         """A read-only catalog connection: a local lake's catalog file when no build holds it,
-        else the newest published snapshot."""
+        else the newest published snapshot, opened by ``connect_reader`` (no SQL stored in the
+        file runs; no other file, network or extension is reachable). In the process of a running
+        build it is that build's live connection, unless ``sandboxed``: then its published snapshot."""
         from lakeloader.catalog.snapshot import open_snapshot
         from lakeloader.catalog.store import active_writer, connect_reader
 
         path = self.writer_catalog_path
         writer = active_writer(path)
         if writer is not None:
+            if sandboxed:  # the writer's connection can write and reach files
+                return open_snapshot(self)[0]
             return writer.cursor()  # a build runs in this process: read its live catalog
         if self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
             try:
@@ -85,10 +89,15 @@ class Lake:
         return Tokenizer.from_str(self.fs.cat_file(self.path_of(path[0])).decode())
 
     def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
-        """Run one SQL statement against the catalog and return the result as a DataFrame."""
-        con = self.connect()
+        """Run one read-only query (``ALLOWED_SQL``) against the catalog and return the result as
+        a DataFrame. Anything else (writes, other files, network, extensions, settings) is refused
+        with ``CatalogError`` and changes nothing."""
+        check_read_only(statement)
+        con = self.connect(sandboxed=True)
         try:
             return con.execute(statement, params).df() if params else con.execute(statement).df()
+        except (duckdb.PermissionException, duckdb.InvalidInputException) as exc:
+            raise CatalogError(f"SQL error: {exc}\nlakeloader sql runs {ALLOWED_SQL}") from exc
         except duckdb.Error as exc:
             raise CatalogError(f"SQL error: {exc}") from exc
         finally:

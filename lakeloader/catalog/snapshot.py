@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from lakeloader.catalog.sql import query
+from lakeloader.catalog.store import connect_reader
 from lakeloader.storage import write_atomically
 from lakeloader.errors import CatalogError
 
@@ -101,6 +102,9 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int |
 def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
     """A read-only connection to the lake's newest published catalog, and its version.
 
+    The connection is ``connect_reader``'s: it runs no SQL stored in the snapshot and reaches
+    nothing outside it, whoever wrote the lake.
+
     Remote lakes' snapshots are copied into the local cache first (DuckDB opens local files).
     A snapshot pruned between reading the pointer and opening it is retried once.
     """
@@ -112,8 +116,8 @@ def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
                 "`lakeloader build` on it first; readers can start once its first snapshot is published"
             )
         try:
-            return duckdb.connect(local_snapshot(lake, pointer), read_only=True), int(pointer["version"])
-        except (FileNotFoundError, duckdb.Error) as exc:
+            return connect_reader(local_snapshot(lake, pointer)), int(pointer["version"])
+        except (FileNotFoundError, duckdb.Error, CatalogError) as exc:
             if attempt == 2:
                 raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
     raise AssertionError("unreachable")

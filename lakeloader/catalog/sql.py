@@ -8,9 +8,21 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from lakeloader.errors import LakeloaderError
+import duckdb
+
+from lakeloader.errors import CatalogError, LakeloaderError
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_EXPLAIN = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^()]*\)\s*)?", re.IGNORECASE)
+
+# What `lakeloader sql` and Lake.sql accept (also their help text).
+ALLOWED_SQL = (
+    "one read-only query: SELECT (or WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE) or EXPLAIN of "
+    "one, over the catalog's tables, views and table macros. Nothing can be written (no CREATE, "
+    "INSERT, UPDATE, DELETE, DROP, COPY, ATTACH, SET, ...) and nothing outside the catalog can be "
+    "reached: no other file (read_text, read_parquet, glob, ...), no network, no extension "
+    "(INSTALL, LOAD)."
+)
 
 
 def sql_file(name: str) -> str:
@@ -49,3 +61,30 @@ def example_token_means(con: Any, plans: Mapping[str, str | None], seq_len: int)
                 f"packing ({counted} of {planned} chunks counted): let its build finish, or use unit: examples")
         means[name] = tokens / examples
     return means
+
+
+def check_read_only(statement: str) -> None:
+    """Raise ``CatalogError`` unless ``statement`` is one read-only query (``ALLOWED_SQL``).
+
+    Only the statement's kind is checked here; the connection (``connect_reader``) is what keeps
+    files, the network and extensions out of reach."""
+    try:
+        parsed = duckdb.extract_statements(statement)
+    except duckdb.Error as exc:
+        raise CatalogError(f"SQL error: {exc}") from exc
+    if len(parsed) != 1:
+        raise CatalogError(f"got {len(parsed)} SQL statements; lakeloader sql runs {ALLOWED_SQL}")
+    kind = parsed[0].type
+    if kind == duckdb.StatementType.EXPLAIN:
+        explained = _EXPLAIN.sub("", parsed[0].query, count=1)
+        try:
+            inner = duckdb.extract_statements(explained) if explained != parsed[0].query else []
+        except duckdb.Error:
+            inner = []
+        if [s.type for s in inner] == [duckdb.StatementType.SELECT]:
+            return
+    elif kind == duckdb.StatementType.SELECT:
+        return
+    shown = " ".join(statement.split())
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise CatalogError(f"refused {shown!r} (a {kind.name} statement): lakeloader sql runs {ALLOWED_SQL}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -29,6 +30,16 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
 _ACTIVE_WRITERS: dict[str, duckdb.DuckDBPyConnection] = {}
+_TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
+# Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
+# secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
+_READER_CONFIG = {
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+    "allow_persistent_secrets": False,
+    "temp_directory": "",
+}
 
 
 def active_writer(path: str) -> duckdb.DuckDBPyConnection | None:
@@ -46,16 +57,48 @@ def _locked_error(path: str, exc: duckdb.Error) -> CatalogLockedError:
     )
 
 
+@functools.cache
+def catalog_tables() -> tuple[str, ...]:
+    """Names of the tables of catalog/schema.sql."""
+    return tuple(_TABLE.findall(sql_file("schema")))
+
+
 def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
-    """A read-only connection to a catalog file."""
+    """A read-only connection to a catalog file that runs no SQL stored in the file and can
+    reach no other file, network or extension.
+
+    An in-memory database attaches the file read-only and reaches its tables through views; the
+    views and macros of catalog/views.sql are defined from the wheel (those stored in the file are
+    never used). Then external access is turned off and the configuration locked, so no statement
+    on the connection or its cursors can read or write a file, ATTACH, load an extension or turn
+    any of that back on.
+    """
     if not os.path.exists(path):
         raise CatalogError(f"no catalog at {path}: build the lake first (lakeloader build CONFIG)")
+    con = duckdb.connect(":memory:", config=_READER_CONFIG)
     try:
-        return duckdb.connect(path, read_only=True)
-    except duckdb.IOException as exc:
-        if "lock" in str(exc).lower():
-            raise _locked_error(path, exc) from exc
+        try:
+            con.execute(query("attach_catalog"), {"path": path})
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise _locked_error(path, exc) from exc
+            raise
+        objects = dict(con.execute(query("attached_objects")).fetchall())
+        altered = sorted(name for name in catalog_tables() if objects.get(name) == "view")
+        if altered:
+            raise CatalogError(
+                f"catalog {path} is not as lakeloader writes it: {', '.join(altered)} should be "
+                "tables but are views. It was altered by hand or by other software; rebuild the "
+                "catalog (lakeloader build CONFIG into a new lake) or restore it from a trusted copy"
+            )
+        present = [name for name in catalog_tables() if objects.get(name) == "table"]
+        con.execute("".join(query("reader_table").format(table=name) for name in present))
+        con.execute(sql_file("views"))
+        con.execute(query("lock_reader"))
+    except BaseException:
+        con.close()
         raise
+    return con
 
 
 def _column_sums(rows: list[list[int]]) -> list[int]:
