@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from lakeloader.errors import LakeloaderError
+from lakeloader.storage import write_failure
 
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
@@ -22,6 +24,10 @@ catalogued in DuckDB) and streams deterministic training batches from it.
 
 CONFIG is a YAML file (see configs/demo.yaml); relative paths in it are relative to
 the file's folder. LAKE is a lake folder or URL (s3://bucket/prefix)."""
+
+
+# OS errors of a full, read-only or forbidden disk: a clear message, never a traceback.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
@@ -255,6 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except LakeloaderError as exc:
         print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS:
+            raise
+        # A write the library could not attribute (its own writes name their file and chunk).
+        print(f"lakeloader {args.command}: error: {write_failure('writing', exc.filename or '?', exc)}",
+              file=sys.stderr)
         return 2
 
 

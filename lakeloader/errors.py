@@ -36,3 +36,8 @@ class ChunkIntegrityError(LakeloaderError):
 
 class StorageUnavailableError(LakeloaderError):
     """Object storage stayed unreachable past the configured retry deadline."""
+
+
+class LakeWriteError(LakeloaderError):
+    """Writing into the lake or its catalog failed (disk full, read-only, no permission); the
+    message names the file and what to do. Raised inside Dask tasks: the message is its only argument."""

@@ -29,7 +29,8 @@ from lakeloader.index.templates import packing_specs
 from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.splits import Split
-from lakeloader.storage import with_retries, write_atomically
+from lakeloader.errors import LakeWriteError
+from lakeloader.storage import with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -77,17 +78,22 @@ class _Totals:
 
 def _adopt_published_catalog(lake: Lake) -> None:
     """A remote lake's build on a new host resumes from the lake's published snapshot."""
-    pointer = read_pointer(lake)
-    if lake.is_local or os.path.exists(lake.writer_catalog_path) or pointer is None:
+    if lake.is_local or os.path.exists(lake.writer_catalog_path):
         return
+    pointer = with_retries(lambda: read_pointer(lake), what=f"reading the published catalog of {lake.describe()}",
+                           deadline=lake.io_retry_deadline)
+    if pointer is None:
+        return
+    snapshot = with_retries(lambda: local_snapshot(lake, pointer["file"]), deadline=lake.io_retry_deadline,
+                            what=f"reading the published catalog of {lake.describe()}")
     os.makedirs(os.path.dirname(lake.writer_catalog_path), exist_ok=True)
-    shutil.copyfile(local_snapshot(lake, pointer["file"]), lake.writer_catalog_path)
+    shutil.copyfile(snapshot, lake.writer_catalog_path)
     log.info("resuming from the lake's published catalog (version %d)", pointer["version"])
 
 
 def _publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config) -> None:
     with_retries(lambda: publish_snapshot(writer.con, lake, build_id),
-                 what=f"publishing the catalog snapshot of {lake.url}", deadline=config.io_retry_deadline)
+                 what=f"publishing the catalog snapshot of {lake.describe()}", deadline=config.io_retry_deadline)
 
 
 def _remove_partial_files(lake: Lake, folders: list[str]) -> None:
@@ -179,12 +185,35 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
     at the end. Committed chunks are never rebuilt; a second build of the same lake fails at once.
     """
     config = load_config(config)
-    lake = Lake(config.lake, config.storage_options)
-    if lake.is_local:
-        os.makedirs(lake.root, exist_ok=True)
-    _adopt_published_catalog(lake)
-    with CatalogWriter(lake.writer_catalog_path) as writer:
+    lake = Lake(config.lake, config.storage_options, config.io_retry_deadline)
+    created = _make_lake_folder(lake)
+    try:
+        _adopt_published_catalog(lake)
+        writer = CatalogWriter(lake.writer_catalog_path)
+    except BaseException:
+        if created is not None:  # a build that cannot start leaves no empty lake behind
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    with writer:
         return _build_locked(config, lake, writer, workers, scheduler, progress)
+
+
+def _make_lake_folder(lake: Lake) -> str | None:
+    """Create a local lake's folder; returns the topmost folder this created (None if none)."""
+    if not lake.is_local:
+        return None
+    top = None
+    folder = os.path.abspath(lake.root)
+    while not os.path.lexists(folder):
+        top, folder = folder, os.path.dirname(folder)
+    try:
+        os.makedirs(lake.root, exist_ok=True)
+    except OSError as exc:
+        failure = write_failure("the lake folder (config key `lake`)", lake.root, exc)
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            failure = LakeWriteError(f"{failure} ({folder} is a file, not a folder)")
+        raise failure from exc
+    return top
 
 
 def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: int | None,
@@ -235,19 +264,20 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         raise
     finally:
         seconds = time.perf_counter() - started
-        writer.finish_build(
-            build_id, status=status, chunks_built=totals.chunks, docs=totals.docs,
-            tokens=totals.tokens, source_bytes=totals.source_bytes, rejects=totals.rejects,
-            retries=totals.retries, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
-            error=error,
-        )
         try:
+            writer.finish_build(
+                build_id, status=status, chunks_built=totals.chunks, docs=totals.docs,
+                tokens=totals.tokens, source_bytes=totals.source_bytes, rejects=totals.rejects,
+                retries=totals.retries, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
+                error=error,
+            )
             _publish(writer, lake, build_id, config)
-        except Exception:
+        except Exception as exc:
             if status == "succeeded":
                 raise
-            # Keep the build's own error visible; the catalog on disk holds the committed chunks.
-            log.exception("could not publish the final catalog snapshot of failed build %d", build_id)
+            # Keep the build's own error the one raised; the catalog holds the committed chunks.
+            log.error("could not record the end of failed build %d in the catalog (the next build marks "
+                      "it interrupted): %s", build_id, exc)
     if token_weights:  # the weights need the complete lake's mean tokens per example
         plans = {name: spec.plan_key if (spec := packing.get(name)) else None for name in Mixer.dataset_names(config)}
         _register_mixture(writer, Mixer.from_config(

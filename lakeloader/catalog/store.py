@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
 import re
 import socket
@@ -14,13 +16,16 @@ import pandas as pd
 
 from lakeloader.build.chunk import ChunkResult
 from lakeloader.catalog.sql import query, sql_file
-from lakeloader.errors import CatalogError, CatalogLockedError
+from lakeloader.errors import CatalogError, CatalogLockedError, LakeloaderError
 from lakeloader.index.layout import PackingSpec, PlanStats
 from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
+from lakeloader.storage import remove_quietly, write_failure
 
 if TYPE_CHECKING:
     from lakeloader.index.mixing import Mixer
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
@@ -42,16 +47,36 @@ def _locked_error(path: str, exc: duckdb.Error) -> CatalogLockedError:
     )
 
 
+# DuckDB reports OS errors as text only; these map it back to the errno for the advice.
+_OS_REASONS = {"no space left": errno.ENOSPC, "read-only file system": errno.EROFS,
+               "permission denied": errno.EACCES, "disk quota exceeded": errno.EDQUOT}
+
+
+def catalog_failure(path: str, exc: duckdb.Error) -> LakeloaderError | None:
+    """The clear error for a DuckDB error opening or writing the catalog file ``path``: a corrupt
+    file, a full or read-only disk, no permission; None for any other error."""
+    text = str(exc)
+    if "corrupt database file" in text.lower() or "checksum" in text.lower():
+        return CatalogError(
+            f"catalog {path} is corrupt ({text}). Move it aside, then recover it from the newest "
+            "published snapshot with `lakeloader verify CONFIG --repair`"
+        )
+    for reason, code in _OS_REASONS.items():
+        if reason in text.lower():
+            return write_failure("the lake's catalog", path, OSError(code, os.strerror(code)))
+    return None
+
+
 def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
     """A read-only connection to a catalog file."""
     if not os.path.exists(path):
         raise CatalogError(f"no catalog at {path}: build the lake first (lakeloader build CONFIG)")
     try:
         return duckdb.connect(path, read_only=True)
-    except duckdb.IOException as exc:
-        if "lock" in str(exc).lower():
+    except duckdb.Error as exc:
+        if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
             raise _locked_error(path, exc) from exc
-        raise
+        raise catalog_failure(path, exc) or exc
 
 
 def _column_sums(rows: list[list[int]]) -> list[int]:
@@ -64,14 +89,26 @@ class CatalogWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        existed = os.path.exists(path)
         try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             self.con = duckdb.connect(path)
-        except duckdb.IOException as exc:
-            if "lock" in str(exc).lower():
+        except OSError as exc:
+            raise write_failure("the lake's catalog", path, exc) from exc
+        except duckdb.Error as exc:
+            if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
                 raise _locked_error(path, exc) from exc
+            raise catalog_failure(path, exc) or exc
+        try:
+            self._apply_schema()
+        except BaseException as exc:
+            self.con.close()
+            if not existed:  # a catalog that could not even take its schema is no catalog
+                for leftover in (path, f"{path}.wal"):
+                    remove_quietly(leftover)
+            if isinstance(exc, duckdb.Error):
+                raise catalog_failure(path, exc) or exc
             raise
-        self._apply_schema()
         _ACTIVE_WRITERS[os.path.abspath(path)] = self.con
 
     def _apply_schema(self) -> None:
@@ -86,16 +123,26 @@ class CatalogWriter:
         self.con.execute(sql_file("views"))
 
     def close(self) -> None:
-        """Checkpoint and close the connection."""
+        """Checkpoint and close the connection (closed even when the checkpoint fails)."""
         _ACTIVE_WRITERS.pop(os.path.abspath(self.path), None)
-        self.con.execute("CHECKPOINT")
-        self.con.close()
+        try:
+            self.con.execute("CHECKPOINT")
+        except duckdb.Error as exc:
+            raise catalog_failure(self.path, exc) or exc
+        finally:
+            self.con.close()
 
     def __enter__(self) -> CatalogWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as exc:  # keep the error that ended the build the one the user sees
+            log.error("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
 
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         statements = [s for s in query(name).split(";") if s.strip()]
