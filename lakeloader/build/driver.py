@@ -9,6 +9,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+import duckdb
 import pandas as pd
 from distributed import Client, Future, as_completed
 from tokenizers import Tokenizer
@@ -21,7 +22,7 @@ from lakeloader.build.documents import SplitSource
 from lakeloader.build.formats import RecordFormat
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, local_snapshot, publish_snapshot, read_pointer
-from lakeloader.catalog.store import CatalogWriter
+from lakeloader.catalog.store import CatalogWriter, catalog_failure
 from lakeloader.config import Config, load_config
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
@@ -195,7 +196,10 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
             shutil.rmtree(created, ignore_errors=True)
         raise
     with writer:
-        return _build_locked(config, lake, writer, workers, scheduler, progress)
+        try:
+            return _build_locked(config, lake, writer, workers, scheduler, progress)
+        except duckdb.Error as exc:  # the catalog refused a write: a full disk, say
+            raise catalog_failure(writer.path, exc) or exc
 
 
 def _make_lake_folder(lake: Lake) -> str | None:
@@ -264,20 +268,17 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         raise
     finally:
         seconds = time.perf_counter() - started
+        stats = dict(chunks_built=totals.chunks, docs=totals.docs, tokens=totals.tokens,
+                     source_bytes=totals.source_bytes, rejects=totals.rejects, retries=totals.retries,
+                     seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0)
+        _record_end(writer, build_id, status, error, stats)
         try:
-            writer.finish_build(
-                build_id, status=status, chunks_built=totals.chunks, docs=totals.docs,
-                tokens=totals.tokens, source_bytes=totals.source_bytes, rejects=totals.rejects,
-                retries=totals.retries, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
-                error=error,
-            )
             _publish(writer, lake, build_id, config)
         except Exception as exc:
-            if status == "succeeded":
+            if status == "succeeded":  # complete, but readers cannot see it: the build failed
+                _record_end(writer, build_id, "failed", f"{type(exc).__name__}: {exc}", stats)
                 raise
-            # Keep the build's own error the one raised; the catalog holds the committed chunks.
-            log.error("could not record the end of failed build %d in the catalog (the next build marks "
-                      "it interrupted): %s", build_id, exc)
+            log.warning("could not publish the final catalog snapshot of failed build %d: %s", build_id, exc)
     if token_weights:  # the weights need the complete lake's mean tokens per example
         plans = {name: spec.plan_key if (spec := packing.get(name)) else None for name in Mixer.dataset_names(config)}
         _register_mixture(writer, Mixer.from_config(
@@ -287,6 +288,19 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
     return BuildReport(build_id, lake.url, totals.chunks, total, totals.docs, totals.tokens,
                        totals.rejects, seconds, dashboard)
+
+
+def _record_end(writer: CatalogWriter, build_id: int, status: str, error: str | None,
+                stats: dict[str, float]) -> None:
+    """Record how a build run ended. After a failure the build's own error stays the one raised
+    (a full disk may refuse this write too): this one is only logged."""
+    try:
+        writer.finish_build(build_id, status=status, error=error, **stats)
+    except Exception as exc:
+        if status == "succeeded":
+            raise
+        log.warning("could not record the end of failed build %d in the catalog (the next build "
+                    "marks it interrupted): %s", build_id, exc)
 
 
 def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:

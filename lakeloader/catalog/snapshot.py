@@ -71,11 +71,11 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int |
         payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id}
         write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
     except duckdb.Error as exc:
-        raise catalog_failure(temporary, exc) or exc
+        raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
     except OSError as exc:
         if is_transient(exc):
             raise  # retried by the caller
-        raise write_failure("publishing the catalog snapshot", exc.filename or temporary, exc) from exc
+        raise write_failure("publishing the catalog snapshot", target, exc) from exc
     finally:
         for leftover in (temporary, f"{temporary}.wal"):  # gone once moved; never left half-written
             remove_quietly(leftover)

@@ -52,18 +52,18 @@ _OS_REASONS = {"no space left": errno.ENOSPC, "read-only file system": errno.ERO
                "permission denied": errno.EACCES, "disk quota exceeded": errno.EDQUOT}
 
 
-def catalog_failure(path: str, exc: duckdb.Error) -> LakeloaderError | None:
-    """The clear error for a DuckDB error opening or writing the catalog file ``path``: a corrupt
-    file, a full or read-only disk, no permission; None for any other error."""
+def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalog") -> LakeloaderError | None:
+    """The clear error for a DuckDB error opening or writing the catalog file ``path`` (while
+    doing ``what``): a corrupt file, a full or read-only disk, no permission; None for any other."""
     text = str(exc)
-    if "corrupt database file" in text.lower() or "checksum" in text.lower():
+    if "corrupt database file" in text.lower():
         return CatalogError(
             f"catalog {path} is corrupt ({text}). Move it aside, then recover it from the newest "
             "published snapshot with `lakeloader verify CONFIG --repair`"
         )
     for reason, code in _OS_REASONS.items():
         if reason in text.lower():
-            return write_failure("the lake's catalog", path, OSError(code, os.strerror(code)))
+            return write_failure(what, path, OSError(code, os.strerror(code)))
     return None
 
 
@@ -142,7 +142,7 @@ class CatalogWriter:
         try:
             self.close()
         except Exception as exc:  # keep the error that ended the build the one the user sees
-            log.error("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
+            log.warning("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
 
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         statements = [s for s in query(name).split(";") if s.strip()]
