@@ -173,7 +173,6 @@ def test_corrupt_catalog_names_the_file_and_the_repair(tmp_path: Path, dask_sche
     catalog = tmp_path / "lake" / "catalog.duckdb"
     corrupt(catalog)
     for args in (("status", str(config)), ("sql", str(config), "SELECT count(*) FROM chunks"),
-                 ("sql", str(tmp_path / "lake"), "SELECT 1"),
                  ("build", str(config), "--scheduler", dask_scheduler, "--no-progress")):
         assert_clean_error(cli(*args), f"catalog {catalog} is corrupt",
                            "recover it from the newest published snapshot with `lakeloader verify CONFIG --repair`")

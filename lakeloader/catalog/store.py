@@ -58,8 +58,8 @@ def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalo
     text = str(exc)
     if "corrupt database file" in text.lower():
         return CatalogError(
-            f"catalog {path} is corrupt ({text}). Move it aside, then recover it from the newest "
-            "published snapshot with `lakeloader verify CONFIG --repair`"
+            f"catalog {path} is corrupt ({text}): recover it from the newest published snapshot "
+            "with `lakeloader verify CONFIG --repair`"
         )
     for reason, code in _OS_REASONS.items():
         if reason in text.lower():
@@ -98,18 +98,23 @@ class CatalogWriter:
         except duckdb.Error as exc:
             if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
                 raise _locked_error(path, exc) from exc
+            self._discard(existed)
             raise catalog_failure(path, exc) or exc
         try:
             self._apply_schema()
         except BaseException as exc:
             self.con.close()
-            if not existed:  # a catalog that could not even take its schema is no catalog
-                for leftover in (path, f"{path}.wal"):
-                    remove_quietly(leftover)
+            self._discard(existed)
             if isinstance(exc, duckdb.Error):
                 raise catalog_failure(path, exc) or exc
             raise
         _ACTIVE_WRITERS[os.path.abspath(path)] = self.con
+
+    def _discard(self, existed: bool) -> None:
+        """Remove a catalog file this writer created but could not set up (a full disk, say)."""
+        if not existed:
+            for leftover in (self.path, f"{self.path}.wal"):
+                remove_quietly(leftover)
 
     def _apply_schema(self) -> None:
         self.con.execute(sql_file("schema"))
