@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from lakeloader.errors import LakeloaderError
-from lakeloader.storage import write_failure
 
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
@@ -265,9 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno not in _WRITE_ERRNOS:
             raise
-        # A write the library could not attribute (its own writes name their file and chunk).
-        print(f"lakeloader {args.command}: error: {write_failure('writing', exc.filename or '?', exc)}",
-              file=sys.stderr)
+        # The library's own lake writes name their file and chunk; this is any other (--out, --plot).
+        print(f"lakeloader {args.command}: error: cannot write {exc.filename or 'a file'}: {exc.strerror}. "
+              "Free space or choose a writable location, then re-run", file=sys.stderr)
         return 2
 
 

@@ -166,10 +166,16 @@ def corrupt(path: Path, offset: int = 20_000) -> None:
         handle.write(b"\xde\xad\xbe\xef" * 1024)
 
 
-def test_corrupt_catalog_names_the_file_and_the_repair(tmp_path: Path, dask_scheduler: str) -> None:
+def test_unwritable_output_file_and_corrupt_catalog(tmp_path: Path, dask_scheduler: str) -> None:
     write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
-    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}},
+                          loader={"seq_len": 32, "batch_size": 4})
     build(config, scheduler=dask_scheduler, progress=False)
+    with tmpfs(tmp_path / "ro", "1m") as ro:  # an output file the command cannot write
+        remount(ro, "ro")
+        out = ro / "batches.npz"
+        assert_clean_error(cli("batches", str(config), "--steps", "0:1", "--out", str(out)),
+                           f"cannot write {out}", "Read-only file system", "writable location")
     catalog = tmp_path / "lake" / "catalog.duckdb"
     corrupt(catalog)
     for args in (("status", str(config)), ("sql", str(config), "SELECT count(*) FROM chunks"),
