@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -23,6 +24,10 @@ catalogued in DuckDB) and streams deterministic training batches from it.
 
 CONFIG is a YAML file (see configs/demo.yaml); relative paths in it are relative to
 the file's folder. LAKE is a lake folder or URL (s3://bucket/prefix)."""
+
+
+# OS errors of a full, read-only or forbidden disk: a clear message, never a traceback.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
@@ -309,6 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except LakeloaderError as exc:
         print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS:
+            raise
+        # The library's own lake writes name their file and chunk; this is any other (--out, --plot).
+        print(f"lakeloader {args.command}: error: cannot write {exc.filename or 'a file'}: {exc.strerror}. "
+              "Free space or choose a writable location, then re-run", file=sys.stderr)
         return 2
 
 

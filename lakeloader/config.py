@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lakeloader.errors import ConfigError
 
+# The build's catalog file at a local lake's root; no dataset folder may take its name.
+WRITER_CATALOG = "catalog.duckdb"
+DEFAULT_IO_RETRY_DEADLINE = 120.0  # seconds of retrying unreachable object storage
+
 _SIZE_UNITS = {
     "": 1, "B": 1,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -310,7 +314,7 @@ class Config(_Strict):
     tokenizer: str
     datasets: dict[str, DatasetConfig] = Field(min_length=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
-    io_retry_deadline: float = Field(default=120.0, ge=0)  # seconds of retrying unreachable storage
+    io_retry_deadline: float = Field(default=DEFAULT_IO_RETRY_DEADLINE, ge=0)  # seconds of retrying unreachable storage
     build: BuildConfig = BuildConfig()
     loader: LoaderConfig = LoaderConfig()
     mixture: MixtureConfig | None = None
@@ -341,6 +345,11 @@ class Config(_Strict):
                     (name,),
                     f"dataset name {name!r} must start with a letter or digit and contain only "
                     "letters, digits, '_', '.' or '-' (it names folders in the lake)"
+                )
+            if name.lower().startswith(WRITER_CATALOG):
+                raise ValueError(
+                    f"dataset name {name!r} collides with the lake's catalog file {WRITER_CATALOG} "
+                    "(its files sit beside the dataset folders): rename the dataset"
                 )
         return value
 

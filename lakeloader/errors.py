@@ -40,3 +40,8 @@ class StorageUnavailableError(LakeloaderError):
 
 class StepRangeError(LakeloaderError, IndexError):
     """A step outside the batches the loader has: the message names the valid range."""
+
+
+class LakeWriteError(LakeloaderError):
+    """Writing into the lake or its catalog failed (disk full, read-only, no permission); the
+    message names the file and what to do. Raised inside Dask tasks: the message is its only argument."""

@@ -15,13 +15,11 @@ from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
 from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
-from lakeloader.config import Config, load_config
+from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, WRITER_CATALOG, Config, load_config
 from lakeloader.errors import CatalogError, CatalogLockedError
-from lakeloader.storage import is_local
+from lakeloader.storage import is_local, with_retries
 
 log = logging.getLogger(__name__)
-
-WRITER_CATALOG = "catalog.duckdb"
 
 
 def default_cache_dir() -> str:
@@ -32,13 +30,21 @@ def default_cache_dir() -> str:
 class Lake:
     """Paths and filesystem of one lake."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 io_retry_deadline: float = DEFAULT_IO_RETRY_DEADLINE) -> None:
         self.storage_options = dict(storage_options or {})
+        self.io_retry_deadline = io_retry_deadline  # seconds of retrying unreachable storage
         self.fs, self.root = url_to_fs(url, **self.storage_options)
         self.is_local = is_local(self.fs)
         self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
         key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.cache_dir = os.path.join(default_cache_dir(), "lakes", key)
+
+    def describe(self) -> str:
+        """The lake's URL, with the object-store endpoint it is reached through if one is set."""
+        options = self.storage_options
+        endpoint = options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url")
+        return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
 
     def path_of(self, relative: str) -> str:
         """Filesystem path (for ``self.fs``) of a lake-relative path."""
@@ -74,7 +80,8 @@ class Lake:
                 return connect_reader(path)
             except CatalogLockedError:
                 log.info("catalog is being written by a build; reading the published snapshot")
-        return open_snapshot(self)[0]
+        return with_retries(lambda: open_snapshot(self)[0], deadline=self.io_retry_deadline,
+                            what=f"reading the published catalog of {self.describe()}")
 
     def tokenizer(self, con: Any, datasets: Sequence[str]) -> Tokenizer:
         """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
@@ -117,11 +124,11 @@ def open_lake(config_or_lake: Config | str | os.PathLike[str],
               storage_options: dict[str, Any] | None = None) -> Lake:
     """The lake of a config (object or YAML path) or a lake path/URL."""
     if isinstance(config_or_lake, Config):
-        return Lake(config_or_lake.lake, config_or_lake.storage_options)
+        return Lake(config_or_lake.lake, config_or_lake.storage_options, config_or_lake.io_retry_deadline)
     text = os.fspath(config_or_lake)
     if text.endswith((".yaml", ".yml")):
         config = load_config(text)
-        return Lake(config.lake, config.storage_options)
+        return Lake(config.lake, config.storage_options, config.io_retry_deadline)
     lake = Lake(text, storage_options)
     if lake.is_local and not os.path.isdir(lake.root):
         raise CatalogError(f"no lake at {text}: give a config file (.yaml) or a lake folder/URL")

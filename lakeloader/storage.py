@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -13,7 +14,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import StorageUnavailableError
+from lakeloader.errors import LakeWriteError, StorageUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,8 +102,36 @@ def write_atomically(url: str, data: bytes, storage_options: dict[str, Any]) -> 
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        remove_quietly(temporary)  # a full disk must not also keep the partial file
+        raise
+
+
+def remove_quietly(path: str) -> None:
+    """Delete the local file ``path`` if it exists (cleanup on an error path: never raises)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def write_failure(what: str, path: str, exc: BaseException) -> LakeWriteError:
+    """A :class:`LakeWriteError` for an OS error writing ``path``: says what failed and what to do."""
+    reason = getattr(exc, "strerror", None) or str(exc)
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        advice = "free space there (or point `lake:` at a larger disk)"
+    elif code == errno.EROFS:
+        advice = "the file system is read-only: remount it read-write or point `lake:` at a writable folder"
+    elif code in (errno.EACCES, errno.EPERM):
+        advice = "give this user write permission there or point `lake:` at a writable folder"
+    else:
+        advice = "fix the path (or point `lake:` at a writable folder)"
+    return LakeWriteError(f"{what}: cannot write {path}: {reason}. {advice[0].upper()}{advice[1:]}, then re-run "
+                          "`lakeloader build CONFIG` (it resumes from the committed chunks)")

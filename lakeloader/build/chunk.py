@@ -20,7 +20,7 @@ from lakeloader.build.documents import Reject, SplitSource, read_split
 from lakeloader.build.formats import Document
 from lakeloader.errors import ChunkIntegrityError
 from lakeloader.index.layout import ChunkParts, PackingSpec, PlanStats, plan_stats
-from lakeloader.storage import with_retries, write_atomically
+from lakeloader.storage import is_transient, with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import DocumentEncoder
 
 # Columns of a chunk file (one row per document). Tokens are stored without special tokens.
@@ -216,7 +216,12 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
     bounds = row_group_bounds(lengths, task.row_group_tokens)
     table = chunk_table(documents.records, encoded, record_format.format == "interleaved")
     data = encode_chunk_file(table, bounds)
-    write_atomically(task.chunk_url, data, options)
+    try:
+        write_atomically(task.chunk_url, data, options)
+    except OSError as exc:
+        if is_transient(exc):
+            raise  # retried by build_chunk
+        raise write_failure(f"chunk {task.global_index} of dataset {task.dataset!r}", task.chunk_url, exc) from exc
     group_tokens = np.add.reduceat(lengths, bounds[:-1]) if len(lengths) else np.zeros(0, np.int64)
     kinds = len(record_format.kind_names)
     return ChunkResult(

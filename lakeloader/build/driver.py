@@ -26,7 +26,7 @@ from lakeloader.build.formats import RecordFormat
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.snapshot import (POINTER, SNAPSHOT_DIR, catalog_identity, local_snapshot,
                                          publish_snapshot, read_pointer)
-from lakeloader.catalog.store import CatalogWriter, connect_reader
+from lakeloader.catalog.store import CatalogWriter, catalog_failure, connect_reader
 from lakeloader.config import Config, load_config
 from lakeloader.errors import CatalogError, ChunkIntegrityError, SourceError
 from lakeloader.index.layout import PackingSpec
@@ -36,7 +36,8 @@ from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
-from lakeloader.storage import with_retries, write_atomically
+from lakeloader.errors import LakeWriteError
+from lakeloader.storage import with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,9 @@ def _adopt(lake: Lake, pointer: dict[str, Any], why: str) -> None:
     path = lake.writer_catalog_path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.adopt-{os.getpid()}"
-    shutil.copyfile(local_snapshot(lake, pointer), temporary)
+    snapshot = with_retries(lambda: local_snapshot(lake, pointer), deadline=lake.io_retry_deadline,
+                            what=f"reading the published catalog of {lake.describe()}")
+    shutil.copyfile(snapshot, temporary)
     os.replace(temporary, path)
     log.warning("%s: adopting the lake's published catalog (snapshot version %d of lake %s) as the "
                 "writer catalog %s", why, pointer["version"], pointer.get("lake_id"), path)
@@ -128,7 +131,8 @@ def _prepare_writer_catalog(lake: Lake, recover: bool) -> None:
     ``recover`` sets a local catalog aside and adopts the newest snapshot whatever it holds.
     """
     path = lake.writer_catalog_path
-    pointer = read_pointer(lake)
+    pointer = with_retries(lambda: read_pointer(lake), deadline=lake.io_retry_deadline,
+                           what=f"reading the published catalog of {lake.describe()}")
     if recover:
         if pointer is None:
             raise CatalogError(
@@ -217,7 +221,7 @@ def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], confi
 
 def _publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config) -> None:
     with_retries(lambda: publish_snapshot(writer.con, lake, build_id),
-                 what=f"publishing the catalog snapshot of {lake.url}", deadline=config.io_retry_deadline)
+                 what=f"publishing the catalog snapshot of {lake.describe()}", deadline=config.io_retry_deadline)
 
 
 def _remove_partial_files(lake: Lake, folders: list[str]) -> None:
@@ -315,14 +319,38 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
     A local cluster's dashboard listens on ``dashboard_address`` if given, else ``build.dashboard``.
     """
     config = load_config(config)
-    if dashboard_address is not None:
-        config = config.model_copy(update={"build": config.build.model_copy(update={"dashboard": dashboard_address})})
-    lake = Lake(config.lake, config.storage_options)
-    if lake.is_local:
+    lake = Lake(config.lake, config.storage_options, config.io_retry_deadline)
+    created = _make_lake_folder(lake)
+    try:
+        _prepare_writer_catalog(lake, recover_catalog)
+        writer = CatalogWriter(lake.writer_catalog_path)
+    except BaseException:
+        if created is not None:  # a build that cannot start leaves no empty lake behind
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    with writer:
+        try:
+            return _build_locked(config, lake, writer, workers, scheduler, progress, repair)
+        except duckdb.Error as exc:  # the catalog refused a write: a full disk, say
+            raise catalog_failure(writer.path, exc) or exc
+
+
+def _make_lake_folder(lake: Lake) -> str | None:
+    """Create a local lake's folder; returns the topmost folder this created (None if none)."""
+    if not lake.is_local:
+        return None
+    top = None
+    folder = os.path.abspath(lake.root)
+    while not os.path.lexists(folder):
+        top, folder = folder, os.path.dirname(folder)
+    try:
         os.makedirs(lake.root, exist_ok=True)
-    _prepare_writer_catalog(lake, recover_catalog)
-    with CatalogWriter(lake.writer_catalog_path) as writer:
-        return _build_locked(config, lake, writer, workers, scheduler, progress, repair)
+    except OSError as exc:
+        failure = write_failure("the lake folder (config key `lake`)", lake.root, exc)
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            failure = LakeWriteError(f"{failure} ({folder} is a file, not a folder)")
+        raise failure from exc
+    return top
 
 
 def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: int | None,
@@ -381,19 +409,17 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         raise
     finally:
         seconds = time.perf_counter() - started
-        writer.finish_build(
-            build_id, status=status, chunks_built=totals.chunks, docs=totals.docs,
-            tokens=totals.tokens, source_bytes=totals.source_bytes, rejects=totals.rejects,
-            retries=totals.retries, seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0,
-            error=error,
-        )
+        stats = dict(chunks_built=totals.chunks, docs=totals.docs, tokens=totals.tokens,
+                     source_bytes=totals.source_bytes, rejects=totals.rejects, retries=totals.retries,
+                     seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0)
+        _record_end(writer, build_id, status, error, stats)
         try:
             _publish(writer, lake, build_id, config)
-        except Exception:
-            if status == "succeeded":
+        except Exception as exc:
+            if status == "succeeded":  # complete, but readers cannot see it: the build failed
+                _record_end(writer, build_id, "failed", f"{type(exc).__name__}: {exc}", stats)
                 raise
-            # Keep the build's own error visible; the catalog on disk holds the committed chunks.
-            log.exception("could not publish the final catalog snapshot of failed build %d", build_id)
+            log.warning("could not publish the final catalog snapshot of failed build %d: %s", build_id, exc)
     if token_weights:  # the weights need the complete lake's mean tokens per example
         plans = {name: spec.plan_key if (spec := packing.get(name)) else None for name in Mixer.dataset_names(config)}
         _register_mixture(writer, Mixer.from_config(
@@ -429,6 +455,19 @@ def _check_repair(lake: Lake, result: ChunkResult, repairs: dict[tuple[str, int]
         f"sha256 {result.checksum[:16]}…, the catalog says {expected[:16]}…: its source changed since "
         "it was planned, or this lakeloader/pyarrow writes different bytes. Readers will reject it; "
         "build the dataset into a new lake.")
+
+
+def _record_end(writer: CatalogWriter, build_id: int, status: str, error: str | None,
+                stats: dict[str, float]) -> None:
+    """Record how a build run ended. After a failure the build's own error stays the one raised
+    (a full disk may refuse this write too): this one is only logged."""
+    try:
+        writer.finish_build(build_id, status=status, error=error, **stats)
+    except Exception as exc:
+        if status == "succeeded":
+            raise
+        log.warning("could not record the end of failed build %d in the catalog (the next build "
+                    "marks it interrupted): %s", build_id, exc)
 
 
 def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from lakeloader.catalog.sql import query
-from lakeloader.catalog.store import connect_reader
-from lakeloader.storage import write_atomically
+from lakeloader.catalog.store import catalog_failure, connect_reader
+from lakeloader.storage import is_transient, remove_quietly, write_atomically, write_failure
 from lakeloader.errors import CatalogError
 
 if TYPE_CHECKING:
@@ -78,19 +78,25 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int |
     staged = target if lake.is_local else os.path.join(lake.cache_dir, "publish", name)
     os.makedirs(os.path.dirname(staged), exist_ok=True)
     temporary = f"{staged}.tmp-{os.getpid()}"
-    if os.path.exists(temporary):
-        os.remove(temporary)
-    _copy_catalog(con, temporary)
-    if lake.is_local:
-        os.replace(temporary, target)
-    else:
-        try:
+    remove_quietly(temporary)
+    try:
+        _copy_catalog(con, temporary)
+        if lake.is_local:
+            os.replace(temporary, target)
+        else:
             lake.fs.put_file(temporary, target)
-        finally:
-            os.remove(temporary)
-    payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id,
-               "lake_id": lake_id}
-    write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
+        payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id,
+                   "lake_id": lake_id}
+        write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
+    except duckdb.Error as exc:
+        raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
+    except OSError as exc:
+        if is_transient(exc):
+            raise  # retried by the caller
+        raise write_failure("publishing the catalog snapshot", target, exc) from exc
+    finally:
+        for leftover in (temporary, f"{temporary}.wal"):  # gone once moved; never left half-written
+            remove_quietly(leftover)
     for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
         stale = lake.path_of(f"{SNAPSHOT_DIR}/catalog-{old:06d}.duckdb")
         if lake.fs.exists(stale):

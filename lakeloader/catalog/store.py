@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -17,16 +18,18 @@ import pandas as pd
 
 from lakeloader.build.chunk import ChunkResult
 from lakeloader.catalog.sql import query, sql_file
-from lakeloader.errors import CatalogError, CatalogLockedError
+from lakeloader.errors import CatalogError, CatalogLockedError, LakeloaderError
 from lakeloader.index.layout import PackingSpec, PlanStats
 from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
 from lakeloader.plan.sources import readable_url, url_bytes
+from lakeloader.storage import remove_quietly, write_failure
 
 if TYPE_CHECKING:
     from lakeloader.index.mixing import Mixer
 
 log = logging.getLogger(__name__)
+
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
 _ACTIVE_WRITERS: dict[str, duckdb.DuckDBPyConnection] = {}
@@ -63,6 +66,26 @@ def catalog_tables() -> tuple[str, ...]:
     return tuple(_TABLE.findall(sql_file("schema")))
 
 
+# DuckDB reports OS errors as text only; these map it back to the errno for the advice.
+_OS_REASONS = {"no space left": errno.ENOSPC, "read-only file system": errno.EROFS,
+               "permission denied": errno.EACCES, "disk quota exceeded": errno.EDQUOT}
+
+
+def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalog") -> LakeloaderError | None:
+    """The clear error for a DuckDB error opening or writing the catalog file ``path`` (while
+    doing ``what``): a corrupt file, a full or read-only disk, no permission; None for any other."""
+    text = str(exc)
+    if "corrupt database file" in text.lower():
+        return CatalogError(
+            f"catalog {path} is corrupt ({text}): recover it from the lake's newest published "
+            "snapshot with `lakeloader build CONFIG --recover-catalog`"
+        )
+    for reason, code in _OS_REASONS.items():
+        if reason in text.lower():
+            return write_failure(what, path, OSError(code, os.strerror(code)))
+    return None
+
+
 def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
     """A read-only connection to a catalog file that runs no SQL stored in the file and can
     reach no other file, network or extension.
@@ -79,10 +102,10 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
     try:
         try:
             con.execute(query("attach_catalog"), {"path": path})
-        except duckdb.IOException as exc:
-            if "lock" in str(exc).lower():
+        except duckdb.Error as exc:
+            if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
                 raise _locked_error(path, exc) from exc
-            raise
+            raise catalog_failure(path, exc) or exc
         objects = dict(con.execute(query("attached_objects")).fetchall())
         altered = sorted(name for name in catalog_tables() if objects.get(name) == "view")
         if altered:
@@ -111,15 +134,32 @@ class CatalogWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        existed = os.path.exists(path)
         try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             self.con = duckdb.connect(path)
-        except duckdb.IOException as exc:
-            if "lock" in str(exc).lower():
+        except OSError as exc:
+            raise write_failure("the lake's catalog", path, exc) from exc
+        except duckdb.Error as exc:
+            if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
                 raise _locked_error(path, exc) from exc
+            self._discard(existed)
+            raise catalog_failure(path, exc) or exc
+        try:
+            self._apply_schema()
+        except BaseException as exc:
+            self.con.close()
+            self._discard(existed)
+            if isinstance(exc, duckdb.Error):
+                raise catalog_failure(path, exc) or exc
             raise
-        self._apply_schema()
         _ACTIVE_WRITERS[os.path.abspath(path)] = self.con
+
+    def _discard(self, existed: bool) -> None:
+        """Remove a catalog file this writer created but could not set up (a full disk, say)."""
+        if not existed:
+            for leftover in (self.path, f"{self.path}.wal"):
+                remove_quietly(leftover)
 
     def _apply_schema(self) -> None:
         self.con.execute(sql_file("schema"))
@@ -134,16 +174,26 @@ class CatalogWriter:
         self.con.execute(sql_file("views"))
 
     def close(self) -> None:
-        """Checkpoint and close the connection."""
+        """Checkpoint and close the connection (closed even when the checkpoint fails)."""
         _ACTIVE_WRITERS.pop(os.path.abspath(self.path), None)
-        self.con.execute("CHECKPOINT")
-        self.con.close()
+        try:
+            self.con.execute("CHECKPOINT")
+        except duckdb.Error as exc:
+            raise catalog_failure(self.path, exc) or exc
+        finally:
+            self.con.close()
 
     def __enter__(self) -> CatalogWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as exc:  # keep the error that ended the build the one the user sees
+            log.warning("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
 
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         statements = [s for s in query(name).split(";") if s.strip()]

@@ -1,0 +1,211 @@
+"""Faults of the machine, not of the input: each gives one clear error (what failed, where, what to
+do) and no traceback, and a failed build leaves its `builds` row and no half-made lake behind.
+
+Full and read-only disks are real: small tmpfs mounts (the tests need root to mount them and are
+skipped without). The object store that is down is a loopback port with nothing listening.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import stdlib_texts, write_config, write_jsonl
+
+from lakeloader.build.driver import build
+from lakeloader.config import load_config
+from lakeloader.errors import ConfigError
+from lakeloader.lake import open_lake
+
+CLI = [sys.executable, "-m", "lakeloader.cli"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess[str], *expected: str) -> str:
+    """Exit status 2, one error message (from `error:` on) naming all of ``expected``, no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count(": error: ") == 1, result.stderr
+    message = result.stderr[result.stderr.index(": error: "):]
+    for text in expected:
+        assert text in message, (text, message)
+    return message
+
+
+@contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``folder`` (unmounted at the end)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def remount(folder: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(folder)], check=True)
+
+
+def random_words(count: int, words: int, seed: int = 0) -> list[str]:
+    """Documents of random words: they do not compress, so their chunks really take space."""
+    vocabulary = sorted(set(" ".join(stdlib_texts("json")).split()))
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(vocabulary) for _ in range(words)) for _ in range(count)]
+
+
+def builds(config: Path) -> list[dict[str, object]]:
+    frame = open_lake(config).sql("SELECT build_id, status, error FROM builds ORDER BY build_id")
+    return frame.to_dict(orient="records")
+
+
+def leftovers(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if ".tmp-" in p.name]
+
+
+def test_chunk_write_on_a_full_disk_names_the_chunk_and_resumes(tmp_path: Path, dask_scheduler: str) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", random_words(12, 1500))
+    config = write_config(tmp_path, {"web": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    # The catalog has room; the dataset's chunk folder is a tmpfs too small for its chunks.
+    with tmpfs(tmp_path / "lake" / "web", "64k") as chunks:
+        result = cli("build", str(config), "--scheduler", dask_scheduler, "--no-progress")
+        line = assert_clean_error(result, "chunk ", "of dataset 'web'", str(chunks), "No space left on device",
+                                  "Free space", "re-run `lakeloader build CONFIG`")
+        assert leftovers(tmp_path / "lake") == []
+        [row] = builds(config)
+        assert row["status"] == "failed" and "No space left on device" in str(row["error"])
+        assert line.split(": error: ")[1].strip() in str(row["error"])
+
+        remount(chunks, "size=8m")  # space freed: the same command resumes and completes
+        assert build(config, scheduler=dask_scheduler, progress=False).chunks_total > 0
+        assert [r["status"] for r in builds(config)] == ["failed", "succeeded"]
+
+
+def test_disk_full_even_for_the_catalog_gives_one_clean_error(tmp_path: Path, dask_scheduler: str) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    with tmpfs(tmp_path / "lake", "1m") as lake:
+        result = cli("build", str(config), "--scheduler", dask_scheduler, "--no-progress")
+        assert_clean_error(result, str(lake), "No space left on device", "Free space", "lakeloader build CONFIG")
+        assert "Failed to create checkpoint" not in result.stderr
+        assert leftovers(lake) == []
+        remount(lake, "size=64m")
+        [row] = builds(config)  # read from the catalog file: it kept the failure
+        assert row["status"] == "failed" and "No space left on device" in str(row["error"])
+        build(config, scheduler=dask_scheduler, progress=False)
+        assert [r["status"] for r in builds(config)] == ["failed", "succeeded"]
+
+
+def test_build_on_a_read_only_lake_leaves_nothing(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json", limit=2))
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    with tmpfs(tmp_path / "lake", "4m") as lake:
+        remount(lake, "ro")
+        result = cli("build", str(config), "--no-progress")
+        assert_clean_error(result, str(lake / "catalog.duckdb"), "read-only", "remount it read-write")
+        assert list(lake.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["proc", "deep_under_a_file"])
+def test_lake_folder_that_cannot_be_created(tmp_path: Path, where: str) -> None:
+    (tmp_path / "plain").write_text("not a folder")
+    lake = {"proc": "/proc/lake", "deep_under_a_file": str(tmp_path / "plain" / "a" / "lake")}[where]
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json", limit=2))
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}}, lake=lake)
+    result = cli("build", str(config), "--no-progress")
+    line = assert_clean_error(result, "lake folder (config key `lake`)", lake, "point `lake:` at")
+    if where != "proc":
+        assert f"{tmp_path / 'plain'} is a file, not a folder" in line
+    assert not os.path.exists("/proc/lake") and (tmp_path / "plain").is_file()
+    assert {p.name for p in tmp_path.iterdir()} <= {"cache", "config.yaml", "data", "plain"}
+
+
+def test_a_lake_folder_made_by_a_build_that_cannot_start_is_removed(tmp_path: Path) -> None:
+    # The folders can be made, but the disk has no room for the catalog: they go again.
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json", limit=2))
+    with tmpfs(tmp_path / "tiny", "16k") as tiny:
+        lake = tiny / "new" / "lake"
+        config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}}, lake=str(lake))
+        assert_clean_error(cli("build", str(config), "--no-progress"), str(lake / "catalog.duckdb"),
+                           "No space left on device", "Free space")
+        assert list(tiny.iterdir()) == []
+
+
+def test_dataset_named_like_the_catalog_is_a_config_error(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json", limit=2))
+    config = write_config(tmp_path, {"catalog.duckdb": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    assert_clean_error(cli("build", str(config), "--no-progress"), str(config), "line ", "datasets",
+                       "'catalog.duckdb' collides with the lake's catalog file", "rename the dataset")
+    assert not (tmp_path / "lake").exists()
+    for name in ("Catalog.duckdb.wal", "_catalog", "_tokenizer", "../up", "..", "a/b"):
+        config = write_config(tmp_path, {name: {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+        with pytest.raises(ConfigError, match=re.escape(repr(name))):
+            load_config(config)
+
+
+def corrupt(path: Path, offset: int = 20_000) -> None:
+    """Overwrite bytes of a catalog block (the first data block starts at 12288)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(b"\xde\xad\xbe\xef" * 1024)
+
+
+def test_unwritable_output_file_and_corrupt_catalog(tmp_path: Path, dask_scheduler: str) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}},
+                          loader={"seq_len": 32, "batch_size": 4})
+    build(config, scheduler=dask_scheduler, progress=False)
+    with tmpfs(tmp_path / "ro", "1m") as ro:  # an output file the command cannot write
+        remount(ro, "ro")
+        out = ro / "batches.npz"
+        assert_clean_error(cli("batches", str(config), "--steps", "0:1", "--out", str(out)),
+                           f"cannot write {out}", "Read-only file system", "writable location")
+    catalog = tmp_path / "lake" / "catalog.duckdb"
+    corrupt(catalog)
+    for args in (("status", str(config)), ("sql", str(config), "SELECT count(*) FROM chunks"),
+                 ("build", str(config), "--scheduler", dask_scheduler, "--no-progress")):
+        assert_clean_error(cli(*args), f"catalog {catalog} is corrupt",
+                           "recover it from the lake's newest published snapshot with `lakeloader build CONFIG --recover-catalog`")
+    assert leftovers(tmp_path / "lake") == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["build", "sql"])
+def test_object_store_down_at_start(tmp_path: Path, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json", limit=2))
+    options = {"endpoint_url": endpoint, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}},
+                          lake="s3://bucket/lake", storage_options=options, io_retry_deadline=2)
+    started = time.monotonic()
+    args = ("build", str(config), "--no-progress") if command == "build" else ("sql", str(config), "SELECT 1")
+    result = cli(*args)
+    elapsed = time.monotonic() - started
+    assert_clean_error(result, "s3://bucket/lake", f"endpoint {endpoint}", "_catalog/CURRENT",
+                       "storage unreachable for", "Check the endpoint", "io_retry_deadline")  # retried until the deadline
+    assert elapsed < 60
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("catalog.duckdb"))
