@@ -209,3 +209,10 @@ SELECT * FROM mixture_plan($mixture_id, $first, $last);
 SELECT coalesce(sum(e.num_tokens), 0)::BIGINT, coalesce(sum(e.num_examples), 0)::BIGINT,
        count(e.global_index), (SELECT count(*) FROM chunks c WHERE c.dataset = $name)
 FROM chunk_examples e WHERE e.dataset = $name AND e.plan_key = $plan_key;
+
+-- name: live_chunk_folders
+-- The chunk folder of each dataset's plan in force (older fingerprints' folders are stale).
+SELECT name, chunk_dir FROM dataset_plans ORDER BY name;
+
+-- name: running_builds
+SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_id;
