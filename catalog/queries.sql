@@ -165,7 +165,7 @@ INSERT INTO mixture_nodes VALUES (
 
 -- name: mixture_proportions
 SELECT dataset, target_weight, examples, share, first_index, end_index, max_deviation
-FROM mixture_proportions($mixture_id, $first_step, $last_step);
+FROM mixture_proportions($mixture_id, $first_step, $stop_step);
 
 -- name: schema_version
 SELECT value FROM lake_meta WHERE key = 'schema_version';
@@ -201,7 +201,7 @@ SELECT tokenizer_path FROM dataset_plans WHERE list_contains($datasets, name) LI
 SELECT count(*) > 0 FROM mixtures WHERE mixture_id = $mixture_id;
 
 -- name: mixture_plan_rows
-SELECT * FROM mixture_plan($mixture_id, $first, $last);
+SELECT * FROM mixture_plan($mixture_id, $first, $stop);
 
 -- name: plan_example_tokens
 -- Non-padding tokens and examples of a dataset under a packing plan, and how many of its chunks

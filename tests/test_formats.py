@@ -283,7 +283,7 @@ def test_token_weighted_mixture_and_audit(lake, dask_scheduler: str) -> None:
     raw["mixture"]["unit"] = "tokens"
     config.write_text(yaml.safe_dump(raw))
     build(config, scheduler=dask_scheduler, progress=False)
-    frame = audit(config, 0, 199).set_index("dataset")
+    frame = audit(config, 0, 200).set_index("dataset")
     assert frame["token_share"].between(0.45, 0.55).all()
     assert abs(frame.loc["web", "share"] - frame.loc["chat", "share"]) > 0.05  # example shares differ
 
