@@ -21,7 +21,7 @@ from tqdm import tqdm
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
 
-_COPY_BLOCK = 16 << 20
+_COPY_BLOCK = 1 << 20
 
 
 def _open_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> IO[bytes]:
