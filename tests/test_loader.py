@@ -348,7 +348,7 @@ def test_state_of_other_config_is_a_clear_error(lake: Path) -> None:
     loader = Loader(loader_config(lake, "fp_a"))
     other = Loader(loader_config(lake, "fp_b", seq_len=SEQ_LEN * 2))
     assert other.fingerprint != loader.fingerprint
-    for state in (other.state(5), other.state(5).to_dict()):
+    for state in (other.state(5), LoaderState.from_dict(other.state(5))):
         with pytest.raises(LakeloaderError) as error:
             next(loader.iter_from(state))
         assert other.fingerprint in str(error.value) and loader.fingerprint in str(error.value)
