@@ -102,7 +102,7 @@ def test_mixed_formats_same_for_any_process_count_and_every_resume(lake, dask_sc
         assert_batches_equal(global_batches(config, processes, steps), reference)
     with Loader(config) as loader:
         for start in steps:
-            resumed = [batch for _, batch in zip(range(start, 8), loader.iter_from(loader.state(start).to_dict()))]
+            resumed = [batch for _, batch in zip(range(start, 8), loader.iter_from(loader.state(start)))]
             assert_batches_equal(resumed, reference[start:])
     batch = reference[0]
     assert batch["input_ids"].shape == (BATCH, SEQ_LEN)
