@@ -191,7 +191,7 @@ INSERT INTO mixture_nodes VALUES (
 
 -- name: mixture_proportions
 SELECT dataset, target_weight, examples, share, first_index, end_index, max_deviation
-FROM mixture_proportions($mixture_id, $first_step, $last_step);
+FROM mixture_proportions($mixture_id, $first_step, $stop_step);
 
 -- name: schema_version
 SELECT value FROM lake_meta WHERE key = 'schema_version';
@@ -279,7 +279,7 @@ SELECT tokenizer_path FROM dataset_plans WHERE list_contains($datasets, name) LI
 SELECT count(*) > 0 FROM mixtures WHERE mixture_id = $mixture_id;
 
 -- name: mixture_plan_rows
-SELECT * FROM mixture_plan($mixture_id, $first, $last);
+SELECT * FROM mixture_plan($mixture_id, $first, $stop);
 
 -- name: plan_example_tokens
 -- Non-padding tokens and examples of a dataset under a packing plan, and how many of its chunks
@@ -298,3 +298,9 @@ INSERT OR REPLACE INTO lake_meta VALUES ($key, $value);
 -- The lake's identity: written once, when its catalog is created (every snapshot carries it).
 INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 
+-- name: live_chunk_folders
+-- The chunk folder of each dataset's plan in force (older fingerprints' folders are stale).
+SELECT name, chunk_dir FROM dataset_plans ORDER BY name;
+
+-- name: running_builds
+SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_id;

@@ -91,7 +91,7 @@ JOIN committed_prefix p ON p.dataset = d.name;
 
 -- The mixture schedule of a registered mixture (tables mixtures, mixture_stages, mixture_nodes),
 -- computed exactly as lakeloader.index.mixture computes it: one row per (step, dataset) for the
--- global steps first_step..last_step (both included).
+-- global steps [first_step, stop_step) (stop_step excluded, as `lakeloader audit --steps A:B`).
 --   examples         examples of the dataset in the step's batch
 --   before, after    the dataset's stream indices that fed the step are [before, after)
 --   stage_before/after, stage_examples
@@ -100,7 +100,7 @@ JOIN committed_prefix p ON p.dataset = d.name;
 --   target_weight    the stage's (quantised) weight of the dataset
 --   deviation        |stage_after - target_weight * stage_examples|, which stays below 2
 -- Every count is exact integer (HUGEINT) arithmetic over the stage's Huffman tree.
-CREATE OR REPLACE MACRO mixture_plan(mixture, first_step, last_step) AS TABLE
+CREATE OR REPLACE MACRO mixture_plan(mixture, first_step, stop_step) AS TABLE
 WITH RECURSIVE
 mix AS (
     SELECT batch_size, datasets FROM mixtures WHERE mixture_id = mixture
@@ -112,15 +112,15 @@ stages AS (
     -- lo..hi: the steps of the range inside the stage (none when lo > hi)
     SELECT stage, start_step, end_step, quanta, total_weight,
            greatest(first_step, start_step) AS lo,
-           least(last_step, coalesce(end_step - 1, last_step)) AS hi
+           least(stop_step - 1, coalesce(end_step - 1, stop_step - 1)) AS hi
     FROM mixture_stages WHERE mixture_id = mixture
 ),
 points AS (
     -- the steps of the range, as the batches m done in their stage by their end (m >= 1), and
-    -- the full length of each stage ending by last_step (where later stages' indices start)
+    -- the full length of each stage ending before stop_step (where later stages' indices start)
     SELECT stage, unnest(range(lo - start_step + 1, hi - start_step + 2)) AS m FROM stages WHERE lo <= hi
     UNION
-    SELECT stage, end_step - start_step AS m FROM stages WHERE end_step <= last_step
+    SELECT stage, end_step - start_step AS m FROM stages WHERE end_step < stop_step
 ),
 counts(stage, m, node, dataset, c0, c1) AS (
     -- each node's count after m - 1 (c0) and m (c1) whole batches of the stage: the root holds
@@ -176,11 +176,11 @@ JOIN bases b ON b.stage = g.stage AND b.dataset = g.dataset
 WHERE g.m BETWEEN s.lo - s.start_step + 1 AND s.hi - s.start_step + 1
 ORDER BY step, dataset_index;
 
--- Proportions of a registered mixture over the global steps first_step..last_step (both
--- included), one row per dataset: its examples in those steps and their share, the target (the
+-- Proportions of a registered mixture over the global steps [first_step, stop_step) (stop_step
+-- excluded), one row per dataset: its examples in those steps and their share, the target (the
 -- example-weighted mean of the stages' weights over the steps), the dataset's stream indices
 -- [first_index, end_index) that fed them, and the largest deviation of mixture_plan.
-CREATE OR REPLACE MACRO mixture_proportions(mixture, first_step, last_step) AS TABLE
+CREATE OR REPLACE MACRO mixture_proportions(mixture, first_step, stop_step) AS TABLE
 SELECT
     dataset,
     dataset_index,
@@ -190,7 +190,7 @@ SELECT
     min(before) AS first_index,
     max(after) AS end_index,
     max(deviation) AS max_deviation
-FROM mixture_plan(mixture, first_step, last_step)
+FROM mixture_plan(mixture, first_step, stop_step)
 GROUP BY dataset, dataset_index
 ORDER BY dataset_index;
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import sys
@@ -70,6 +71,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"== {title} ==")
         _print_frame(tables[name], "table")
         print()
+    stale = tables["stale_folders"]
+    if len(stale):
+        print("== Stale chunk folders (replaced dataset plans; `lakeloader gc` removes them) ==")
+        _print_frame(stale, "table")
+        print()
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from lakeloader.catalog.stale import remove_stale_chunk_folders
+    from lakeloader.lake import open_lake
+
+    stale = remove_stale_chunk_folders(open_lake(args.target), dry_run=args.dry_run)
+    _print_frame(stale, args.format)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {len(stale)} stale chunk folders: {int(stale['files'].sum())} files, "
+          f"{int(stale['bytes'].sum()):,} bytes", file=sys.stderr)
     return 0
 
 
@@ -131,18 +149,16 @@ def _check_writable(path: str) -> None:
 
 
 def _cmd_batches(args: argparse.Namespace) -> int:
-    import numpy as np
+    from lakeloader.feed.npz import write_batches
 
     _check_writable(args.out)
-    loader = _loader(args)
-    first, last = args.steps
-    loader.check_step(last - 1)  # before computing any batch
-    batches = [loader.batch(step) for step in range(first, last)]
-    arrays = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
-    np.savez(args.out, **arrays)
-    shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items())
-    print(f"wrote steps {first}..{last - 1}, process {args.process_index} of {args.process_count}: "
-          f"{shapes} -> {args.out}")
+    first, stop = args.steps
+    with _loader(args) as loader:
+        loader.check_step(stop - 1)  # before computing any batch
+        out, shapes = write_batches(loader, first, stop, args.out, progress=not args.no_progress)
+    described = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+    print(f"wrote steps [{first}, {stop}), process {args.process_index} of {args.process_count}: "
+          f"{described} -> {out}")
     return 0
 
 
@@ -155,15 +171,15 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from lakeloader.feed.audit import audit, plot_audit
 
     first, stop = args.steps
-    frame = audit(args.config, first, stop - 1)
+    frame = audit(args.config, first, stop)
     if args.format == "table":
         info = frame.attrs
-        print(f"mixture {info['mixture_id']}, steps {first}..{stop - 1} "
+        print(f"mixture {info['mixture_id']}, steps [{first}, {stop}) "
               f"({(stop - first) * info['batch_size']:,} examples of batch {info['batch_size']}), "
               f"from the {info['source']}")
     _print_frame(frame, args.format)
     if args.plot:
-        plot_audit(args.config, first, stop - 1, args.plot)
+        plot_audit(args.config, first, stop, args.plot)
         print(f"plot -> {args.plot}", file=sys.stderr)
     return 0
 
@@ -180,10 +196,18 @@ def _add_loader_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lakeloader`` command."""
+    from lakeloader import __version__
+
     parser = argparse.ArgumentParser(prog="lakeloader", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lakeloader {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    # -v also after the command; SUPPRESS keeps a -v given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log debug messages")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser = functools.partial(commands.add_parser, parents=[common])  # type: ignore[method-assign]
 
     build = commands.add_parser(
         "build", help="build or resume the lake of a config",
@@ -221,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
         "mixture_nodes, packing_plans, chunk_examples; views: committed_prefix, chunk_offsets, packing; "
         "table macros: mixture_plan(id, "
-        "first_step, last_step), mixture_proportions(id, first_step, last_step). Example: lakeloader sql configs/demo.yaml "
+        "first_step, stop_step), mixture_proportions(id, first_step, stop_step) over the steps [first_step, "
+        "stop_step), as --steps A:B. Example: lakeloader sql configs/demo.yaml "
         "\"SELECT name, num_docs, num_tokens FROM datasets\"")
     sql.add_argument("target", metavar="CONFIG|LAKE")
     sql.add_argument("query", metavar="QUERY")
@@ -248,18 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_cmd_verify)
 
     batches = commands.add_parser(
-        "batches", help="write global batches A..B-1 (this process's rows) to an .npz file",
-        description="Materialize batches A..B-1 exactly as a training process would and save one "
+        "batches", help="write global batches [A, B) (this process's rows) to an .npz file",
+        description="Materialize batches A..B-1 (--steps A:B is half-open, as everywhere) exactly as a training process would and save one "
         "array per field (input_ids, targets, loss_mask, segment_ids, positions[, example_mask]) "
-        "shaped [B-A, rows_of_this_process, seq_len]. Works while the lake is still building: waits "
-        "only for chunks it needs.")
+        "shaped [B-A, rows_of_this_process, seq_len]. Streams each batch to disk as it is made (memory "
+        "of about one batch; the file appears complete or not at all). Works while the lake is still "
+        "building: waits only for chunks it needs.")
     _add_loader_options(batches)
-    batches.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
+    batches.add_argument("--steps", type=_steps, required=True, metavar="A:B",
+                         help="steps A..B-1 (half-open [A, B))")
     batches.add_argument("--out", required=True, metavar="FILE.npz", help="output file")
+    batches.add_argument("--no-progress", action="store_true", help="no progress bar")
     batches.set_defaults(func=_cmd_batches)
 
     audit = commands.add_parser(
-        "audit", help="realized vs target mixture proportions over steps A..B-1",
+        "audit", help="realized vs target mixture proportions over steps [A, B)",
         description="For each dataset of the config's mixture over global steps A..B-1: the target "
         "weight (the stage's; across stages, the example-weighted mean), the realized share of "
         "examples and of non-padding tokens (packing concat: seq_len tokens per example), the "
@@ -269,11 +297,24 @@ def build_parser() -> argparse.ArgumentParser:
         "a build registered it (SQL: mixture_plan, mixture_proportions), else computes the same "
         "closed form; reads no data.")
     audit.add_argument("config", metavar="CONFIG", help="YAML config file")
-    audit.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
+    audit.add_argument("--steps", type=_steps, required=True, metavar="A:B",
+                       help="steps A..B-1 (half-open [A, B), as audit(config, A, B) in Python)")
     audit.add_argument("--format", choices=formats, default="table")
     audit.add_argument("--plot", default=None, metavar="FILE.png",
                        help="also draw realized vs target share over the steps into a PNG (matplotlib)")
     audit.set_defaults(func=_cmd_audit)
+
+    gc = commands.add_parser(
+        "gc", help="remove the chunk folders of replaced dataset plans",
+        description="A dataset whose fingerprint changed (sources, tokenizer, format, fields or "
+        "build.split_size) is rebuilt into a new chunk folder; the old one is never read again. "
+        "`lakeloader status` lists such stale folders; this removes them (never the folders of "
+        "the plans in force). Refuses while a build holds the catalog, and keeps builds out while "
+        "it runs. Readers still using a replaced plan lose its files.")
+    gc.add_argument("target", metavar="CONFIG|LAKE")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    gc.add_argument("--format", choices=formats, default="table")
+    gc.set_defaults(func=_cmd_gc)
 
     explain = commands.add_parser(
         "explain", help="where every row of batch S came from",

@@ -176,7 +176,7 @@ def summarize(config: Any, *, batches: int = 20, audit_steps: int = 100) -> Summ
 
     config = load_config(config)
     datasets = open_lake(config).sql("SELECT name, format, num_docs, num_tokens FROM datasets ORDER BY name")
-    frame = audit(config, 0, audit_steps - 1)[["dataset", "target_weight", "share", "token_share", "tokens"]]
+    frame = audit(config, 0, audit_steps)[["dataset", "target_weight", "share", "token_share", "tokens"]]
     weights = config.mixture.all_weights()[0] if config.mixture else {name: 1.0 for name in frame["dataset"]}
     frame.insert(1, "weight", frame["dataset"].map(weights) / sum(weights.values()))
     with Loader(config) as loader:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
 from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
+from lakeloader.catalog.stale import stale_chunk_folders
 from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, WRITER_CATALOG, Config, load_config
 from lakeloader.errors import CatalogError, CatalogLockedError
 from lakeloader.storage import is_local, with_retries
@@ -102,7 +104,8 @@ class Lake:
         check_read_only(statement)
         con = self.connect(sandboxed=True)
         try:
-            return con.execute(statement, params).df() if params else con.execute(statement).df()
+            result = con.execute(statement, params) if params else con.execute(statement)
+            return integer_columns(result.df(), result.description)
         except (duckdb.PermissionException, duckdb.InvalidInputException) as exc:
             raise CatalogError(f"SQL error: {exc}\nlakeloader sql runs {ALLOWED_SQL}") from exc
         except duckdb.Error as exc:
@@ -111,13 +114,35 @@ class Lake:
             con.close()
 
     def status(self) -> dict[str, pd.DataFrame]:
-        """Per-dataset and per-shard progress and the recent builds, as DataFrames."""
+        """Per-dataset and per-shard progress, the recent builds and the stale chunk folders of
+        replaced dataset plans (``stale_folders``; ``lakeloader gc`` removes them), as DataFrames."""
         con = self.connect()
         try:
-            return {name: con.execute(query(q)).df() for name, q in
-                    (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
+            tables = {name: con.execute(query(q)).df() for name, q in
+                      (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
+            tables["stale_folders"] = stale_chunk_folders(self, con)
+            return tables
         finally:
             con.close()
+
+
+_WIDE_INTEGER = re.compile(r"^(U?HUGEINT|DECIMAL\(\d+,\s*0\))$")
+_EXACT_IN_FLOAT = 2**53
+
+
+def integer_columns(frame: pd.DataFrame, description: Sequence[Sequence[Any]] | None) -> pd.DataFrame:
+    """``frame`` with its HUGEINT and DECIMAL(p,0) columns (what DuckDB's ``sum()`` of integers
+    returns; pandas receives them as floats) as int64 (nullable ``Int64`` where NULLs occur)
+    when every value fits, so integer sums stay integers in pandas, CSV and JSON."""
+    for number, column in enumerate(description or ()):
+        values = frame.iloc[:, number]
+        if not _WIDE_INTEGER.match(str(column[1])) or values.dtype.kind != "f":
+            continue
+        present = values.dropna()
+        if len(present) and not (present.abs() < _EXACT_IN_FLOAT).all():
+            continue  # beyond 2**53 the float is no longer exact: leave it as it came
+        frame.isetitem(number, values.astype("Int64" if len(present) < len(values) else "int64"))
+    return frame
 
 
 def open_lake(config_or_lake: Config | str | os.PathLike[str],

@@ -121,16 +121,18 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "from lakeloader.feed.audit import audit, mixture_plan, plot_audit\n"
                  "from lakeloader.index.mixing import Mixer\n\n"
                  "config = lakeloader.load_config(CONFIG)\nconfig.mixture"),
-        ("markdown", "## Target vs realized over steps 0..999"),
-        ("code", "audit(CONFIG, 0, 999)"),
-        ("code", "png = tempfile.mktemp(suffix='.png')\nplot_audit(CONFIG, 0, 999, png)\nImage(png)"),
-        ("markdown", "## The same in SQL\n\n`mixture_plan(id, first, last)` gives, per step and dataset, how many "
-                     "examples it contributed and which ones (`[before, after)` of its stream); "
-                     "`mixture_proportions` aggregates a range."),
+        ("markdown", "## Target vs realized over steps 0..999\n\nStep ranges are half-open everywhere: "
+                     "`audit(CONFIG, 0, 1000)` in Python, `--steps 0:1000` on the command line and "
+                     "`mixture_plan(id, 0, 1000)` in SQL all mean steps 0..999."),
+        ("code", "audit(CONFIG, 0, 1000)"),
+        ("code", "png = tempfile.mktemp(suffix='.png')\nplot_audit(CONFIG, 0, 1000, png)\nImage(png)"),
+        ("markdown", "## The same in SQL\n\n`mixture_plan(id, first, stop)` gives, per step `first..stop-1` "
+                     "and dataset, how many examples it contributed and which ones (`[before, after)` of its "
+                     "stream); `mixture_proportions` aggregates a range."),
         ("code", "lake = lakeloader.open_lake(CONFIG)\nmixture_id = Mixer.from_config(config).mixture_id\n"
                  "lake.sql(f\"SELECT * FROM mixtures WHERE mixture_id = '{mixture_id}'\")"),
-        ("code", "lake.sql(f\"SELECT step, dataset, examples, before, after, deviation FROM mixture_plan('{mixture_id}', 5, 6) ORDER BY step, dataset\")"),
-        ("code", "lake.sql(f\"SELECT dataset, target_weight, share, examples, max_deviation FROM mixture_proportions('{mixture_id}', 0, 99999)\")"),
+        ("code", "lake.sql(f\"SELECT step, dataset, examples, before, after, deviation FROM mixture_plan('{mixture_id}', 5, 7) ORDER BY step, dataset\")"),
+        ("code", "lake.sql(f\"SELECT dataset, target_weight, share, examples, max_deviation FROM mixture_proportions('{mixture_id}', 0, 100000)\")"),
         ("markdown", "What fed step 5, row by row (the loader's own view):"),
         ("code", "from lakeloader.feed.loader import Loader\n"
                  "with Loader(CONFIG) as loader:\n"

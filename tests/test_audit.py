@@ -45,11 +45,11 @@ def catalog(tmp_path_factory: pytest.TempPathFactory) -> CatalogWriter:
     writer.close()
 
 
-def _sql_plan(con: duckdb.DuckDBPyConnection, mixer: Mixer, first: int, last: int) -> pd.DataFrame:
-    return con.execute("SELECT * FROM mixture_plan(?, ?, ?)", [mixer.mixture_id, first, last]).df()
+def _sql_plan(con: duckdb.DuckDBPyConnection, mixer: Mixer, first: int, stop: int) -> pd.DataFrame:
+    return con.execute("SELECT * FROM mixture_plan(?, ?, ?)", [mixer.mixture_id, first, stop]).df()
 
 
-CASES = [  # datasets, stage starts, batch size, step ranges (first, last)
+CASES = [  # datasets, stage starts, batch size, step ranges (first, last) with both included
     (2, [0], 1, [(0, 300)]),
     (5, [0, 7, 40], 3, [(0, 60), (5, 8), (39, 41), (40, 40)]),
     (10, [0, 1000, 10**6], 256, [(0, 999), (999_990, 1_000_020), (10**6, 10**6 + 500)]),
@@ -66,8 +66,8 @@ def test_sql_plan_equals_the_closed_form_bitwise(catalog: CatalogWriter, dataset
     catalog.register_mixture(mixer)
     stages = list(mixer.stages)
     for first, last in ranges:
-        sql = _sql_plan(catalog.con, mixer, first, last)
-        python = closed_form_plan(mixer, first, last)
+        sql = _sql_plan(catalog.con, mixer, first, last + 1)  # half-open [first, stop)
+        python = closed_form_plan(mixer, first, last + 1)
         assert len(sql) == (last - first + 1) * datasets
         for column in python.columns:  # integers and doubles alike: identical bits
             assert np.array_equal(sql[column].to_numpy(), python[column].to_numpy()), column
@@ -87,8 +87,8 @@ def test_sql_plan_equals_the_closed_form_bitwise(catalog: CatalogWriter, dataset
         assert sql["deviation"].max() < 2
         # The proportions macro aggregates the plan: integers exact, the mean target to rounding.
         props = catalog.con.execute("SELECT * FROM mixture_proportions(?, ?, ?)",
-                                    [mixer.mixture_id, first, last]).df()
-        expected = closed_form_proportions(mixer, first, last)
+                                    [mixer.mixture_id, first, last + 1]).df()
+        expected = closed_form_proportions(mixer, first, last + 1)
         for column in ("examples", "first_index", "end_index", "share", "max_deviation"):
             assert np.array_equal(props[column].to_numpy(), expected[column].to_numpy()), column
         assert np.allclose(props["target_weight"], expected["target_weight"], rtol=1e-12, atol=0)
@@ -103,7 +103,7 @@ def test_tiny_weights_never_vanish_in_sql(catalog: CatalogWriter) -> None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if mixture_counts([1.0, 1e-9, 0.0], 1, [mid])[0, 1] else (mid, hi)
-    plan = _sql_plan(catalog.con, mixer, hi - 1, hi)
+    plan = _sql_plan(catalog.con, mixer, hi - 1, hi + 1)
     tiny = plan[plan["dataset"] == "tiny"]
     assert tiny["examples"].tolist() == [0, 1] and tiny["before"].tolist() == [0, 0]
     assert (plan[plan["dataset"] == "zero"]["after"] == 0).all()
@@ -115,11 +115,11 @@ def test_tiny_weights_never_vanish_in_sql(catalog: CatalogWriter) -> None:
 def test_sql_plan_is_fast(catalog: CatalogWriter) -> None:
     mixer = _random_mixer(np.random.default_rng(7), 10, [0, 5000], 256)
     catalog.register_mixture(mixer)
-    _sql_plan(catalog.con, mixer, 0, 10)  # warm up
+    _sql_plan(catalog.con, mixer, 0, 11)  # warm up
     timings = []
     for _ in range(3):  # the best of three: other tests may share the machine
         started = time.perf_counter()
-        plan = _sql_plan(catalog.con, mixer, 10**6, 10**6 + 9_999)
+        plan = _sql_plan(catalog.con, mixer, 10**6, 10**6 + 10_000)
         timings.append(time.perf_counter() - started)
     elapsed = min(timings)
     assert len(plan) == 100_000 and set(plan["stage"]) == {1}
@@ -177,7 +177,7 @@ def test_sql_proportions_match_the_loaders_batches(lake: Path) -> None:
         windows = {step: loader._windows(step) for step in range(first, last + 1)}
         per_epoch = {d.name: d.train_count() for d in loader.datasets}
     plan = open_lake(lake).sql("SELECT * FROM mixture_plan(?, ?, ?)", [Mixer.from_config(load_config(lake)).mixture_id,
-                                                                       first, last])
+                                                                       first, last + 1])
     for step, rows in windows.items():
         here = plan[plan["step"] == step].set_index("dataset")
         for name in ("json", "email", "http"):
@@ -185,7 +185,7 @@ def test_sql_proportions_match_the_loaders_batches(lake: Path) -> None:
             lo, hi = here.loc[name, "before"], here.loc[name, "after"]
             assert mine == list(range(lo, hi)), (step, name)  # exactly the indices [before, after)
     counted = pd.Series([w.dataset for rows in windows.values() for w in rows]).value_counts()
-    report = audit(lake, first, last).set_index("dataset")
+    report = audit(lake, first, last + 1).set_index("dataset")
     assert report.attrs["source"] == "catalog"
     for name in ("json", "email", "http"):
         assert report.loc[name, "examples"] == counted.get(name, 0)
@@ -196,12 +196,12 @@ def test_sql_proportions_match_the_loaders_batches(lake: Path) -> None:
 
 def test_audit_agrees_with_the_closed_form(lake: Path, tmp_path: Path) -> None:
     for first, last in [(0, 0), (0, 40), (5, 16), (10**6, 10**6 + 99)]:
-        from_catalog = audit(lake, first, last)
+        from_catalog = audit(lake, first, last + 1)
         assert from_catalog.attrs["source"] == "catalog"
         # The same config pointed at a lake that does not exist: the closed form in Python.
         text = Path(lake).read_text().replace(str(Path(lake).parent / "lake"), str(tmp_path / "none"))
         (tmp_path / "elsewhere.yaml").write_text(text)
-        closed = audit(tmp_path / "elsewhere.yaml", first, last)
+        closed = audit(tmp_path / "elsewhere.yaml", first, last + 1)
         assert closed.attrs["source"] == "closed form"
         for column in ("examples", "tokens", "first_index", "end_index", "share", "token_share", "max_deviation"):
             assert np.array_equal(from_catalog[column].to_numpy(), closed[column].to_numpy()), column
@@ -209,24 +209,24 @@ def test_audit_agrees_with_the_closed_form(lake: Path, tmp_path: Path) -> None:
         assert (from_catalog["max_deviation"] < 2).all()
         assert (from_catalog["tokens"] == from_catalog["examples"] * 32).all()
     # One stage: its target; over stages 0 and 1 (6 + 4 steps): the example-weighted mean.
-    report = audit(lake, 0, 5).set_index("dataset")["target_weight"]
+    report = audit(lake, 0, 6).set_index("dataset")["target_weight"]
     assert report.to_dict() == pytest.approx({"json": 0.75, "email": 0.25, "http": 0.0})
-    report = audit(lake, 0, 9).set_index("dataset")["target_weight"]
+    report = audit(lake, 0, 10).set_index("dataset")["target_weight"]
     assert report.to_dict() == pytest.approx({"json": (6 * 0.75 + 4 * 0.25) / 10,
                                               "email": (6 * 0.25 + 4 * 0.25) / 10, "http": 4 * 0.5 / 10})
-    plan = mixture_plan(lake, 14, 15)
+    plan = mixture_plan(lake, 14, 16)
     assert plan.attrs["source"] == "catalog" and set(plan["stage"]) == {1, 2}
 
 
 def test_audit_cli_table_json_and_plot(lake: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", str(lake), "--steps", "0:30"]) == 0
     out = capsys.readouterr().out
-    assert "steps 0..29" in out and "from the catalog" in out
+    assert "steps [0, 30)" in out and "from the catalog" in out
     for word in ("json", "email", "http", "target_weight", "share", "token_share", "max_deviation"):
         assert word in out
     assert main(["audit", str(lake), "--steps", "2:25", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    expected = audit(lake, 2, 24)
+    expected = audit(lake, 2, 25)
     assert [r["dataset"] for r in rows] == ["json", "email", "http"]
     assert [r["examples"] for r in rows] == expected["examples"].tolist()
     assert sum(r["examples"] for r in rows) == 23 * 8
@@ -243,7 +243,7 @@ def test_audit_of_a_single_dataset_without_mixture(tmp_path: Path, capsys: pytes
     write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
     config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}},
                           loader={"seq_len": 16, "batch_size": 4})
-    report = audit(config, 0, 9)  # no lake built: the closed form
+    report = audit(config, 0, 10)  # no lake built: the closed form
     assert report["dataset"].tolist() == ["code"]
     assert report.iloc[0][["target_weight", "share", "token_share"]].tolist() == [1.0, 1.0, 1.0]
     assert report.iloc[0]["examples"] == 40 and report.iloc[0]["tokens"] == 640

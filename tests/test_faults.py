@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import stdlib_texts, write_config, write_jsonl
 
 from lakeloader.build.driver import build

@@ -316,8 +316,8 @@ def test_resume_yields_exact_suffix(lake: Path, prefetch: int, datasets: tuple[s
     assert restarted.fingerprint == run.fingerprint
     for step in range(RESUME_STEPS + 1):
         saved = run.state(step)
-        assert saved == LoaderState(step, run.fingerprint)
-        checkpoint = json.loads(json.dumps(saved.to_dict()))
+        assert saved == LoaderState(step, run.fingerprint).to_dict()
+        checkpoint = json.loads(json.dumps(saved))
         assert checkpoint == {"step": step, "fingerprint": run.fingerprint}
         for start in (step, saved, checkpoint, LoaderState.from_dict(checkpoint)):
             resumed = list(itertools.islice(restarted.iter_from(start), RESUME_STEPS + 1 - step))
@@ -338,7 +338,7 @@ def test_resume_eval_pass(lake: Path, prefetch: int) -> None:
     assert len(everything) == run.num_batches
     restarted = Loader(config, mode="eval")
     for step in range(0, len(everything) + 1, 7):
-        resumed = list(restarted.iter_from(json.loads(json.dumps(run.state(step).to_dict()))))
+        resumed = list(restarted.iter_from(json.loads(json.dumps(run.state(step)))))
         assert len(resumed) == len(everything) - step
         for k, batch in enumerate(resumed):
             assert_batches_equal(batch, everything[step + k], f"eval resume at {step}")
@@ -348,7 +348,7 @@ def test_state_of_other_config_is_a_clear_error(lake: Path) -> None:
     loader = Loader(loader_config(lake, "fp_a"))
     other = Loader(loader_config(lake, "fp_b", seq_len=SEQ_LEN * 2))
     assert other.fingerprint != loader.fingerprint
-    for state in (other.state(5), other.state(5).to_dict()):
+    for state in (other.state(5), LoaderState.from_dict(other.state(5))):
         with pytest.raises(LakeloaderError) as error:
             next(loader.iter_from(state))
         assert other.fingerprint in str(error.value) and loader.fingerprint in str(error.value)

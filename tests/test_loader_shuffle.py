@@ -43,7 +43,7 @@ def test_same_batches_for_any_process_count_and_resume(tmp_path: Path, dask_sche
         assert_batches_equal(global_batches(config, processes, range(STEPS)), reference)
     loader = Loader(config)
     for start in range(STEPS):
-        got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start).to_dict()))]
+        got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start)))]
         assert_batches_equal(got, reference[start:])
     if kind != "none":  # shuffled: the order differs from the stored order
         plain = mixed_config(tmp_path / "plain", {"kind": "none"})

@@ -25,7 +25,7 @@ from lakeloader.feed.loader import Loader
 config, out = sys.argv[1], Path(sys.argv[2])
 state_file = out / "state.json"
 loader = Loader(config)
-state = json.loads(state_file.read_text()) if state_file.exists() else loader.state(0).to_dict()
+state = json.loads(state_file.read_text()) if state_file.exists() else loader.state(0)
 
 
 def write_atomically(path, write):
@@ -39,7 +39,7 @@ def write_atomically(path, write):
 for batch in loader.iter_from(state):
     step = state["step"]
     write_atomically(out / f"step-{step:04d}.npz", lambda handle: np.savez(handle, **batch))
-    state = loader.state(step + 1).to_dict()
+    state = loader.state(step + 1)
     # saved after the batch is consumed
     write_atomically(state_file, lambda handle: handle.write(json.dumps(state).encode()))
     if step + 1 == 40:

@@ -1,5 +1,8 @@
 """Audit a mixture: realized vs target proportions over a range of global steps.
 
+Step ranges are half-open, ``[first, stop)``, as ``--steps A:B`` of the command line and the
+catalog macros ``mixture_plan(id, first_step, stop_step)`` and ``mixture_proportions``.
+
 The schedule is closed form (:mod:`lakeloader.index.mixture`), so an audit never reads data.
 When a build has registered the config's mixture in the catalog, the numbers come from the
 catalog's SQL (macros ``mixture_plan`` and ``mixture_proportions`` of ``catalog/views.sql``);
@@ -34,10 +37,13 @@ AUDIT_COLUMNS = ["dataset", "target_weight", "share", "token_share", "examples",
 _BLOCK = 65_536  # steps per block of the Python closed form
 
 
-def _check_steps(first: int, last: int) -> tuple[int, int]:
-    if int(first) != first or int(last) != last or not 0 <= first <= last:
-        raise LakeloaderError(f"audit needs steps 0 <= first <= last, got first={first!r}, last={last!r}")
-    return int(first), int(last)
+def _check_steps(first: int, stop: int) -> tuple[int, int]:
+    """``(first, last)``: the first and the last step of the half-open range ``[first, stop)``."""
+    if int(first) != first or int(stop) != stop or not 0 <= first < stop:
+        raise LakeloaderError(
+            f"audit needs steps 0 <= first < stop (the half-open range [first, stop)), got "
+            f"first={first!r}, stop={stop!r}")
+    return int(first), int(stop) - 1
 
 
 def _schedule(mixer: Mixer, steps: np.ndarray) -> dict[str, np.ndarray]:
@@ -94,20 +100,20 @@ def _plan_frame(mixer: Mixer, block: dict[str, np.ndarray]) -> pd.DataFrame:
     })
 
 
-def closed_form_plan(mixer: Mixer, first: int, last: int) -> pd.DataFrame:
-    """The rows of the catalog macro ``mixture_plan`` for steps ``first..last`` (both included),
-    computed in Python with :mod:`lakeloader.index.mixture`: one row per (step, dataset)."""
-    first, last = _check_steps(first, last)
+def closed_form_plan(mixer: Mixer, first: int, stop: int) -> pd.DataFrame:
+    """The rows of the catalog macro ``mixture_plan`` for steps ``[first, stop)``, computed in
+    Python with :mod:`lakeloader.index.mixture`: one row per (step, dataset)."""
+    first, last = _check_steps(first, stop)
     return pd.concat([_plan_frame(mixer, block) for block in _blocks(mixer, first, last)],
                      ignore_index=True)
 
 
-def closed_form_proportions(mixer: Mixer, first: int, last: int) -> pd.DataFrame:
-    """The rows of the catalog macro ``mixture_proportions`` for steps ``first..last``, computed
+def closed_form_proportions(mixer: Mixer, first: int, stop: int) -> pd.DataFrame:
+    """The rows of the catalog macro ``mixture_proportions`` for steps ``[first, stop)``, computed
     in Python (in blocks, so long ranges need little memory): one row per dataset. Integers and
     ``share``/``max_deviation`` equal the macro's bit for bit; the mean target is summed in
     another order, so it agrees to rounding."""
-    first, last = _check_steps(first, last)
+    first, last = _check_steps(first, stop)
     target = np.zeros(len(mixer.names))
     deviation = np.zeros(len(mixer.names))
     first_index = end_index = None
@@ -181,23 +187,23 @@ def _lake_means(config: Config) -> tuple[Mixer, dict[str, float]]:
     return Mixer.from_config(config, means if token_weights else None), means
 
 
-def mixture_plan(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.DataFrame:
-    """One row per (step, dataset) of steps ``first..last`` (both included): the dataset's
+def mixture_plan(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.DataFrame:
+    """One row per (step, dataset) of steps ``[first, stop)`` (``stop`` excluded): the dataset's
     examples in the step's batch, the stream indices ``[before, after)`` that fed it, the counts
     from the start of the step's stage, the target weight and the deviation from it (columns as
     the catalog macro ``mixture_plan``). Read from the catalog when the mixture is registered
     (``frame.attrs["source"] == "catalog"``), else from the closed form."""
     config = load_config(config)
-    first, last = _check_steps(first, last)
+    first, last = _check_steps(first, stop)
     mixer = _lake_means(config)[0]
     con = _catalog(config, mixer)
     if con is None:
-        frame = closed_form_plan(mixer, first, last)
+        frame = closed_form_plan(mixer, first, last + 1)
         frame.attrs["source"] = "closed form"
     else:
         try:
             frame = con.execute(query("mixture_plan_rows"),
-                                {"mixture_id": mixer.mixture_id, "first": first, "last": last}).df()
+                                {"mixture_id": mixer.mixture_id, "first": first, "stop": last + 1}).df()
         finally:
             con.close()
         frame.attrs["source"] = "catalog"
@@ -205,9 +211,9 @@ def mixture_plan(config: Config | str | os.PathLike[str], first: int, last: int)
     return frame
 
 
-def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.DataFrame:
-    """Realized vs target proportions of the config's mixture over global steps ``first..last``
-    (both included), one row per dataset:
+def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.DataFrame:
+    """Realized vs target proportions of the config's mixture over global steps ``[first, stop)``
+    (``stop`` excluded, as ``--steps A:B``), one row per dataset:
 
     - ``target_weight``: the stage's weight; over steps of several stages, the mean of the
       stages' weights weighted by their examples in the range;
@@ -228,16 +234,16 @@ def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.
     dataset at share 1.0.
     """
     config = load_config(config)
-    first, last = _check_steps(first, last)
+    first, last = _check_steps(first, stop)
     mixer, means = _lake_means(config)
     con = _catalog(config, mixer)
     if con is None:
-        frame = closed_form_proportions(mixer, first, last)
+        frame = closed_form_proportions(mixer, first, last + 1)
         source = "closed form"
     else:
         try:
             frame = con.execute(query("mixture_proportions"), {
-                "mixture_id": mixer.mixture_id, "first_step": first, "last_step": last}).df()
+                "mixture_id": mixer.mixture_id, "first_step": first, "stop_step": last + 1}).df()
         finally:
             con.close()
         source = "catalog"
@@ -246,14 +252,14 @@ def audit(config: Config | str | os.PathLike[str], first: int, last: int) -> pd.
     frame["tokens"] = np.round(frame["examples"] * frame["dataset"].map(means)).astype(np.int64)
     frame["token_share"] = frame["tokens"] / frame["tokens"].sum()
     frame = frame[AUDIT_COLUMNS].reset_index(drop=True)
-    frame.attrs.update(source=source, mixture_id=mixer.mixture_id, first_step=first, last_step=last,
+    frame.attrs.update(source=source, mixture_id=mixer.mixture_id, first_step=first, stop_step=last + 1,
                        batch_size=mixer.batch_size, seq_len=seq_len)
     return frame
 
 
-def plot_audit(config: Config | str | os.PathLike[str], first: int, last: int,
+def plot_audit(config: Config | str | os.PathLike[str], first: int, stop: int,
                path: str | os.PathLike[str], *, max_steps: int = 20_000) -> None:
-    """Draw the realized vs target share of each dataset over steps ``first..last`` (top: share
+    """Draw the realized vs target share of each dataset over steps ``[first, stop)`` (top: share
     of the examples of steps ``first..k`` as solid lines, the target as dashed lines; bottom: the
     deviation from the start of the stage against the bound of 2) into the PNG ``path``.
 
@@ -269,10 +275,10 @@ def plot_audit(config: Config | str | os.PathLike[str], first: int, last: int,
         raise LakeloaderError("plotting an audit needs matplotlib: pip install matplotlib") from exc
 
     config = load_config(config)
-    first, last = _check_steps(first, last)
+    first, last = _check_steps(first, stop)
     mixer = _lake_means(config)[0]
     if last - first + 1 <= max_steps:
-        plan = mixture_plan(config, first, last)
+        plan = mixture_plan(config, first, last + 1)
         source = plan.attrs["source"]
     else:  # evenly spaced steps, each exact (the closed form seeks at no cost)
         picks = np.unique(np.linspace(first, last, max_steps).round().astype(np.int64))
@@ -299,7 +305,7 @@ def plot_audit(config: Config | str | os.PathLike[str], first: int, last: int,
     bottom.axhline(2.0, color="black", lw=1.0, ls=":", label="bound (2 examples)")
     top.set_ylabel(f"share of the examples of steps {first}..k")
     top.set_title(f"mixture {mixer.mixture_id}: realized vs target share\n"
-                  f"batch {size}, steps {first:,}..{last:,}, from the {source}", fontsize="medium")
+                  f"batch {size}, steps [{first:,}, {last + 1:,}), from the {source}", fontsize="medium")
     top.grid(alpha=0.3)
     datasets = top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
                           ncol=1 if len(mixer.names) <= 16 else 2, title="dataset")

@@ -79,7 +79,7 @@ class JaxFeed:
 
     def state(self, step: int) -> dict[str, Any]:
         """JSON-serializable state that restores to ``step`` (e.g. ``orbax.checkpoint.args.JsonSave``)."""
-        return self.loader.state(step).to_dict()
+        return self.loader.state(step)
 
     def restore(self, state: dict[str, Any]) -> Iterator[dict[str, jax.Array]]:
         """Batches from a saved state on (checks the fingerprint), on any number of processes."""

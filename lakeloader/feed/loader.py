@@ -253,9 +253,14 @@ class Loader:
             arrays["image_refs"] = np.full((self.rows, max(images)), "", dtype=object)
         return arrays
 
-    def state(self, step: int) -> LoaderState:
-        """The state to save so that a restore continues at ``step``."""
-        return LoaderState(step, self.fingerprint)
+    def state(self, step: int) -> dict[str, Any]:
+        """JSON-serializable state to save so that :meth:`restore` (or :meth:`iter_from`)
+        continues at ``step``: ``{"step": step, "fingerprint": ...}``, as ``JaxFeed.state``."""
+        return LoaderState(step, self.fingerprint).to_dict()
+
+    def restore(self, state: dict[str, Any] | LoaderState) -> Iterator[Batch]:
+        """Batches from a saved state on (checks the fingerprint), as ``JaxFeed.restore``."""
+        return self.iter_from(state)
 
     def _start(self, start: int | LoaderState | dict[str, Any]) -> int:
         if isinstance(start, dict):
