@@ -1,4 +1,4 @@
-"""The ``lakeloader`` command line (the stable contract of DESIGN.md)."""
+"""The ``lakeloader`` command line (the stable contract of docs/design.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -144,8 +145,19 @@ def _check_writable(path: str) -> None:
         raise LakeloaderError(f"--out {path}: folder {folder} does not exist; create it or choose another path")
     if os.path.isdir(path):
         raise LakeloaderError(f"--out {path}: is a folder; give a file name such as {os.path.join(path, 'batches.npz')}")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise LakeloaderError(f"--out {path}: not writable by this user; choose another path")
+    try:  # a real write tells what os.access cannot (a read-only mount, a full disk, root's rights)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".lakeloader-probe-"):
+            pass
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    except OSError as exc:
+        raise _output_error(path, exc) from exc
+
+
+def _output_error(path: str | None, exc: OSError) -> LakeloaderError:
+    """The error for an output file (--out, --plot) that cannot be written."""
+    return LakeloaderError(f"cannot write {path or 'a file'}: {exc.strerror}. Free space or choose a "
+                           "writable location, then re-run")
 
 
 def _cmd_batches(args: argparse.Namespace) -> int:
@@ -360,8 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.errno not in _WRITE_ERRNOS:
             raise
         # The library's own lake writes name their file and chunk; this is any other (--out, --plot).
-        print(f"lakeloader {args.command}: error: cannot write {exc.filename or 'a file'}: {exc.strerror}. "
-              "Free space or choose a writable location, then re-run", file=sys.stderr)
+        print(f"lakeloader {args.command}: error: {_output_error(exc.filename, exc)}", file=sys.stderr)
         return 2
 
 

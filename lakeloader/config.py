@@ -1,4 +1,4 @@
-"""The YAML config: keys of DESIGN.md, validated, with errors naming file, line, key and allowed values."""
+"""The YAML config: keys of docs/design.md, validated, with errors naming file, line, key and allowed values."""
 
 from __future__ import annotations
 

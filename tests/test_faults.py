@@ -105,10 +105,15 @@ def test_disk_full_even_for_the_catalog_gives_one_clean_error(tmp_path: Path, da
         assert "Failed to create checkpoint" not in result.stderr
         assert leftovers(lake) == []
         remount(lake, "size=64m")
-        [row] = builds(config)  # read from the catalog file: it kept the failure
-        assert row["status"] == "failed" and "No space left on device" in str(row["error"])
+        [row] = builds(config)  # read from the catalog file: it kept what happened
+        if "build 1 succeeded" in result.stderr:
+            # The disk filled only at the catalog's closing checkpoint: every chunk and the final
+            # snapshot were written, and the write-ahead log kept the build's record.
+            assert row["status"] == "succeeded" and row["error"] is None
+        else:
+            assert row["status"] == "failed" and "No space left on device" in str(row["error"])
         build(config, scheduler=dask_scheduler, progress=False)
-        assert [r["status"] for r in builds(config)] == ["failed", "succeeded"]
+        assert [r["status"] for r in builds(config)] == [row["status"], "succeeded"]
 
 
 def test_build_on_a_read_only_lake_leaves_nothing(tmp_path: Path) -> None:
