@@ -177,7 +177,7 @@ def test_analyst_queries_still_work(shared: dict[str, Path], capsys: pytest.Capt
                        "SELECT dataset, count(*) AS n, sum(num_tokens) AS tokens FROM c GROUP BY dataset ORDER BY dataset")
     assert grouped.n.tolist() == datasets.num_chunks.tolist()
     mixture = lake.sql("SELECT mixture_id FROM mixtures").mixture_id[0]
-    plan = lake.sql("SELECT dataset, sum(examples) AS n FROM mixture_plan(?, 0, 9) GROUP BY dataset ORDER BY dataset",
+    plan = lake.sql("SELECT dataset, sum(examples) AS n FROM mixture_plan(?, 0, 10) GROUP BY dataset ORDER BY dataset",
                     [mixture])
     assert plan.n.sum() == 10 * 4
     shares = lake.sql("SELECT * FROM mixture_proportions($id, 0, 99)", {"id": mixture})
