@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loader_throughput.py
 	$(BIN)/python benchmarks/jax_feed.py
 	$(BIN)/python benchmarks/build_scaling.py
+	$(BIN)/python benchmarks/integrity_overhead.py
 
 clean:
 	rm -rf demo/lake demo/formats-lake demo/data benchmarks/out
