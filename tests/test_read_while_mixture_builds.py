@@ -28,7 +28,8 @@ from conftest import assert_batches_equal, stdlib_texts, write_config
 
 from lakeloader.build.driver import build
 from lakeloader.catalog import store
-from lakeloader.errors import InputError
+from lakeloader.errors import InputError, LakeloaderError
+from lakeloader.feed.audit import audit
 from lakeloader.feed.loader import Loader
 from lakeloader.index.render import make_template, stream_lengths
 from lakeloader.lake import Lake
@@ -230,3 +231,9 @@ def test_lake_whose_build_failed_before_committing_anything(tmp_path: Path, dask
     assert "waiting for chunk 0 of dataset 'tiny'" in reader.stderr, reader.stderr
     assert "waited 0.5s for chunk 0 of dataset 'tiny'" in reader.stderr and "Traceback" not in reader.stderr
     assert not out.exists()
+    # The audit of a pack mixture needs example counts the build has not made yet: it says so.
+    with pytest.raises(LakeloaderError) as error:
+        audit(variant(config, "pack", "window"), 0, 1)
+    message = str(error.value)
+    assert message.startswith("the audit's token shares under packing: pack needs dataset"), message
+    assert "mixture.unit" not in message

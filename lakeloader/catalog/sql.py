@@ -45,9 +45,14 @@ def query(name: str) -> str:
         raise KeyError(f"no query named {name!r} in catalog/queries.sql") from None
 
 
-def example_token_means(con: Any, plans: Mapping[str, str | None], seq_len: int) -> dict[str, float]:
+TOKEN_WEIGHTS_NEED = ("mixture.unit: tokens", "or use unit: examples")
+
+
+def example_token_means(con: Any, plans: Mapping[str, str | None], seq_len: int,
+                        needed_by: tuple[str, str] = TOKEN_WEIGHTS_NEED) -> dict[str, float]:
     """Mean non-padding tokens per example of each dataset: ``seq_len`` under ``concat`` (plan
-    None), else from the per-chunk counts of its packing plan, which must cover every chunk."""
+    None), else from the per-chunk counts of its packing plan, which must cover every chunk.
+    ``needed_by`` (what needs the means, an alternative) words the error when they do not."""
     means = {}
     for name, plan_key in plans.items():
         if plan_key is None:
@@ -57,8 +62,8 @@ def example_token_means(con: Any, plans: Mapping[str, str | None], seq_len: int)
             query("plan_example_tokens"), {"name": name, "plan_key": plan_key}).fetchone()
         if not examples or counted != planned:
             raise LakeloaderError(
-                f"mixture.unit: tokens needs dataset {name!r} complete with example counts for this "
-                f"packing ({counted} of {planned} chunks counted): let its build finish, or use unit: examples")
+                f"{needed_by[0]} needs dataset {name!r} complete with example counts for this "
+                f"packing ({counted} of {planned} chunks counted): let its build finish, {needed_by[1]}")
         means[name] = tokens / examples
     return means
 

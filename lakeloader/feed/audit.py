@@ -23,7 +23,7 @@ from lakeloader.config import Config, load_config
 from lakeloader.errors import CatalogError, LakeloaderError
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
-from lakeloader.catalog.sql import example_token_means
+from lakeloader.catalog.sql import TOKEN_WEIGHTS_NEED, example_token_means
 from lakeloader.index.templates import packing_specs
 from lakeloader.lake import open_lake
 
@@ -181,7 +181,9 @@ def _lake_means(config: Config) -> tuple[Mixer, dict[str, float]]:
     try:
         specs = packing_specs(config, lake.tokenizer(con, names))
         plans = {name: spec.plan_key if (spec := specs.get(name)) else None for name in names}
-        means = example_token_means(con, plans, config.loader.seq_len)
+        needed_by = (TOKEN_WEIGHTS_NEED if token_weights else
+                     (f"the audit's token shares under packing: {config.loader.packing}", "then audit again"))
+        means = example_token_means(con, plans, config.loader.seq_len, needed_by)
     finally:
         con.close()
     return Mixer.from_config(config, means if token_weights else None), means
