@@ -115,7 +115,8 @@ class FimFormat(_Strict):
     """``format: fim``: text documents of which a seeded fraction ``rate`` is cut into prefix,
     middle and suffix at collation and reordered (PSM, or SPM for a fraction ``spm_rate``)."""
 
-    text_field: str | None = Field(default=None, description="Record field holding the text (default: the dataset's text_field).")
+    text_field: str | None = Field(default=None, description=(
+        "Record field holding the text (default: the dataset's text_field)."))
     rate: float = Field(default=0.5, ge=0, le=1, description="Fraction of documents cut and reordered.")
     spm_rate: float = Field(default=0.0, ge=0, le=1,
                             description="Fraction of the reordered documents in SPM order (the rest PSM).")
