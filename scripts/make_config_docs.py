@@ -23,10 +23,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from lakeloader.config import Config  # noqa: E402
+from lakeloader.config import Config
 
+ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
 EXAMPLE = ROOT / "configs" / "demo.yaml"
 PLACEHOLDERS = {"datasets": "<name>", "template": "<role>"}  # how a mapping's free key is written
@@ -57,7 +56,7 @@ The bundled demo, [`configs/demo.yaml`](../configs/demo.yaml):
 
 
 def type_name(tp: Any) -> str:
-    """A YAML-minded name of a field's type: ``str``, ``list of str``, ``mapping of float``."""
+    """A YAML-minded name of a field's type: ``str``, ``list of str``, ``mapping to float``."""
     origin, args = get_origin(tp), get_args(tp)
     if tp is type(None):
         return "null"
@@ -110,18 +109,16 @@ def submodel(tp: Any) -> tuple[type[BaseModel], str] | None:
     if len(args) != 1:
         return None
     tp, origin = args[0], get_origin(args[0])
-    if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return tp, ""
-    if origin is dict and isinstance(get_args(tp)[1], type) and issubclass(get_args(tp)[1], BaseModel):
-        return get_args(tp)[1], ".{}"
-    if origin is list and isinstance(get_args(tp)[0], type) and issubclass(get_args(tp)[0], BaseModel):
-        return get_args(tp)[0], "[]"
+    inner, suffix = {dict: (get_args(tp)[-1:], ".{}"), list: (get_args(tp)[:1], "[]")}.get(origin, ((tp,), ""))
+    if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+        return inner[0], suffix
     return None
 
 
 def sections(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel], list[str]]]:
     """Each model below ``model`` (itself first) with its key prefix and its table rows."""
-    rows, below = [], []
+    rows: list[str] = []
+    below: list[tuple[type[BaseModel], str]] = []
     for name, field in model.model_fields.items():
         if field.exclude:
             continue
