@@ -59,8 +59,8 @@ class _Strict(BaseModel):
 class RoleTemplate(_Strict):
     """Text put around one chat message's content at collation (may contain special tokens)."""
 
-    prefix: str = ""
-    suffix: str = ""
+    prefix: str = Field(default="", description="Text put before the message content.")
+    suffix: str = Field(default="", description="Text put after the message content.")
 
 
 def _chatml(roles: list[str]) -> dict[str, RoleTemplate]:
@@ -71,12 +71,15 @@ class ChatFormat(_Strict):
     """``format: chat``: a list of messages with roles. Field keys are read at build time; the
     template and loss roles apply at collation (change them without rebuilding)."""
 
-    messages_field: str = "messages"
-    role_key: str = "role"
-    content_key: str = "content"
-    roles: list[str] = Field(default_factory=lambda: ["system", "user", "assistant", "tool"], min_length=1)
-    template: dict[str, RoleTemplate] | None = None   # default: ChatML for every role
-    loss_roles: list[str] = Field(default_factory=lambda: ["assistant"])
+    messages_field: str = Field(default="messages", description="Record field holding the list of messages.")
+    role_key: str = Field(default="role", description="Key of a message's role.")
+    content_key: str = Field(default="content", description="Key of a message's text.")
+    roles: list[str] = Field(default_factory=lambda: ["system", "user", "assistant", "tool"], min_length=1,
+                             description="The roles a message may have (a part kind each).")
+    template: dict[str, RoleTemplate] | None = Field(
+        default=None, description="Prefix and suffix per role (default: ChatML for every role).")
+    loss_roles: list[str] = Field(default_factory=lambda: ["assistant"],
+                                  description="Roles whose tokens count in the loss.")
 
     @property
     def role_templates(self) -> dict[str, RoleTemplate]:
@@ -99,24 +102,27 @@ class SupervisedFormat(_Strict):
     ``output: seq2seq`` gives ``inputs`` (the prompt side) and ``targets`` (the response side)
     as separate arrays instead of one causal sequence."""
 
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    prompt_prefix: str = ""
-    separator: str = "<|sep|>"
-    response_suffix: str = ""
-    output: Literal["causal", "seq2seq"] = "causal"
+    prompt_field: str = Field(default="prompt", description="Record field holding the prompt.")
+    response_field: str = Field(default="response", description="Record field holding the response.")
+    prompt_prefix: str = Field(default="", description="Text put before the prompt.")
+    separator: str = Field(default="<|sep|>", description="Text put between prompt and response.")
+    response_suffix: str = Field(default="", description="Text put after the response (before EOS).")
+    output: Literal["causal", "seq2seq"] = Field(
+        default="causal", description="One causal sequence, or separate inputs and targets arrays.")
 
 
 class FimFormat(_Strict):
     """``format: fim``: text documents of which a seeded fraction ``rate`` is cut into prefix,
     middle and suffix at collation and reordered (PSM, or SPM for a fraction ``spm_rate``)."""
 
-    text_field: str | None = None     # default: the dataset's text_field
-    rate: float = Field(default=0.5, ge=0, le=1)
-    spm_rate: float = Field(default=0.0, ge=0, le=1)
-    prefix_token: str = "<|fim_prefix|>"
-    middle_token: str = "<|fim_middle|>"
-    suffix_token: str = "<|fim_suffix|>"
+    text_field: str | None = Field(default=None, description=(
+        "Record field holding the text (default: the dataset's text_field)."))
+    rate: float = Field(default=0.5, ge=0, le=1, description="Fraction of documents cut and reordered.")
+    spm_rate: float = Field(default=0.0, ge=0, le=1,
+                            description="Fraction of the reordered documents in SPM order (the rest PSM).")
+    prefix_token: str = Field(default="<|fim_prefix|>", description="Token put before the prefix.")
+    middle_token: str = Field(default="<|fim_middle|>", description="Token put before the middle.")
+    suffix_token: str = Field(default="<|fim_suffix|>", description="Token put before the suffix.")
 
 
 class InterleavedFormat(_Strict):
@@ -124,14 +130,14 @@ class InterleavedFormat(_Strict):
     becomes ``image_start + image_token * image_tokens + image_end`` at collation; its
     reference travels with the example in the ``image_refs`` side field."""
 
-    items_field: str = "items"
-    text_key: str = "text"
-    image_key: str = "image"
-    image_tokens: int = Field(default=64, ge=1)
-    image_token: str = "<|image|>"
-    image_start: str = "<|image_start|>"
-    image_end: str = "<|image_end|>"
-    max_images: int = Field(default=8, ge=1)   # images per example
+    items_field: str = Field(default="items", description="Record field holding the list of items.")
+    text_key: str = Field(default="text", description="Key of a text item's text.")
+    image_key: str = Field(default="image", description="Key of an image item's reference.")
+    image_tokens: int = Field(default=64, ge=1, description="Placeholder tokens per image.")
+    image_token: str = Field(default="<|image|>", description="The placeholder token of an image.")
+    image_start: str = Field(default="<|image_start|>", description="Token put before an image's placeholders.")
+    image_end: str = Field(default="<|image_end|>", description="Token put after an image's placeholders.")
+    max_images: int = Field(default=8, ge=1, description="Images per example.")
 
 
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
@@ -140,14 +146,17 @@ FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
 class DatasetConfig(_Strict):
     """One dataset: where its documents come from and how to read and render them."""
 
-    sources: list[str] = Field(min_length=1)
-    format: Literal["text", "chat", "supervised", "fim", "interleaved"] = "text"
-    text_field: str = "text"
-    on_error: Literal["raise", "skip"] = "raise"
-    chat: ChatFormat = ChatFormat()
-    supervised: SupervisedFormat = SupervisedFormat()
-    fim: FimFormat = FimFormat()
-    interleaved: InterleavedFormat = InterleavedFormat()
+    sources: list[str] = Field(min_length=1, description=(
+        "Globs or URLs of input files (.jsonl[.gz|.zst], .txt[.gz|.zst], .parquet); one string is a list of one."))
+    format: Literal["text", "chat", "supervised", "fim", "interleaved"] = Field(
+        default="text", description="How records are read and rendered (the section of the same name configures it).")
+    text_field: str = Field(default="text", description="Record field holding the text.")
+    on_error: Literal["raise", "skip"] = Field(
+        default="raise", description="Bad input stops the build, or is skipped into the rejects table.")
+    chat: ChatFormat = Field(default=ChatFormat(), description="Settings of format: chat.")
+    supervised: SupervisedFormat = Field(default=SupervisedFormat(), description="Settings of format: supervised.")
+    fim: FimFormat = Field(default=FimFormat(), description="Settings of format: fim.")
+    interleaved: InterleavedFormat = Field(default=InterleavedFormat(), description="Settings of format: interleaved.")
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -199,14 +208,17 @@ class DatasetConfig(_Strict):
 class BuildConfig(_Strict):
     """How the lake is built."""
 
-    split_size: int = 64 * 10**6
-    workers: int | None = Field(default=None, ge=1)
-    row_group_tokens: int = Field(default=1 << 20, ge=1)
-    publish_interval: float = Field(default=5.0, gt=0)
-    # host:port of a local build's Dask dashboard (port 0: any free one). It is unauthenticated
-    # (task names, worker logs and stacks), so only this host may reach it unless a user opens
-    # it, e.g. 0.0.0.0:8787; null turns it off.
-    dashboard: str | None = "127.0.0.1:0"
+    split_size: int = Field(default=64 * 10**6, description=(
+        "Bytes per split of an uncompressed file, an int or a size such as 64MB or 512KiB."))
+    workers: int | None = Field(default=None, ge=1, description=(
+        "Local Dask worker processes (default: one per core); unused with --scheduler."))
+    row_group_tokens: int = Field(default=1 << 20, ge=1, description="Tokens per Parquet row group of a chunk.")
+    publish_interval: float = Field(default=5.0, gt=0, description=(
+        "Seconds between catalog snapshots published during a build."))
+    # The dashboard is unauthenticated (task names, worker logs and stacks), so only this host
+    # may reach it unless a user opens it, e.g. 0.0.0.0:8787.
+    dashboard: str | None = Field(default="127.0.0.1:0", description=(
+        "host:port of a local build's Dask dashboard (port 0: any free one; null: off)."))
 
     @field_validator("split_size", mode="before")
     @classmethod
@@ -217,39 +229,46 @@ class BuildConfig(_Strict):
 class ShuffleConfig(_Strict):
     """How each dataset's examples are shuffled before mixing."""
 
-    kind: Literal["none", "window", "block", "full"] = "none"
-    window_chunks: int = Field(default=8, ge=1)
-    block_size: int = Field(default=1024, ge=1)
-    window_blocks: int = Field(default=16, ge=1)
+    kind: Literal["none", "window", "block", "full"] = Field(default="none", description=(
+        "Shuffle kind; `shuffle: window` is short for `shuffle: {kind: window}`."))
+    window_chunks: int = Field(default=8, ge=1, description="Chunks shuffled together by kind: window.")
+    block_size: int = Field(default=1024, ge=1, description="Examples per block of kind: block.")
+    window_blocks: int = Field(default=16, ge=1, description="Blocks shuffled together by kind: block.")
 
 
 class PackConfig(_Strict):
     """How ``packing: pack`` fills examples with whole documents (``pad`` uses ``long_documents``)."""
 
-    algorithm: Literal["first_fit", "best_fit"] = "first_fit"
-    window: int = Field(default=64, ge=1)        # open examples a document may join
-    long_documents: Literal["truncate", "split", "error"] = "split"   # documents longer than seq_len
+    algorithm: Literal["first_fit", "best_fit"] = Field(
+        default="first_fit", description="Which open example a document joins.")
+    window: int = Field(default=64, ge=1, description="Open examples a document may join.")
+    long_documents: Literal["truncate", "split", "error"] = Field(
+        default="split", description="What happens to documents longer than seq_len.")
 
 
 class LoaderConfig(_Strict):
     """How examples and batches are formed."""
 
-    seq_len: int = Field(default=2048, ge=1)
-    batch_size: int = Field(default=256, ge=1)
-    packing: Literal["concat", "pack", "pad"] = "concat"
-    pack: PackConfig = PackConfig()
-    shuffle: ShuffleConfig = ShuffleConfig()
-    seed: int = 0
-    eos_token: str = "<|endoftext|>"        # appended to every document at collation
-    bos_token: str | None = None            # prepended to every document when set
-    pad_token: str | None = None            # id used for padding (default: the EOS id)
-    ordering: Literal["global", "strided"] = "global"
-    ideal_readers: int = Field(default=8, ge=1)   # R* of the strided ordering
-    wait_timeout: float = Field(default=600.0, gt=0)  # seconds to wait for an uncommitted chunk
-    prefetch: int = Field(default=2, ge=0)  # batches read ahead in background threads
-    verify: Literal["checksum", "size"] = "checksum"  # check each chunk file once before use
-    cache_bytes: int = 512 * 2**20          # decoded row groups kept in memory
-    disk_cache_bytes: int = 10 * 2**30      # local copies of a remote lake's chunk files
+    seq_len: int = Field(default=2048, ge=1, description="Tokens per example.")
+    batch_size: int = Field(default=256, ge=1, description="Examples per global batch (over all processes).")
+    packing: Literal["concat", "pack", "pad"] = Field(default="concat", description=(
+        "How documents fill examples: cut a concatenated stream, pack whole documents, or one document each."))
+    pack: PackConfig = Field(default=PackConfig(), description="Settings of packing: pack (and long documents of pad).")
+    shuffle: ShuffleConfig = Field(default=ShuffleConfig(), description="How each dataset's examples are shuffled.")
+    seed: int = Field(default=0, description="Seed of shuffles, mixture and FIM choices.")
+    eos_token: str = Field(default="<|endoftext|>", description="Appended to every document at collation.")
+    bos_token: str | None = Field(default=None, description="Prepended to every document when set.")
+    pad_token: str | None = Field(default=None, description="Token used for padding (default: the EOS token).")
+    ordering: Literal["global", "strided"] = Field(default="global", description=(
+        "Order of examples over readers; strided needs packing: concat."))
+    ideal_readers: int = Field(default=8, ge=1, description="R* of the strided ordering.")
+    wait_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for an uncommitted chunk.")
+    prefetch: int = Field(default=2, ge=0, description="Batches read ahead in background threads.")
+    verify: Literal["checksum", "size"] = Field(default="checksum", description=(
+        "How each chunk file is checked once before use (page checksums are checked on every read)."))
+    cache_bytes: int = Field(default=512 * 2**20, description="Bytes of decoded row groups kept in memory (a size).")
+    disk_cache_bytes: int = Field(default=10 * 2**30, description=(
+        "Bytes of local copies of a remote lake's chunk files (a size)."))
 
     @field_validator("cache_bytes", "disk_cache_bytes", mode="before")
     @classmethod
@@ -265,17 +284,20 @@ class LoaderConfig(_Strict):
 class StageConfig(_Strict):
     """Mixture weights from ``start_step`` on."""
 
-    start_step: int = Field(ge=0)
-    weights: dict[str, float]
+    start_step: int = Field(ge=0, description="First step of the stage (the first stage starts at 0).")
+    weights: dict[str, float] = Field(description="Weight of each dataset in the stage.")
 
 
 class MixtureConfig(_Strict):
     """Weights (or stages of weights) over datasets, and what happens when one runs out."""
 
-    weights: dict[str, float] | None = None
-    stages: list[StageConfig] | None = None
-    stop: Literal["restart", "first_exhausted", "all_exhausted"] = "restart"
-    unit: Literal["examples", "tokens"] = "examples"   # weights count examples or non-padding tokens
+    weights: dict[str, float] | None = Field(default=None, description=(
+        "Weight of each dataset (>= 0, not all 0); give this or stages."))
+    stages: list[StageConfig] | None = Field(default=None, description="Weights that change at given steps.")
+    stop: Literal["restart", "first_exhausted", "all_exhausted"] = Field(
+        default="restart", description="What happens when a dataset runs out.")
+    unit: Literal["examples", "tokens"] = Field(
+        default="examples", description="Weights count examples or non-padding tokens.")
 
     @model_validator(mode="after")
     def _weights_or_stages(self) -> MixtureConfig:
@@ -310,14 +332,18 @@ class MixtureConfig(_Strict):
 class Config(_Strict):
     """A whole lakeloader config. Relative paths are resolved against the config file's folder."""
 
-    lake: str
-    tokenizer: str
-    datasets: dict[str, DatasetConfig] = Field(min_length=1)
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    io_retry_deadline: float = Field(default=DEFAULT_IO_RETRY_DEADLINE, ge=0)  # seconds of retrying unreachable storage
-    build: BuildConfig = BuildConfig()
-    loader: LoaderConfig = LoaderConfig()
-    mixture: MixtureConfig | None = None
+    lake: str = Field(description="Local folder or fsspec URL of the lake (s3://bucket/prefix).")
+    tokenizer: str = Field(description="A tokenizers JSON file, or a Hugging Face hub name.")
+    datasets: dict[str, DatasetConfig] = Field(min_length=1, description=(
+        "The datasets by name (letters, digits, _ . -; it names folders in the lake)."))
+    storage_options: dict[str, Any] = Field(default_factory=dict, description=(
+        "fsspec options of the lake's and sources' filesystems; credentials are never shown."))
+    io_retry_deadline: float = Field(default=DEFAULT_IO_RETRY_DEADLINE, ge=0, description=(
+        "Seconds of retrying unreachable storage."))
+    build: BuildConfig = Field(default=BuildConfig(), description="How the lake is built.")
+    loader: LoaderConfig = Field(default=LoaderConfig(), description="How examples and batches are formed.")
+    mixture: MixtureConfig | None = Field(default=None, description=(
+        "Weights over datasets; needed with more than one dataset (default: the one dataset, weight 1)."))
     source_file: str | None = Field(default=None, exclude=True)
 
     def redact(self, text: str) -> str:
