@@ -74,10 +74,9 @@ class Lake:
         path = self.writer_catalog_path
         writer = active_writer(path)
         if writer is not None:
-            if sandboxed:  # the writer's connection can write and reach files
-                return open_snapshot(self)[0]
-            return writer.cursor()  # a build runs in this process: read its live catalog
-        if self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
+            if not sandboxed:  # the writer's connection can write and reach files
+                return writer.cursor()  # a build runs in this process: read its live catalog
+        elif self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
             try:
                 return connect_reader(path)
             except CatalogLockedError:

@@ -26,9 +26,9 @@ from lakeloader.build.formats import RecordFormat
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.snapshot import (POINTER, SNAPSHOT_DIR, catalog_identity, local_snapshot,
                                          publish_snapshot, read_pointer)
-from lakeloader.catalog.store import CatalogWriter, catalog_failure, connect_reader
+from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, catalog_failure, connect_reader
 from lakeloader.config import Config, load_config
-from lakeloader.errors import CatalogError, ChunkIntegrityError, SourceError
+from lakeloader.errors import CatalogError, ChunkIntegrityError, LakeWriteError, SourceError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_specs
@@ -36,7 +36,6 @@ from lakeloader.lake import Lake
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
-from lakeloader.errors import LakeWriteError
 from lakeloader.storage import with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
 
@@ -81,10 +80,6 @@ class _Totals:
         self.source_bytes += result.source_bytes
         self.rejects += len(result.rejects)
         self.retries += result.retries
-
-
-RECOVER_HINT = ("run `lakeloader build CONFIG --recover-catalog` to restore it from the lake's newest "
-                "published snapshot (chunks committed after that snapshot are rebuilt)")
 
 
 def _catalog_identity_of(path: str) -> tuple[str | None, int]:
@@ -151,7 +146,7 @@ def _prepare_writer_catalog(lake: Lake, recover: bool) -> None:
         lake_id, version = _catalog_identity_of(path)
     except duckdb.Error as exc:
         raise CatalogError(f"the catalog {path} of lake {lake.url} cannot be opened ({type(exc).__name__}: "
-                           f"{exc}); {RECOVER_HINT}") from exc
+                           f"{exc}); {RECOVER_CATALOG_HINT}") from exc
     if pointer is None:
         if lake.is_local:
             return  # the catalog lives in the lake itself: it is the lake's
@@ -445,7 +440,7 @@ def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
         )
 
 
-def _check_repair(lake: Lake, result: ChunkResult, repairs: dict[tuple[str, int], str]) -> None:
+def _check_repair(result: ChunkResult, repairs: dict[tuple[str, int], str]) -> None:
     """A repaired chunk must be the very file its catalog record describes."""
     expected = repairs.get((result.dataset, result.global_index))
     if expected is None or expected == result.checksum:
@@ -525,7 +520,7 @@ def _run_tasks(config: Config, lake: Lake, writer: CatalogWriter, pending: pd.Da
                 failed = [future for future in batch if future.status == "error"]
                 results: list[ChunkResult] = [future.result() for future in batch if future not in failed]
                 for result in results:
-                    _check_repair(lake, result, repairs)
+                    _check_repair(result, repairs)
                 writer.commit(results, sources, build_id)  # keep what finished beside a failure
                 if failed:
                     failed[0].result()  # raises the task's own error

@@ -66,6 +66,9 @@ def catalog_tables() -> tuple[str, ...]:
     return tuple(_TABLE.findall(sql_file("schema")))
 
 
+RECOVER_CATALOG_HINT = ("recover it from the lake's newest published snapshot with `lakeloader build "
+                        "CONFIG --recover-catalog` (chunks committed after that snapshot are rebuilt)")
+
 # DuckDB reports OS errors as text only; these map it back to the errno for the advice.
 _OS_REASONS = {"no space left": errno.ENOSPC, "read-only file system": errno.EROFS,
                "permission denied": errno.EACCES, "disk quota exceeded": errno.EDQUOT}
@@ -76,10 +79,7 @@ def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalo
     doing ``what``): a corrupt file, a full or read-only disk, no permission; None for any other."""
     text = str(exc)
     if "corrupt database file" in text.lower():
-        return CatalogError(
-            f"catalog {path} is corrupt ({text}): recover it from the lake's newest published "
-            "snapshot with `lakeloader build CONFIG --recover-catalog`"
-        )
+        return CatalogError(f"catalog {path} is corrupt ({text}): {RECOVER_CATALOG_HINT}")
     for reason, code in _OS_REASONS.items():
         if reason in text.lower():
             return write_failure(what, path, OSError(code, os.strerror(code)))
