@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gc = commands.add_parser(
         "gc", help="remove the chunk folders of replaced dataset plans",
-        description="A dataset whose fingerprint changed (sources, tokenizer, format, fields or "
+        description="A dataset whose build settings changed (tokenizer, format, fields or "
         "build.split_size) is rebuilt into a new chunk folder; the old one is never read again. "
         "`lakeloader status` lists such stale folders; this removes them (never the folders of "
         "the plans in force). Refuses while a build holds the catalog, and keeps builds out while "

@@ -1,8 +1,9 @@
 """Chunk folders of replaced dataset plans: listed by ``lakeloader status``, removed by ``lakeloader gc``.
 
-A dataset whose fingerprint changes (sources, tokenizer, format, fields or split size) gets a new
-chunk folder ``<dataset>/<fingerprint[:16]>``; the old folder is never read again but stays in
-the lake until it is removed here.
+A dataset whose build settings change (tokenizer, format, fields or split size) gets a new
+chunk folder ``<dataset>/<settings fingerprint[:16]>``; the old folder is never read again but
+stays in the lake until it is removed here. (Sources coming or going keep the folder: chunk files
+are named per source file, and those of a removed file are not listed here.)
 """
 
 from __future__ import annotations
