@@ -18,14 +18,14 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m lakeloader.demo prepare demo/data
+	$(BIN)/python -m lakeloader.demo.corpus prepare demo/data
 	$(BIN)/lakeloader build configs/demo.yaml
 	$(BIN)/lakeloader sql configs/demo.yaml "SELECT name, num_shards, num_chunks, num_docs, num_tokens, round(num_tokens / num_docs) AS tokens_per_doc, num_rejects FROM datasets ORDER BY name"
 	$(BIN)/lakeloader sql configs/demo.yaml "SELECT dataset, count(*) AS chunks, sum(num_bytes)::BIGINT AS chunk_bytes, max(num_tokens) AS max_chunk_tokens FROM chunks GROUP BY dataset ORDER BY dataset"
 	$(BIN)/python examples/stream_to_jax.py configs/demo.yaml --steps 20
-	$(BIN)/python -m lakeloader.demo_formats prepare demo/data
+	$(BIN)/python -m lakeloader.demo.formats prepare demo/data
 	$(BIN)/lakeloader build configs/formats.yaml
-	$(BIN)/python -m lakeloader.demo_formats show configs/formats.yaml
+	$(BIN)/python -m lakeloader.demo.formats show configs/formats.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

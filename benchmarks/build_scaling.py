@@ -27,18 +27,17 @@ import numpy as np
 import pandas as pd
 import yaml
 from _common import OUT, REPO, report
-
 from distributed import LocalCluster
 
-from lakeloader.build.cluster import WORKER_ENV
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import publish_snapshot
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import load_config
-from lakeloader.demo import prepare_corpus
+from lakeloader.demo.corpus import prepare_corpus
 from lakeloader.feed.loader import Loader
 from lakeloader.index.concat import locate
-from lakeloader.lake import Lake
+from lakeloader.ingest.cluster import WORKER_ENV
+from lakeloader.ingest.driver import build
 from lakeloader.plan.planner import DatasetPlan, plan_dataset
 from lakeloader.plan.sources import Shard
 from lakeloader.storage import write_atomically

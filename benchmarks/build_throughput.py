@@ -1,7 +1,7 @@
 """Build throughput vs raw ``Tokenizer.encode_batch`` on the same documents and cores.
 
 Builds a lake from >= 100 MB of real text (the Python standard library and installed packages'
-sources, see lakeloader/demo.py size="bench") on 2 local Dask workers, then tokenizes the same
+sources, see lakeloader/demo/corpus.py size="bench") on 2 local Dask workers, then tokenizes the same
 documents with ``Tokenizer.encode_batch`` in one process using the same 2 cores, and prints
 both throughputs and their ratio (target: build >= 0.85 x raw).
 
@@ -20,8 +20,8 @@ import orjson
 import yaml
 from _common import OUT, REPO, report
 
-from lakeloader.build.driver import build
-from lakeloader.demo import prepare_corpus
+from lakeloader.demo.corpus import prepare_corpus
+from lakeloader.ingest.driver import build
 
 TOKENIZER = REPO / "demo" / "tokenizer.json"
 

@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 import yaml
 from _common import OUT, REPO, report
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.store import connect_reader
-from lakeloader.demo import prepare_corpus
-from lakeloader.lake import open_lake
+from lakeloader.demo.corpus import prepare_corpus
+from lakeloader.ingest.driver import build
 
 COLUMNS = ["tokens", "part_lengths", "part_kinds"]
 FIRST_QUERY = "SELECT dataset, count(*), sum(num_tokens) FROM chunk_offsets GROUP BY dataset"

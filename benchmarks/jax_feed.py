@@ -21,7 +21,7 @@ from _common import report  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from loader_throughput import BATCH, OUT, SEQ, config_for  # noqa: E402
 
-from lakeloader.build.driver import build  # noqa: E402
+from lakeloader.ingest.driver import build  # noqa: E402
 
 STEPS = 100
 

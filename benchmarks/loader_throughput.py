@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 import yaml
 from _common import OUT, REPO, report
 
-from lakeloader.build.driver import build
-from lakeloader.demo import prepare_corpus
+from lakeloader.catalog.lake import open_lake
+from lakeloader.demo.corpus import prepare_corpus
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
 
 BATCH, SEQ = 64, 2048
 

@@ -25,7 +25,7 @@ import zstandard
 from _common import REPO, report
 from tokenizers import Tokenizer
 
-from lakeloader.demo import prepare_corpus
+from lakeloader.demo.corpus import prepare_corpus
 from lakeloader.index.packing import plan_pack
 from lakeloader.tokenizer import DocumentEncoder
 

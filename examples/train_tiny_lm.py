@@ -45,7 +45,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lakeloader.config import load_config
-from lakeloader.errors import LakeloaderError
+from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.jax import JaxFeed
 from lakeloader.tokenizer import load_tokenizer
 

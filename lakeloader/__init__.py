@@ -10,7 +10,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from lakeloader.config import Config, load_config
-from lakeloader.errors import (
+from lakeloader.contracts import VERSION
+from lakeloader.contracts.errors import (
     CatalogError,
     CatalogLockedError,
     ChunkIntegrityError,
@@ -21,11 +22,11 @@ from lakeloader.errors import (
 )
 
 if TYPE_CHECKING:
-    from lakeloader.build.driver import BuildReport
+    from lakeloader.catalog.lake import Lake
     from lakeloader.feed.loader import Loader
-    from lakeloader.lake import Lake
+    from lakeloader.ingest.driver import BuildReport
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "CatalogError",
@@ -44,17 +45,17 @@ __all__ = [
 
 
 def build_lake(config: Config | str | os.PathLike[str], **options: Any) -> BuildReport:
-    """Build or resume the lake of ``config`` (see :func:`lakeloader.build.driver.build`).
+    """Build or resume the lake of ``config`` (see :func:`lakeloader.ingest.driver.build`).
 
     (Not named ``build``: that is the name of the build stage's subpackage.)"""
-    from lakeloader.build.driver import build
+    from lakeloader.ingest.driver import build
 
     return build(config, **options)
 
 
 def open_lake(config_or_lake: Config | str | os.PathLike[str], **options: Any) -> Lake:
-    """The lake of a config or a lake path/URL, for SQL and status (see :func:`lakeloader.lake.open_lake`)."""
-    from lakeloader.lake import open_lake as open_lake_at
+    """The lake of a config or a lake path/URL, for SQL and status (see :func:`lakeloader.catalog.lake.open_lake`)."""
+    from lakeloader.catalog.lake import open_lake as open_lake_at
 
     return open_lake_at(config_or_lake, **options)
 

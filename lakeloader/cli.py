@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from lakeloader.catalog.sql import ALLOWED_SQL
-from lakeloader.errors import LakeloaderError
+from lakeloader.contracts.errors import LakeloaderError
 
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
@@ -45,7 +45,7 @@ def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from lakeloader.build.driver import build
+    from lakeloader.ingest.driver import build
 
     report = build(args.config, workers=args.workers, scheduler=args.scheduler,
                    progress=not args.no_progress, recover_catalog=args.recover_catalog,
@@ -59,7 +59,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from lakeloader.lake import open_lake
+    from lakeloader.catalog.lake import open_lake
 
     tables = open_lake(args.target).status()
     if args.format != "table":
@@ -81,8 +81,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from lakeloader.catalog.stale import remove_stale_chunk_folders
-    from lakeloader.lake import open_lake
+    from lakeloader.catalog.gc import remove_stale_chunk_folders
+    from lakeloader.catalog.lake import open_lake
 
     stale = remove_stale_chunk_folders(open_lake(args.target), dry_run=args.dry_run)
     _print_frame(stale, args.format)
@@ -93,14 +93,15 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_sql(args: argparse.Namespace) -> int:
-    from lakeloader.lake import open_lake
+    from lakeloader.catalog.lake import open_lake
 
     _print_frame(open_lake(args.target).sql(args.query), args.format)
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from lakeloader.read.verify import repair_lake, verify_lake
+    from lakeloader.ingest.repair import repair_lake
+    from lakeloader.read.verify import verify_lake
 
     report = verify_lake(args.target, progress=not args.no_progress)
     bad = report[report.status != "ok"]
@@ -180,7 +181,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from lakeloader.feed.audit import audit, plot_audit
+    from lakeloader.catalog.audit import audit, plot_audit
 
     first, stop = args.steps
     frame = audit(args.config, first, stop)

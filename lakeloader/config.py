@@ -10,7 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lakeloader.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError
+from lakeloader.contracts.formats import RecordFormat
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
@@ -203,6 +204,11 @@ class DatasetConfig(_Strict):
         if self.format == "fim":
             return {"text_field": self.fim.text_field or self.text_field}
         return {"text_field": self.text_field}
+
+    def record_format(self) -> RecordFormat:
+        """How the build turns this dataset's records into parts (only its build fields matter)."""
+        items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in self.build_fields.items())
+        return RecordFormat(self.format, tuple(sorted(items)), self.part_kinds)
 
 
 class BuildConfig(_Strict):

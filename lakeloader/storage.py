@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import LakeWriteError, StorageUnavailableError
+from lakeloader.contracts.errors import LakeWriteError, StorageUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 from tokenizers import Tokenizer
 
-from lakeloader.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

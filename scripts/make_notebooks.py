@@ -30,7 +30,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "catalog, built by a local Dask cluster. Re-running the build resumes: committed "
                      "chunks are never tokenized again."),
         ("code", SETUP),
-        ("code", "import logging\nimport lakeloader\nfrom lakeloader.demo import prepare_corpus\n\n"
+        ("code", "import logging\nimport lakeloader\nfrom lakeloader.demo.corpus import prepare_corpus\n\n"
                  "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')"),
         ("markdown", "The demo corpus is real text from the Python standard library: source files "
                      "(`code`), help topics and docstrings (`docs`) and plain text lines (`notes`)."),
@@ -118,7 +118,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "mixture in the catalog, so the plan is also plain SQL."),
         ("code", SETUP),
         ("code", "import tempfile\nfrom IPython.display import Image\nimport lakeloader\n"
-                 "from lakeloader.feed.audit import audit, mixture_plan, plot_audit\n"
+                 "from lakeloader.catalog.audit import audit, mixture_plan, plot_audit\n"
                  "from lakeloader.index.mixing import Mixer\n\n"
                  "config = lakeloader.load_config(CONFIG)\nconfig.mixture"),
         ("markdown", "## Target vs realized over steps 0..999\n\nStep ranges are half-open everywhere: "

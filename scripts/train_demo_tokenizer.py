@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lakeloader.demo import iter_texts, prepare_corpus  # noqa: E402
+from lakeloader.demo.corpus import iter_texts, prepare_corpus  # noqa: E402
 
 log = logging.getLogger("train_demo_tokenizer")
 

@@ -62,7 +62,7 @@ def dask_scheduler() -> Iterator[str]:
     """Address of a real LocalCluster of 2 single-threaded worker processes, shared by the tests."""
     from distributed import LocalCluster
 
-    from lakeloader.build.cluster import WORKER_ENV
+    from lakeloader.ingest.cluster import WORKER_ENV
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=WORKER_ENV) as cluster:
@@ -77,7 +77,7 @@ def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def lake_documents(config_path: Path, dataset: str) -> list[list[int]]:
     """Every document's stored tokens, in the dataset's global chunk order (read with pyarrow)."""
-    from lakeloader.lake import open_lake
+    from lakeloader.catalog.lake import open_lake
 
     lake = open_lake(config_path)
     paths = lake.sql(

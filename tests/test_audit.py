@@ -11,17 +11,18 @@ import duckdb
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.audit import audit, closed_form_plan, closed_form_proportions, mixture_plan
+from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
 from lakeloader.config import load_config
-from lakeloader.feed.audit import audit, closed_form_plan, closed_form_proportions, mixture_plan
 from lakeloader.feed.loader import Loader
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import Stage, huffman_tree, mixture_counts, quantized_weights, stage_totals
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 INTEGERS = ["step", "stage", "dataset_index", "examples", "before", "after", "stage_before",
             "stage_after", "stage_examples"]

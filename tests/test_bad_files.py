@@ -14,13 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config, write_jsonl
 from tokenizers import Tokenizer
 
-import lakeloader.build.driver as driver
-from lakeloader.build.driver import build
-from lakeloader.errors import InputError, LakeloaderError, SourceError
-from lakeloader.lake import open_lake
+import lakeloader.ingest.driver as driver
+from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.errors import InputError, LakeloaderError, SourceError
+from lakeloader.ingest.driver import build
+
+from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config, write_jsonl
 
 TEXTS = stdlib_texts("json")
 ENCODER = Tokenizer.from_file(str(DEMO_TOKENIZER))

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
-from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
-from lakeloader.errors import InputError, SourceError
-from lakeloader.lake import open_lake
+from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.errors import InputError, SourceError
+from lakeloader.ingest.driver import build
+
+from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config, write_jsonl
 
 GOOD = [json.dumps({"text": t}) for t in stdlib_texts("json")]
 

@@ -7,17 +7,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config, write_jsonl, write_parquet
 from tokenizers import Tokenizer
 
-from lakeloader.build.documents import SplitSource, read_split
-from lakeloader.build.driver import build
-from lakeloader.build.formats import RecordFormat
+from lakeloader.catalog.lake import open_lake
 from lakeloader.config import DatasetConfig
-from lakeloader.lake import open_lake
+from lakeloader.contracts.formats import RecordFormat
+from lakeloader.ingest.documents import SplitSource, read_split
+from lakeloader.ingest.driver import build
 from lakeloader.plan.sources import expand_sources
 from lakeloader.plan.splits import plan_splits
 from lakeloader.tokenizer import DocumentEncoder
+
+from conftest import DEMO_TOKENIZER, lake_documents, stdlib_texts, write_config, write_jsonl, write_parquet
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,11 @@ from test_resume import (
     write_corpus,
 )
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import KEEP_SNAPSHOTS, open_snapshot, read_pointer
 from lakeloader.catalog.store import SCHEMA_VERSION, connect_reader
-from lakeloader.errors import CatalogLockedError
-from lakeloader.lake import Lake
+from lakeloader.contracts.errors import CatalogLockedError
+from lakeloader.ingest.driver import build
 
 COMMITTED = "SELECT count(*) FROM chunks WHERE status='committed'"
 
@@ -87,7 +87,7 @@ def test_second_build_fails_at_once_and_the_first_completes(tmp_path: Path, corp
 
 POLLER = textwrap.dedent("""
     import os, sys, time
-    from lakeloader.lake import open_lake
+    from lakeloader.catalog.lake import open_lake
     lake, out, stop = sys.argv[1:4]
     with open(out, "w") as log:
         while True:

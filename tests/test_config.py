@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lakeloader.config import load_config, parse_size
-from lakeloader.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError
 
 GOOD = """\
 lake: ./lake

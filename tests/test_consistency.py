@@ -16,17 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, stdlib_texts, write_config, write_jsonl
 
 import lakeloader
-from lakeloader.build.driver import build
+from lakeloader.catalog.audit import audit, mixture_plan
+from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, open_snapshot
 from lakeloader.cli import main
-from lakeloader.errors import LakeloaderError
-from lakeloader.feed.audit import audit, mixture_plan
+from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
 from lakeloader.index.mixing import Mixer
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
+
+from conftest import REPO, stdlib_texts, write_config, write_jsonl
 
 BATCH = 8
 

@@ -1,4 +1,4 @@
-"""The demo corpus (lakeloader.demo) and the committed demo tokenizer (demo/tokenizer.json)."""
+"""The demo corpus (lakeloader.demo.corpus) and the committed demo tokenizer (demo/tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import zstandard
 from tokenizers import Tokenizer
 
-from lakeloader.demo import MANIFEST, iter_texts, main, prepare_corpus
+from lakeloader.demo.corpus import MANIFEST, iter_texts, main, prepare_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "demo" / "tokenizer.json"

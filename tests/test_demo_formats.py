@@ -1,4 +1,4 @@
-"""The formats demo (lakeloader.demo_formats, configs/formats.yaml) on a fresh demo corpus."""
+"""The formats demo (lakeloader.demo.formats, configs/formats.yaml) on a fresh demo corpus."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from pathlib import Path
 import orjson
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, REPO
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import open_lake
 from lakeloader.config import load_config
-from lakeloader.demo import corpus_stats, prepare_corpus
-from lakeloader.demo_formats import main, prepare_formats, summarize
-from lakeloader.lake import open_lake
+from lakeloader.demo.corpus import corpus_stats, prepare_corpus
+from lakeloader.demo.formats import main, prepare_formats, summarize
+from lakeloader.ingest.driver import build
+
+from conftest import DEMO_TOKENIZER, REPO
 
 FORMATS_CONFIG = REPO / "configs" / "formats.yaml"
 

@@ -19,12 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import open_lake
 from lakeloader.config import load_config
-from lakeloader.errors import ConfigError
-from lakeloader.lake import open_lake
+from lakeloader.contracts.errors import ConfigError
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 

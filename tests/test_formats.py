@@ -11,13 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, assert_batches_equal, global_batches, lake_documents, stdlib_texts, write_config
 from tokenizers import Tokenizer
 
-from lakeloader.build.driver import build
-from lakeloader.errors import ConfigError
+from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
+
+from conftest import DEMO_TOKENIZER, assert_batches_equal, global_batches, lake_documents, stdlib_texts, write_config
 
 SEQ_LEN, BATCH = 128, 8
 TOKENIZER = Tokenizer.from_file(str(DEMO_TOKENIZER))
@@ -276,7 +277,7 @@ def test_pack_places_every_document_once_and_reports_padding(lake, dask_schedule
 
 
 def test_token_weighted_mixture_and_audit(lake, dask_scheduler: str) -> None:
-    from lakeloader.feed.audit import audit
+    from lakeloader.catalog.audit import audit
 
     config = variant(lake, dask_scheduler, packing="pad", weights={"web": 1.0, "chat": 1.0})
     raw = yaml.safe_load(config.read_text())

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lakeloader.build.documents import SplitDocuments, SplitSource, read_split
-from lakeloader.build.formats import Part, RecordError, RecordFormat
 from lakeloader.config import Config, DatasetConfig
-from lakeloader.errors import ConfigError, InputError
+from lakeloader.contracts.errors import ConfigError, InputError
+from lakeloader.contracts.formats import Part, RecordError, RecordFormat
+from lakeloader.ingest.documents import SplitDocuments, SplitSource, read_split
 from lakeloader.plan.planner import dataset_fingerprint, plan_dataset
 from lakeloader.plan.sources import expand_sources
 from lakeloader.plan.splits import plan_splits

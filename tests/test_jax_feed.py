@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
 from lakeloader.feed.loader import Loader
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 STEPS = [0, 1, 2, 5, 1000]
 

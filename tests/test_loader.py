@@ -23,14 +23,15 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, stdlib_texts, write_config, write_jsonl, write_parquet
 from tokenizers import Tokenizer
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import main
-from lakeloader.errors import ChunkIntegrityError, LakeloaderError
+from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.feed.loader import Loader, LoaderState
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
+
+from conftest import DEMO_TOKENIZER, stdlib_texts, write_config, write_jsonl, write_parquet
 
 SEQ_LEN = 32
 BATCH = 8

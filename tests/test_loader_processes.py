@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, write_config, write_jsonl
 from test_loader import BATCH, SEQ_LEN, assert_batches_equal, build_small_lake, loader_config, paragraphs
 from tokenizers import Tokenizer
 
+from lakeloader.catalog.lake import Lake
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import CatalogView, ChunkWaitTimeout
+
+from conftest import DEMO_TOKENIZER, write_config, write_jsonl
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 

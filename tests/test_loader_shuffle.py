@@ -7,14 +7,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 import pytest
-from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
+import yaml
 
-from lakeloader.build.driver import build
 from lakeloader.catalog import store
+from lakeloader.catalog.lake import Lake
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import Lake
+from lakeloader.ingest.driver import build
+
+from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
 
 STEPS = 12
 

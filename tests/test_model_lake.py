@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, assert_batches_equal, stdlib_texts, write_jsonl
 
-from lakeloader.build.driver import build
 from lakeloader.feed.loader import Loader
+from lakeloader.ingest.driver import build
+
+from conftest import DEMO_TOKENIZER, assert_batches_equal, stdlib_texts, write_jsonl
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 BATCH, SEQ_LEN, STEPS = 8, 64, 24

@@ -12,17 +12,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, RECORD_COLUMN, TOKENS_COLUMN,
-                                    plan_committed_chunk)
-from lakeloader.build.driver import build
-from lakeloader.errors import ChunkIntegrityError, InputError
+from lakeloader.catalog.lake import Lake, open_lake
+from lakeloader.contracts.chunk_file import PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, RECORD_COLUMN, TOKENS_COLUMN
+from lakeloader.contracts.errors import ChunkIntegrityError, InputError
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import Lake, open_lake
+from lakeloader.ingest.chunk import plan_committed_chunk
+from lakeloader.ingest.driver import build
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles, RowGroup, RowGroupCache
 from lakeloader.read.disk_cache import DiskCache
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 SEQ_LEN = 32
 BATCH = 4
@@ -190,7 +191,7 @@ def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) ->
 
 def test_chunks_written_without_page_checksums_still_read(lake_root: Path, tmp_path: Path) -> None:
     """Chunk files written before page checksums (no CRC in their page headers) read as before."""
-    from lakeloader.build.chunk import open_chunk
+    from lakeloader.contracts.chunk_file import open_chunk
 
     lake = open_lake(lake_root / "config.yaml")
     chunks = CatalogView(lake).dataset("d")

@@ -8,14 +8,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lakeloader.build.documents import SplitSource, _read_byte_range, read_split
-from lakeloader.build.formats import RecordFormat
 from lakeloader.config import DatasetConfig
+from lakeloader.ingest.documents import SplitSource, _read_byte_range, read_split
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import expand_sources
 from lakeloader.plan.splits import plan_splits
 
-TEXT = RecordFormat.from_config(DatasetConfig(sources=["x"]))
+TEXT = DatasetConfig(sources=["x"]).record_format()
 
 
 def brute_force_order(counts: list[int]) -> list[tuple[int, int]]:

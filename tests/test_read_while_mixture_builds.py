@@ -24,16 +24,17 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import assert_batches_equal, stdlib_texts, write_config
 
-from lakeloader.build.driver import build
 from lakeloader.catalog import store
-from lakeloader.errors import InputError, LakeloaderError
-from lakeloader.feed.audit import audit
+from lakeloader.catalog.audit import audit
+from lakeloader.catalog.lake import Lake
+from lakeloader.contracts.errors import InputError, LakeloaderError
 from lakeloader.feed.loader import Loader
 from lakeloader.index.render import make_template, stream_lengths
-from lakeloader.lake import Lake
+from lakeloader.ingest.driver import build
 from lakeloader.read.catalog_view import CatalogView, ChunkWaitTimeout
+
+from conftest import assert_batches_equal, stdlib_texts, write_config
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 STEPS = 4

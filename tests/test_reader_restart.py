@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
 from lakeloader.feed.loader import Loader
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 READER = """
 import json, os, sys, time

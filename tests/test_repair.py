@@ -19,15 +19,16 @@ from typing import Any
 import boto3
 import pytest
 import yaml
-from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
-from test_s3 import BUCKET, config_dict, objects, s3_endpoint, storage_options, write_yaml  # noqa: F401
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.snapshot import read_pointer
 from lakeloader.cli import main
-from lakeloader.errors import CatalogError
-from lakeloader.lake import Lake, open_lake
+from lakeloader.contracts.errors import CatalogError
+from lakeloader.ingest.driver import build
 from lakeloader.read.verify import verify_lake
+
+from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
+from test_s3 import BUCKET, config_dict, objects, s3_endpoint, storage_options, write_yaml  # noqa: F401
 
 STEPS = range(4)
 LOADER = {"seq_len": 64, "batch_size": 8, "shuffle": {"kind": "window", "window_chunks": 2}}

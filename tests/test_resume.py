@@ -24,10 +24,11 @@ import duckdb
 import pandas as pd
 import psutil
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
-from lakeloader.lake import open_lake
+from lakeloader.catalog.lake import open_lake
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 # Standard-library packages as shards of very unequal size (about 1.4 MB down to 50 KB of text).
 CORPUS_PACKAGES = ("encodings", "idlelib", "unittest", "distutils", "lib2to3", "asyncio", "email", "json")

@@ -23,17 +23,18 @@ import boto3
 import numpy as np
 import pytest
 import yaml
-from conftest import DEMO_TOKENIZER, stdlib_texts, write_jsonl, write_parquet
 from moto.server import ThreadedMotoServer
 from test_loader import assert_batches_equal, paragraphs
 from tokenizers import Tokenizer
 
-from lakeloader.build.driver import BuildReport, build
+from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.cli import main
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import Lake, open_lake
+from lakeloader.ingest.driver import BuildReport, build
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.disk_cache import DiskCache
+
+from conftest import DEMO_TOKENIZER, stdlib_texts, write_jsonl, write_parquet
 
 BUCKET = "lakeloader-test"
 SEQ_LEN, BATCH = 64, 8

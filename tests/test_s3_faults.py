@@ -15,14 +15,15 @@ import boto3
 import numpy as np
 import pytest
 import yaml
-from conftest import stdlib_texts, write_jsonl
 from moto.server import ThreadedMotoServer
-from test_s3 import CREDENTIALS, config_dict, write_yaml
 
-from lakeloader.build.driver import build
-from lakeloader.errors import StorageUnavailableError
+from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.errors import StorageUnavailableError
 from lakeloader.feed.loader import Loader
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_jsonl
+from test_s3 import CREDENTIALS, config_dict, write_yaml
 
 BUCKET = "lakeloader-faults"
 

@@ -12,14 +12,15 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
-from conftest import global_batches, stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
-from lakeloader.errors import CatalogError
-from lakeloader.lake import Lake, open_lake
+from lakeloader.contracts.errors import CatalogError
+from lakeloader.ingest.driver import build
+
+from conftest import global_batches, stdlib_texts, write_config, write_jsonl
 
 SECRET = "a colleague's private note 0451"
 

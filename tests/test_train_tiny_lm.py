@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO, stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
 from lakeloader.feed.loader import Loader
+from lakeloader.ingest.driver import build
+
+from conftest import REPO, stdlib_texts, write_config, write_jsonl
 
 SCRIPT = REPO / "examples" / "train_tiny_lm.py"
 STEPS, STOP, EVERY = 60, 40, 20

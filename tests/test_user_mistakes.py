@@ -13,15 +13,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.cluster import dask_client
-from lakeloader.build.driver import build
 from lakeloader.cli import build_parser, main
 from lakeloader.config import load_config
-from lakeloader.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.feed.loader import Loader
+from lakeloader.ingest.cluster import dask_client
+from lakeloader.ingest.driver import build
 from lakeloader.tokenizer import load_tokenizer
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 

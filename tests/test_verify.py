@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import stdlib_texts, write_config, write_jsonl
 
-from lakeloader.build.driver import build
+from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import main
-from lakeloader.lake import open_lake
+from lakeloader.ingest.driver import build
 from lakeloader.read.verify import verify_lake
+
+from conftest import stdlib_texts, write_config, write_jsonl
 
 
 def test_verify_finds_missing_corrupt_and_truncated_chunks(tmp_path: Path, dask_scheduler: str,

@@ -11,17 +11,15 @@ import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 
+from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import catalog_failure, connect_reader
+from lakeloader.contracts.errors import CatalogError
 from lakeloader.storage import is_transient, remove_quietly, write_atomically, write_failure
-from lakeloader.errors import CatalogError
-
-if TYPE_CHECKING:
-    from lakeloader.lake import Lake
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +29,7 @@ KEEP_SNAPSHOTS = 3
 SNAPSHOT_BLOCK_SIZE = 16384
 
 
-def read_pointer(lake: Lake) -> dict[str, Any] | None:
+def read_pointer(lake: LakeLocation) -> dict[str, Any] | None:
     """The CURRENT pointer of the lake's published catalog, or None if nothing is published."""
     try:
         return json.loads(lake.fs.cat_file(lake.path_of(POINTER)))
@@ -66,7 +64,7 @@ def catalog_identity(con: duckdb.DuckDBPyConnection) -> tuple[str | None, int]:
     return value("lake_id"), int(value("published_version") or 0)
 
 
-def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int | None) -> int:
+def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_id: int | None) -> int:
     """Publish a copy of the writer's catalog as the lake's next snapshot version.
 
     The copy records its own version, and the pointer the lake id, so that a build can tell
@@ -108,7 +106,7 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: Lake, build_id: int |
     return version
 
 
-def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
+def open_snapshot(lake: LakeLocation) -> tuple[duckdb.DuckDBPyConnection, int]:
     """A read-only connection to the lake's newest published catalog, and its version.
 
     The connection is ``connect_reader``'s: it runs no SQL stored in the snapshot and reaches
@@ -132,7 +130,7 @@ def open_snapshot(lake: Lake) -> tuple[duckdb.DuckDBPyConnection, int]:
     raise AssertionError("unreachable")
 
 
-def local_snapshot(lake: Lake, pointer: dict[str, Any]) -> str:
+def local_snapshot(lake: LakeLocation, pointer: dict[str, Any]) -> str:
     """Local path of the snapshot ``pointer`` names (downloaded into the cache for remote lakes).
 
     Cached copies are kept per lake id: a lake re-created at the same URL numbers its snapshots

@@ -10,7 +10,7 @@ from typing import Any
 
 import duckdb
 
-from lakeloader.errors import CatalogError, LakeloaderError
+from lakeloader.contracts.errors import CatalogError, LakeloaderError
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _EXPLAIN = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^()]*\)\s*)?", re.IGNORECASE)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pandas as pd
 
-from lakeloader.build.chunk import ChunkResult
 from lakeloader.catalog.sql import query, sql_file
-from lakeloader.errors import CatalogError, CatalogLockedError, LakeloaderError
-from lakeloader.index.layout import PackingSpec, PlanStats
+from lakeloader.contracts.chunk_file import ChunkResult, PlanStats
+from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeloaderError
+from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixture import huffman_tree, quantized_weights
 from lakeloader.plan.planner import DatasetPlan
 from lakeloader.plan.sources import readable_url, url_bytes

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from lakeloader.config import ShuffleConfig
-from lakeloader.errors import LakeloaderError
+from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.index.concat import cumulative, eval_examples, locate, segments, strided_chunk, train_examples
 from lakeloader.index.layout import PackingSpec, plan_chunk
 from lakeloader.index.packing import PackPlan
-from lakeloader.index.render import part_starts
 from lakeloader.index.permutation import derive_key
+from lakeloader.index.render import part_starts
 from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, shuffle_window
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.windows import Piece, StreamReader

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from lakeloader.build.chunk import RECORD_COLUMN, open_chunk, unreadable_chunk
+from lakeloader.contracts.chunk_file import RECORD_COLUMN, open_chunk, unreadable_chunk
 from lakeloader.feed.examples import PackedExample, Window
 
 if TYPE_CHECKING:

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.config import Config, ShuffleConfig, load_config
-from lakeloader.errors import ConfigError, LakeloaderError, StepRangeError
+from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window, fill_windows
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_spec, template_for, token_id
-from lakeloader.lake import Lake
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.windows import StreamReader

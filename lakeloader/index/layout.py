@@ -8,35 +8,15 @@ The build computes each chunk's plan for the config's loader and stores the coun
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 
 import numpy as np
 
-from lakeloader.errors import InputError
+from lakeloader.contracts.chunk_file import ChunkParts, PlanStats
+from lakeloader.contracts.errors import InputError
 from lakeloader.index.packing import DocumentTooLong, PackPlan, plan_pack
 from lakeloader.index.render import Template, doc_lengths, fim_choice, part_starts
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkParts:
-    """The stored parts of a chunk's (or row group's) documents, without their tokens."""
-
-    part_lengths: np.ndarray    # int64 per part
-    part_kinds: np.ndarray      # int64 per part
-    part_doc: np.ndarray        # int64 per part: its document, from 0
-    num_docs: int
-
-    @functools.cached_property
-    def content_lengths(self) -> np.ndarray:
-        """Stored tokens of each document (int64)."""
-        return np.bincount(self.part_doc, weights=self.part_lengths, minlength=self.num_docs).astype(np.int64)
-
-    @functools.cached_property
-    def parts_per_doc(self) -> np.ndarray:
-        """Parts of each document (int64)."""
-        return np.bincount(self.part_doc, minlength=self.num_docs).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,18 +81,6 @@ def plan_chunk(spec: PackingSpec, parts: ChunkParts, chunk: int, where: str = ""
                          long_documents=spec.long_documents, **images)
     except DocumentTooLong as exc:
         raise InputError(f"{where or f'chunk {chunk}'}: {exc}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanStats:
-    """What the catalog keeps of one chunk's plan."""
-
-    plan_key: str
-    num_examples: int
-    num_tokens: int             # non-padding tokens of its examples
-    truncated_docs: int
-    dropped_tokens: int
-    split_docs: int
 
 
 def plan_stats(spec: PackingSpec, parts: ChunkParts, chunk: int, where: str = "") -> PlanStats:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lakeloader.config import Config
-from lakeloader.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.index.concat import cumulative
 from lakeloader.index.mixture import Stage, quantized_weights, staged_assignment, stop_step
 from lakeloader.index.permutation import derive_key

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lakeloader.config import Config
-from lakeloader.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.permutation import derive_key

@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from lakeloader.build.formats import RecordFormat
 from lakeloader.config import Config, DatasetConfig
-from lakeloader.errors import ConfigError, SourceError
+from lakeloader.contracts.errors import ConfigError, SourceError
+from lakeloader.contracts.formats import RecordFormat
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import MissingSource, Shard, expand_sources, readable_url
 from lakeloader.plan.splits import Split, plan_splits
@@ -150,7 +150,7 @@ def plan_dataset(
     shards, missing = expand_sources(dataset.sources, options)
     if missing and dataset.on_error == "raise":
         raise _unreadable(name, missing)
-    record_format = RecordFormat.from_config(dataset)
+    record_format = dataset.record_format()
     _check_layouts(name, dataset, record_format, shards)
     split_size = config.build.split_size
     splits, readable = [], []

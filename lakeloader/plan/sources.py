@@ -9,7 +9,7 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import SourceError
+from lakeloader.contracts.errors import SourceError
 from lakeloader.storage import is_local
 
 log = logging.getLogger(__name__)

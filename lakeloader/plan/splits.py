@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from lakeloader.build.formats import RecordFormat
-from lakeloader.errors import SourceError
+from lakeloader.contracts.errors import SourceError
+from lakeloader.contracts.formats import RecordFormat
 from lakeloader.plan.sources import Shard, readable_url
 
 

@@ -17,10 +17,10 @@ import duckdb
 import numpy as np
 
 from lakeloader.catalog import store
+from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.sql import query
-from lakeloader.errors import CatalogError, LakeloaderError
-from lakeloader.lake import Lake
+from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.storage import with_retries
 
 log = logging.getLogger(__name__)

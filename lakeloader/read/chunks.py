@@ -12,15 +12,21 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from lakeloader.build.chunk import (PART_KINDS_COLUMN, PART_LENGTHS_COLUMN, PART_REFS_COLUMN, TOKENS_COLUMN,
-                                    open_chunk, table_parts, unreadable_chunk)
-from lakeloader.errors import ChunkIntegrityError
-from lakeloader.index.layout import ChunkParts
-from lakeloader.lake import Lake
+from lakeloader.catalog.lake import Lake
+from lakeloader.contracts.chunk_file import (
+    PART_KINDS_COLUMN,
+    PART_LENGTHS_COLUMN,
+    PART_REFS_COLUMN,
+    TOKENS_COLUMN,
+    ChunkParts,
+    open_chunk,
+    table_parts,
+    unreadable_chunk,
+)
+from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
 from lakeloader.storage import sha256_of, with_retries
-
 
 
 def _nbytes(item: Any) -> int:

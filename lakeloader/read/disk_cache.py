@@ -13,7 +13,7 @@ import uuid
 
 import pyarrow as pa
 
-from lakeloader.lake import Lake
+from lakeloader.catalog.lake import Lake
 
 log = logging.getLogger(__name__)
 

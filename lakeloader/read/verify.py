@@ -8,10 +8,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.sql import query
-from lakeloader.config import Config, load_config
-from lakeloader.errors import ConfigError
-from lakeloader.lake import Lake, open_lake
+from lakeloader.config import Config
 from lakeloader.storage import sha256_of
 
 
@@ -48,24 +47,3 @@ def verify_lake(target: Config | str | os.PathLike[str], progress: bool = True) 
     chunks["status"] = [status for status, _ in findings]
     chunks["detail"] = [detail for _, detail in findings]
     return chunks[["dataset", "global_index", "path", "status", "detail"]]
-
-
-def repair_lake(config: Config | str | os.PathLike[str], report: pd.DataFrame, *, workers: int | None = None,
-                scheduler: str | None = None, progress: bool = True) -> pd.DataFrame:
-    """Rebuild every chunk that ``report`` (from :func:`verify_lake`) does not mark ok, then verify
-    again and return the new report.
-
-    The rebuild is a ``build`` of ``config`` told to redo those chunks: each is written again byte for
-    byte (its checksum must equal the catalog's), and like any build it also rebuilds chunk files
-    missing or of the wrong size and finishes chunks not built yet.
-    """
-    if not isinstance(config, Config) and not os.fspath(config).endswith((".yaml", ".yml")):
-        raise ConfigError(f"repairing needs the config the lake was built from (its sources and tokenizer), "
-                          f"not the lake {os.fspath(config)}: run `lakeloader verify CONFIG --repair`")
-    from lakeloader.build.driver import build
-
-    config = load_config(config)
-    damaged = report[report.status != "ok"]
-    build(config, workers=workers, scheduler=scheduler, progress=progress,
-          repair=[(row.dataset, int(row.global_index)) for row in damaged.itertuples(index=False)])
-    return verify_lake(config, progress=progress)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from distributed import Client, LocalCluster, WorkerPlugin
 
-from lakeloader.errors import InputError
+from lakeloader.contracts.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """Task-format corpora derived from the demo corpus, and a look at the lake they build.
 
-:func:`prepare_formats` turns the demo corpus (``python -m lakeloader.demo prepare``) into
+:func:`prepare_formats` turns the demo corpus (``python -m lakeloader.demo.corpus prepare``) into
 ``<data_dir>/formats/{chat,sft,pages}``: conversations about help topics and modules, docstring
 prompts, and help-text pages with image ids between paragraphs (ids only: the demo has no
 images). FIM reads the demo's code files as they are. :func:`summarize` is what ``show`` prints.
 
-    python -m lakeloader.demo_formats prepare demo/data
-    python -m lakeloader.demo_formats show configs/formats.yaml
+    python -m lakeloader.demo.formats prepare demo/data
+    python -m lakeloader.demo.formats show configs/formats.yaml
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import orjson
 import pandas as pd
 import pyarrow.parquet as pq
 
-from lakeloader.errors import LakeloaderError
+from lakeloader.contracts.errors import LakeloaderError
 
-log = logging.getLogger("lakeloader.demo_formats")
+log = logging.getLogger("lakeloader.demo.formats")
 
 Record = dict[str, Any]
 SYSTEM = "You are a concise assistant for the Python standard library. Quote its documentation."
@@ -119,7 +119,7 @@ def prepare_formats(data_dir: str | Path) -> dict[str, list[Path]]:
     data_dir = Path(data_dir)
     topics_path, docs = data_dir / "docs" / "topics.jsonl.gz", sorted((data_dir / "docs").glob("docstrings-*.parquet"))
     if not topics_path.is_file() or not docs:
-        raise FileNotFoundError(f"{data_dir}: no demo corpus; run python -m lakeloader.demo prepare {data_dir}")
+        raise FileNotFoundError(f"{data_dir}: no demo corpus; run python -m lakeloader.demo.corpus prepare {data_dir}")
     topics = [orjson.loads(line) for line in gzip.decompress(topics_path.read_bytes()).splitlines()]
     rows = [row for path in docs for row in pq.read_table(path, columns=["text", "source"]).to_pylist()]
     files = {"code": sorted((data_dir / "code").glob("*.jsonl*"))}
@@ -169,10 +169,10 @@ def summarize(config: Any, *, batches: int = 20, audit_steps: int = 100) -> Summ
     (plus ``weight``: the configured weight, normalized), the padding fraction and non-padding
     tokens/s of ``batches`` batches, and the most complete chat and FIM example among them
     (by dataset, found with ``Loader.explain``) decoded by :func:`marked`."""
+    from lakeloader.catalog.audit import audit
+    from lakeloader.catalog.lake import open_lake
     from lakeloader.config import load_config
-    from lakeloader.feed.audit import audit
     from lakeloader.feed.loader import Loader
-    from lakeloader.lake import open_lake
 
     config = load_config(config)
     datasets = open_lake(config).sql("SELECT name, format, num_docs, num_tokens FROM datasets ORDER BY name")
@@ -206,7 +206,7 @@ def summarize(config: Any, *, batches: int = 20, audit_steps: int = 100) -> Summ
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``prepare DATA_DIR`` or ``show CONFIG``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m lakeloader.demo_formats", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lakeloader.demo.formats", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("prepare", help="derive the format corpora").add_argument("data_dir", metavar="DATA_DIR")

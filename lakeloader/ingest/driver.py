@@ -18,21 +18,27 @@ from distributed import Client, Future, as_completed
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-import lakeloader
-from lakeloader.build.chunk import ChunkResult, ChunkTask, build_chunk, plan_committed_chunk
-from lakeloader.build.cluster import dask_client
-from lakeloader.build.documents import SplitSource
-from lakeloader.build.formats import RecordFormat
+from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.snapshot import (
+    POINTER,
+    SNAPSHOT_DIR,
+    catalog_identity,
+    local_snapshot,
+    publish_snapshot,
+    read_pointer,
+)
 from lakeloader.catalog.sql import example_token_means
-from lakeloader.catalog.snapshot import (POINTER, SNAPSHOT_DIR, catalog_identity, local_snapshot,
-                                         publish_snapshot, read_pointer)
 from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, catalog_failure, connect_reader
 from lakeloader.config import Config, load_config
-from lakeloader.errors import CatalogError, ChunkIntegrityError, LakeWriteError, SourceError
+from lakeloader.contracts import VERSION
+from lakeloader.contracts.chunk_file import ChunkResult
+from lakeloader.contracts.errors import CatalogError, ChunkIntegrityError, LakeWriteError, SourceError
 from lakeloader.index.layout import PackingSpec
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.templates import packing_specs
-from lakeloader.lake import Lake
+from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
+from lakeloader.ingest.cluster import dask_client
+from lakeloader.ingest.documents import SplitSource
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
@@ -238,7 +244,7 @@ def _publish_tokenizer(lake: Lake, tokenizer_json: str, fingerprint: str) -> str
 
 def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str,
            packing: dict[str, PackingSpec]) -> Iterator[ChunkTask]:
-    formats = {name: RecordFormat.from_config(dataset) for name, dataset in config.datasets.items()}
+    formats = {name: dataset.record_format() for name, dataset in config.datasets.items()}
     for row in pending.itertuples(index=False):
         dataset = config.datasets[row.dataset]
         yield ChunkTask(
@@ -386,7 +392,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     dashboard = None
     build_id = writer.start_build(
         workers=0, scheduler=scheduler or "local", dashboard="",
-        version=lakeloader.__version__,
+        version=VERSION,
     )
     status, error = "failed", None
     try:

@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 
-from lakeloader.build.formats import Document, RecordError, RecordFormat
-from lakeloader.errors import InputError
+from lakeloader.contracts.chunk_file import Reject
+from lakeloader.contracts.errors import InputError
+from lakeloader.contracts.formats import Document, RecordError, RecordFormat
 from lakeloader.plan.sources import readable_url
 from lakeloader.plan.splits import Split
 from lakeloader.storage import is_transient
@@ -27,15 +28,6 @@ _BOM = b"\xef\xbb\xbf"   # UTF-8 byte order mark: dropped at the start of a file
 # Errors of reading or decoding a whole split (the file vanished, is not gzip, fails its CRC, ...):
 # with on_error: skip the split becomes one reject instead of failing the build.
 _UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError)
-
-
-@dataclasses.dataclass(frozen=True)
-class Reject:
-    """One skipped input: where it is and why it was skipped."""
-
-    location: str       # "line 17", "row 3 (row group 0)", "lines 9000-end", ...
-    line: int | None    # 1-based line (text/JSONL) or 0-based row (Parquet) where known
-    reason: str
 
 
 @dataclasses.dataclass

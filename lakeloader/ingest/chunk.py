@@ -16,19 +16,24 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
-from lakeloader.build.documents import Reject, SplitSource, read_split
-from lakeloader.build.formats import Document
-from lakeloader.errors import ChunkIntegrityError
-from lakeloader.index.layout import ChunkParts, PackingSpec, PlanStats, plan_stats
+from lakeloader.contracts.chunk_file import (
+    PART_KINDS_COLUMN,
+    PART_LENGTHS_COLUMN,
+    PART_REFS_COLUMN,
+    RECORD_COLUMN,
+    TOKENS_COLUMN,
+    ChunkParts,
+    ChunkResult,
+    PlanStats,
+    open_chunk,
+    table_parts,
+    unreadable_chunk,
+)
+from lakeloader.contracts.formats import Document
+from lakeloader.index.layout import PackingSpec, plan_stats
+from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.storage import is_transient, with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import DocumentEncoder
-
-# Columns of a chunk file (one row per document). Tokens are stored without special tokens.
-RECORD_COLUMN = "record"              # the document's line/row index from its split's first record
-TOKENS_COLUMN = "tokens"              # the contents of all its parts, back to back
-PART_LENGTHS_COLUMN = "part_lengths"  # tokens of each part
-PART_KINDS_COLUMN = "part_kinds"      # kind of each part (index into dataset_plans.fields)
-PART_REFS_COLUMN = "part_refs"        # interleaved only: each image part's reference (null for text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,29 +48,6 @@ class ChunkTask:
     row_group_tokens: int
     io_retry_deadline: float = 0.0   # seconds of retrying transient storage errors
     packing: tuple[PackingSpec, ...] = ()   # plans whose per-chunk counts the catalog keeps
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkResult:
-    """What the driver commits to the catalog for one chunk."""
-
-    dataset: str
-    global_index: int
-    num_docs: int
-    num_tokens: int
-    num_records: int
-    num_bytes: int
-    checksum: str
-    row_group_docs: list[int]
-    row_group_tokens: list[int]
-    row_group_parts: list[list[int]]    # parts of each kind, per row group
-    row_group_part_tokens: list[list[int]]
-    rejects: list[Reject]
-    source_bytes: int
-    seconds: float
-    worker: str
-    retries: int = 0        # attempts repeated after transient storage errors
-    plans: tuple[PlanStats, ...] = ()
 
 
 @functools.lru_cache(maxsize=4)
@@ -130,38 +112,6 @@ def _per_group(bounds: np.ndarray, parts: ChunkParts, kinds: int, weights: np.nd
     cell = group * kinds + parts.part_kinds
     counts = np.bincount(cell, weights=weights, minlength=(len(bounds) - 1) * kinds)
     return counts.astype(np.int64).reshape(-1, kinds).tolist()
-
-
-def table_parts(table: pa.Table) -> ChunkParts:
-    """The part layout of a chunk table (or row groups of one) holding the part columns."""
-    lengths = table.column(PART_LENGTHS_COLUMN).combine_chunks()
-    kinds = table.column(PART_KINDS_COLUMN).combine_chunks()
-    per_doc = np.diff(lengths.offsets.to_numpy())
-    docs = len(per_doc)
-    return ChunkParts(lengths.values.to_numpy().astype(np.int64), kinds.values.to_numpy().astype(np.int64),
-                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
-
-
-def open_chunk(source: pa.NativeFile | io.IOBase | str) -> pq.ParquetFile:
-    """A chunk file opened for reading: every page a read decodes is first checked against the
-    CRC-32 its writer stored, so a damaged page raises instead of decoding to wrong tokens (chunks
-    written before page checksums have none to check and still read)."""
-    return pq.ParquetFile(source, page_checksum_verification=True)
-
-
-def unreadable_chunk(where: str, exc: BaseException, local_copy: str | None = None) -> ChunkIntegrityError:
-    """The error for a chunk file (``where`` names its dataset, global index and path) that failed
-    its page checksums or could not be decoded: never read as data, and what to do about it
-    (``local_copy``: the disk-cache copy of a remote chunk that was read instead of the lake's file)."""
-    if "CRC checksum verification failed" in str(exc):
-        problem = f"a page failed its CRC-32 checksum, the file was altered after it was written ({exc})"
-    else:
-        problem = f"it cannot be decoded ({type(exc).__name__}: {exc})"
-    todo = ("Rebuild the chunk with `lakeloader verify CONFIG --repair` (or restore the file from a copy).")
-    if local_copy is not None:
-        todo = (f"It was read from its local copy {local_copy}: if `lakeloader verify CONFIG` finds the lake's "
-                f"file intact, delete that copy to download it again; otherwise {todo[0].lower()}{todo[1:]}")
-    return ChunkIntegrityError(f"{where} is corrupt: {problem}. The damaged data was not used. {todo}")
 
 
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,

@@ -5,7 +5,7 @@ download: :func:`prepare_corpus` turns its sources, its help topics and its docs
 the datasets of ``configs/demo.yaml`` (JSON Lines, gzip and zstd JSON Lines, Parquet and
 plain text). The output is deterministic: the same interpreter always gives the same bytes.
 
-    python -m lakeloader.demo prepare demo/data [--size demo|bench]
+    python -m lakeloader.demo.corpus prepare demo/data [--size demo|bench]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-log = logging.getLogger("lakeloader.demo")
+log = logging.getLogger("lakeloader.demo.corpus")
 
 Size = Literal["demo", "bench"]
 
@@ -463,8 +463,8 @@ def iter_texts(paths: Iterable[str | Path]) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lakeloader.demo prepare OUT_DIR [--size demo|bench]``."""
-    parser = argparse.ArgumentParser(prog="python -m lakeloader.demo",
+    """``python -m lakeloader.demo.corpus prepare OUT_DIR [--size demo|bench]``."""
+    parser = argparse.ArgumentParser(prog="python -m lakeloader.demo.corpus",
                                      description="Prepare the demo corpus from the Python standard library.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     prepare = commands.add_parser("prepare", help="write the corpus (skipped when already up to date)")

@@ -10,8 +10,6 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from lakeloader.config import DatasetConfig
-
 
 class Part(NamedTuple):
     """One part of a document: its kind (index into the format's kind names), text and reference."""
@@ -56,14 +54,8 @@ class RecordFormat:
     """How records of one dataset become parts (picklable: it travels to Dask workers)."""
 
     format: str
-    fields: tuple[tuple[str, Any], ...]   # sorted items of DatasetConfig.build_fields; lists -> tuples
-    kind_names: tuple[str, ...]           # DatasetConfig.part_kinds: a part's kind is its index
-
-    @classmethod
-    def from_config(cls, dataset: DatasetConfig) -> RecordFormat:
-        """The record format of ``dataset`` (only its build fields matter)."""
-        items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in dataset.build_fields.items())
-        return cls(dataset.format, tuple(sorted(items)), dataset.part_kinds)
+    fields: tuple[tuple[str, Any], ...]   # sorted items of the dataset's build fields; lists -> tuples
+    kind_names: tuple[str, ...]           # the dataset's part kinds: a part's kind is its index
 
     @functools.cached_property
     def _options(self) -> dict[str, Any]:

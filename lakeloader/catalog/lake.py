@@ -1,76 +1,38 @@
-"""A lake: its location (local or any fsspec URL), paths inside it and catalog access for queries."""
+"""A lake opened for queries: catalog connections (live, local or the published snapshot), SQL and status."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
-from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
 import duckdb
 import pandas as pd
-from fsspec.core import url_to_fs
 from tokenizers import Tokenizer
 
+from lakeloader.catalog.location import LakeLocation
+from lakeloader.catalog.snapshot import open_snapshot
 from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
 from lakeloader.catalog.stale import stale_chunk_folders
-from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, WRITER_CATALOG, Config, load_config
-from lakeloader.errors import CatalogError, CatalogLockedError
-from lakeloader.storage import is_local, with_retries
+from lakeloader.catalog.store import active_writer, connect_reader
+from lakeloader.config import Config, load_config
+from lakeloader.contracts.errors import CatalogError, CatalogLockedError
+from lakeloader.storage import with_retries
+from lakeloader.tokenizer import cached_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def default_cache_dir() -> str:
-    """Local folder for catalogs and chunk caches of remote lakes (``LAKELOADER_CACHE``)."""
-    return os.environ.get("LAKELOADER_CACHE", os.path.join(Path.home(), ".cache", "lakeloader"))
-
-
-class Lake:
-    """Paths and filesystem of one lake."""
-
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 io_retry_deadline: float = DEFAULT_IO_RETRY_DEADLINE) -> None:
-        self.storage_options = dict(storage_options or {})
-        self.io_retry_deadline = io_retry_deadline  # seconds of retrying unreachable storage
-        self.fs, self.root = url_to_fs(url, **self.storage_options)
-        self.is_local = is_local(self.fs)
-        self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
-        key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        self.cache_dir = os.path.join(default_cache_dir(), "lakes", key)
-
-    def describe(self) -> str:
-        """The lake's URL, with the object-store endpoint it is reached through if one is set."""
-        options = self.storage_options
-        endpoint = options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url")
-        return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
-
-    def path_of(self, relative: str) -> str:
-        """Filesystem path (for ``self.fs``) of a lake-relative path."""
-        return f"{self.root.rstrip('/')}/{relative}"
-
-    def url_of(self, relative: str) -> str:
-        """Full URL (or absolute local path) of a lake-relative path."""
-        return f"{self.url.rstrip('/')}/{relative}"
-
-    @property
-    def writer_catalog_path(self) -> str:
-        """The build driver's read-write catalog: in the lake if local, else in the local cache."""
-        if self.is_local:
-            return self.path_of(WRITER_CATALOG)
-        return os.path.join(self.cache_dir, WRITER_CATALOG)
+class Lake(LakeLocation):
+    """A lake opened for queries: catalog connections, SQL, status and its tokenizer."""
 
     def connect(self, *, sandboxed: bool = False) -> duckdb.DuckDBPyConnection:
         """A read-only catalog connection: a local lake's catalog file when no build holds it,
         else the newest published snapshot, opened by ``connect_reader`` (no SQL stored in the
         file runs; no other file, network or extension is reachable). In the process of a running
         build it is that build's live connection, unless ``sandboxed``: then its published snapshot."""
-        from lakeloader.catalog.snapshot import open_snapshot
-        from lakeloader.catalog.store import active_writer, connect_reader
-
         path = self.writer_catalog_path
         writer = active_writer(path)
         if writer is not None:
@@ -87,8 +49,6 @@ class Lake:
     def tokenizer(self, con: Any, datasets: Sequence[str]) -> Tokenizer:
         """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
         or view)."""
-        from lakeloader.tokenizer import cached_tokenizer
-
         path = con.execute(query("tokenizer_path"), {"datasets": list(datasets)}).fetchone()
         if path is None:
             raise CatalogError(f"the lake {self.url} has none of the datasets {list(datasets)}: build them first")

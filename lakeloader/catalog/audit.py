@@ -18,14 +18,13 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from lakeloader.catalog.sql import query
+from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.sql import TOKEN_WEIGHTS_NEED, example_token_means, query
 from lakeloader.config import Config, load_config
-from lakeloader.errors import CatalogError, LakeloaderError
+from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.index.mixing import Mixer
 from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
-from lakeloader.catalog.sql import TOKEN_WEIGHTS_NEED, example_token_means
 from lakeloader.index.templates import packing_specs
-from lakeloader.lake import open_lake
 
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
            "registered"]

@@ -1,0 +1,53 @@
+"""Where a lake is (local or any fsspec URL): paths inside it and its local cache folder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, WRITER_CATALOG
+from lakeloader.storage import is_local
+
+
+def default_cache_dir() -> str:
+    """Local folder for catalogs and chunk caches of remote lakes (``LAKELOADER_CACHE``)."""
+    return os.environ.get("LAKELOADER_CACHE", os.path.join(Path.home(), ".cache", "lakeloader"))
+
+
+class LakeLocation:
+    """Where a lake is: its URL, filesystem, paths inside it and its local cache folder."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 io_retry_deadline: float = DEFAULT_IO_RETRY_DEADLINE) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.io_retry_deadline = io_retry_deadline  # seconds of retrying unreachable storage
+        self.fs, self.root = url_to_fs(url, **self.storage_options)
+        self.is_local = is_local(self.fs)
+        self.url = self.root if self.is_local else self.fs.unstrip_protocol(self.root)
+        key = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.cache_dir = os.path.join(default_cache_dir(), "lakes", key)
+
+    def describe(self) -> str:
+        """The lake's URL, with the object-store endpoint it is reached through if one is set."""
+        options = self.storage_options
+        endpoint = options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url")
+        return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
+
+    def path_of(self, relative: str) -> str:
+        """Filesystem path (for ``self.fs``) of a lake-relative path."""
+        return f"{self.root.rstrip('/')}/{relative}"
+
+    def url_of(self, relative: str) -> str:
+        """Full URL (or absolute local path) of a lake-relative path."""
+        return f"{self.url.rstrip('/')}/{relative}"
+
+    @property
+    def writer_catalog_path(self) -> str:
+        """The build driver's read-write catalog: in the lake if local, else in the local cache."""
+        if self.is_local:
+            return self.path_of(WRITER_CATALOG)
+        return os.path.join(self.cache_dir, WRITER_CATALOG)

@@ -1,0 +1,117 @@
+"""The chunk-file contract between the build and every reader: the columns of a chunk file, how
+one is opened (page checksums verified), and what a build task reports for the catalog."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lakeloader.contracts.errors import ChunkIntegrityError
+
+# Columns of a chunk file (one row per document). Tokens are stored without special tokens.
+RECORD_COLUMN = "record"              # the document's line/row index from its split's first record
+TOKENS_COLUMN = "tokens"              # the contents of all its parts, back to back
+PART_LENGTHS_COLUMN = "part_lengths"  # tokens of each part
+PART_KINDS_COLUMN = "part_kinds"      # kind of each part (index into dataset_plans.fields)
+PART_REFS_COLUMN = "part_refs"        # interleaved only: each image part's reference (null for text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    """One skipped input: where it is and why it was skipped."""
+
+    location: str       # "line 17", "row 3 (row group 0)", "lines 9000-end", ...
+    line: int | None    # 1-based line (text/JSONL) or 0-based row (Parquet) where known
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStats:
+    """What the catalog keeps of one chunk's plan."""
+
+    plan_key: str
+    num_examples: int
+    num_tokens: int             # non-padding tokens of its examples
+    truncated_docs: int
+    dropped_tokens: int
+    split_docs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkParts:
+    """The stored parts of a chunk's (or row group's) documents, without their tokens."""
+
+    part_lengths: np.ndarray    # int64 per part
+    part_kinds: np.ndarray      # int64 per part
+    part_doc: np.ndarray        # int64 per part: its document, from 0
+    num_docs: int
+
+    @functools.cached_property
+    def content_lengths(self) -> np.ndarray:
+        """Stored tokens of each document (int64)."""
+        return np.bincount(self.part_doc, weights=self.part_lengths, minlength=self.num_docs).astype(np.int64)
+
+    @functools.cached_property
+    def parts_per_doc(self) -> np.ndarray:
+        """Parts of each document (int64)."""
+        return np.bincount(self.part_doc, minlength=self.num_docs).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkResult:
+    """What the driver commits to the catalog for one chunk."""
+
+    dataset: str
+    global_index: int
+    num_docs: int
+    num_tokens: int
+    num_records: int
+    num_bytes: int
+    checksum: str
+    row_group_docs: list[int]
+    row_group_tokens: list[int]
+    row_group_parts: list[list[int]]    # parts of each kind, per row group
+    row_group_part_tokens: list[list[int]]
+    rejects: list[Reject]
+    source_bytes: int
+    seconds: float
+    worker: str
+    retries: int = 0        # attempts repeated after transient storage errors
+    plans: tuple[PlanStats, ...] = ()
+
+
+def table_parts(table: pa.Table) -> ChunkParts:
+    """The part layout of a chunk table (or row groups of one) holding the part columns."""
+    lengths = table.column(PART_LENGTHS_COLUMN).combine_chunks()
+    kinds = table.column(PART_KINDS_COLUMN).combine_chunks()
+    per_doc = np.diff(lengths.offsets.to_numpy())
+    docs = len(per_doc)
+    return ChunkParts(lengths.values.to_numpy().astype(np.int64), kinds.values.to_numpy().astype(np.int64),
+                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
+
+
+def open_chunk(source: pa.NativeFile | io.IOBase | str) -> pq.ParquetFile:
+    """A chunk file opened for reading: every page a read decodes is first checked against the
+    CRC-32 its writer stored, so a damaged page raises instead of decoding to wrong tokens (chunks
+    written before page checksums have none to check and still read)."""
+    return pq.ParquetFile(source, page_checksum_verification=True)
+
+
+def unreadable_chunk(where: str, exc: BaseException, local_copy: str | None = None) -> ChunkIntegrityError:
+    """The error for a chunk file (``where`` names its dataset, global index and path) that failed
+    its page checksums or could not be decoded: never read as data, and what to do about it
+    (``local_copy``: the disk-cache copy of a remote chunk that was read instead of the lake's file)."""
+    if "CRC checksum verification failed" in str(exc):
+        problem = f"a page failed its CRC-32 checksum, the file was altered after it was written ({exc})"
+    else:
+        problem = f"it cannot be decoded ({type(exc).__name__}: {exc})"
+    todo = ("Rebuild the chunk with `lakeloader verify CONFIG --repair` (or restore the file from a copy).")
+    if local_copy is not None:
+        todo = (f"It was read from its local copy {local_copy}: if `lakeloader verify CONFIG` finds the lake's "
+                f"file intact, delete that copy to download it again; otherwise {todo[0].lower()}{todo[1:]}")
+    return ChunkIntegrityError(f"{where} is corrupt: {problem}. The damaged data was not used. {todo}")
