@@ -11,7 +11,6 @@ from tokenizers import Tokenizer
 
 from lakeloader.catalog.lake import open_lake
 from lakeloader.config import DatasetConfig
-from lakeloader.contracts.formats import RecordFormat
 from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.ingest.driver import build
 from lakeloader.plan.sources import expand_sources
@@ -38,7 +37,7 @@ def expected_documents(tokenizer: Tokenizer, config_path: Path, dataset: str) ->
     for row in chunks.itertuples():
         split = Split(row.split_kind, row.split_start, row.split_stop, row.first_row)
         compression = row.compression if isinstance(row.compression, str) else None
-        text_format = RecordFormat.from_config(DatasetConfig(sources=["x"]))
+        text_format = DatasetConfig(sources=["x"]).record_format()
         docs = read_split(SplitSource(row.source, row.layout, compression, split, text_format, "raise", {}))
         out.extend(tokenizer.encode(parts[0].text, add_special_tokens=False).ids for parts in docs.documents)
     return out

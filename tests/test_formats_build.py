@@ -15,7 +15,7 @@ import pytest
 
 from lakeloader.config import Config, DatasetConfig
 from lakeloader.contracts.errors import ConfigError, InputError
-from lakeloader.contracts.formats import Part, RecordError, RecordFormat
+from lakeloader.contracts.formats import Part, RecordError
 from lakeloader.ingest.documents import SplitDocuments, SplitSource, read_split
 from lakeloader.plan.planner import dataset_fingerprint, plan_dataset
 from lakeloader.plan.sources import expand_sources
@@ -45,7 +45,7 @@ def dataset(fmt: str = "text", **options: Any) -> DatasetConfig:
 def read(path: Path, config: DatasetConfig, on_error: str = "raise") -> SplitDocuments:
     """Every split of ``path`` read with ``config``'s record format, concatenated."""
     [shard], _ = expand_sources([str(path)], {})
-    record_format = RecordFormat.from_config(config)
+    record_format = config.record_format()
     out = SplitDocuments([], [], 0, [], 0)
     for split in plan_splits(shard, 1 << 20, {}):
         docs = read_split(SplitSource(shard.url, shard.layout, shard.compression, split, record_format,
@@ -68,19 +68,18 @@ def write_parquet(path: Path, columns: dict[str, pa.Array], row_group_size: int 
 
 
 def test_record_format_from_config() -> None:
-    chat = RecordFormat.from_config(dataset("chat", chat={"roles": ["user", "bot"], "loss_roles": ["bot"],
-                                                          "template": {}}))
+    chat = dataset("chat", chat={"roles": ["user", "bot"], "loss_roles": ["bot"], "template": {}}).record_format()
     assert chat.fields == (("content_key", "content"), ("messages_field", "messages"), ("role_key", "role"),
                            ("roles", ("user", "bot")))
     assert chat.kind_names == ("user", "bot") and chat.columns == ("messages",) and not chat.text_only
-    assert pickle.loads(pickle.dumps(chat)) == chat and hash(chat) == hash(RecordFormat.from_config(
-        dataset("chat", chat={"roles": ["user", "bot"], "loss_roles": [], "template": {}})))
-    fim = RecordFormat.from_config(dataset("fim", text_field="body", fim={"rate": 1.0}))
+    assert pickle.loads(pickle.dumps(chat)) == chat and hash(chat) == hash(
+        dataset("chat", chat={"roles": ["user", "bot"], "loss_roles": [], "template": {}}).record_format())
+    fim = dataset("fim", text_field="body", fim={"rate": 1.0}).record_format()
     assert (fim.fields, fim.kind_names, fim.columns, fim.text_only) == ((("text_field", "body"),), ("text",),
                                                                         ("body",), True)
-    assert RecordFormat.from_config(dataset("supervised")).columns == ("prompt", "response")
-    assert RecordFormat.from_config(dataset("interleaved")).kind_names == ("text", "image")
-    assert RecordFormat.from_config(dataset()).text_parts("a line") == (Part(0, "a line"),)
+    assert dataset("supervised").record_format().columns == ("prompt", "response")
+    assert dataset("interleaved").record_format().kind_names == ("text", "image")
+    assert dataset().record_format().text_parts("a line") == (Part(0, "a line"),)
 
 
 def test_text_and_fim(tmp_path: Path) -> None:
@@ -166,7 +165,7 @@ GOOD = {"text": {"text": "good"}, "chat": CHAT[1], "supervised": SUPERVISED[0], 
 def test_bad_jsonl_record(tmp_path: Path, case: str) -> None:
     fmt, record, reason = BAD[case]
     with pytest.raises(RecordError, match="^" + re.escape(reason)):
-        RecordFormat.from_config(dataset(fmt)).parts(record)
+        dataset(fmt).record_format().parts(record)
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD[fmt], record, GOOD[fmt]])
     with pytest.raises(InputError) as info:
         read(path, dataset(fmt))
