@@ -209,7 +209,7 @@ def _add_loader_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lakeloader`` command."""
-    from lakeloader import __version__
+    from lakeloader.contracts import VERSION as __version__
 
     parser = argparse.ArgumentParser(prog="lakeloader", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
