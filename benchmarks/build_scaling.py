@@ -35,7 +35,7 @@ from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import load_config
 from lakeloader.demo.corpus import prepare_corpus
 from lakeloader.feed.loader import Loader
-from lakeloader.index.concat import locate
+from lakeloader.index.ranges import locate
 from lakeloader.ingest.cluster import WORKER_ENV
 from lakeloader.ingest.driver import build
 from lakeloader.plan.planner import DatasetPlan, plan_dataset

@@ -90,7 +90,8 @@ JOIN (
 JOIN committed_prefix p ON p.dataset = d.name;
 
 -- The mixture schedule of a registered mixture (tables mixtures, mixture_stages, mixture_nodes),
--- computed exactly as lakeloader.index.mixture computes it: one row per (step, dataset) for the
+-- the analyst's view of lakeloader.index.mixture.schedule (what the loader and the audit use; equal
+-- bit for bit, tests/test_specs.py): one row per (step, dataset) for the
 -- global steps [first_step, stop_step) (stop_step excluded, as `lakeloader audit --steps A:B`).
 --   examples         examples of the dataset in the step's batch
 --   before, after    the dataset's stream indices that fed the step are [before, after)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.specs import WeightError, check_weights
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
@@ -317,11 +318,11 @@ class MixtureConfig(_Strict):
             if steps != sorted(set(steps)):
                 raise KeyValueError(("stages",), f"stage start_step values must increase, got {steps}")
         for path, weights in self.weight_paths():
-            for name, weight in weights.items():
-                if not weight >= 0:
-                    raise KeyValueError((*path, name), f"weight {weight} of dataset {name!r} must be >= 0")
-            if sum(weights.values()) <= 0:
-                raise KeyValueError(path, f"weights must not all be zero, got {weights}")
+            names = list(weights)
+            try:
+                check_weights(list(weights.values()), names)
+            except WeightError as exc:
+                raise KeyValueError(path if exc.position is None else (*path, names[exc.position]), str(exc)) from None
         return self
 
     def weight_paths(self) -> list[tuple[tuple[str | int, ...], dict[str, float]]]:

@@ -119,7 +119,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", SETUP),
         ("code", "import tempfile\nfrom IPython.display import Image\nimport lakeloader\n"
                  "from lakeloader.catalog.audit import audit, mixture_plan, plot_audit\n"
-                 "from lakeloader.index.mixing import Mixer\n\n"
+                 "from lakeloader.specs import mixture_spec\n\n"
                  "config = lakeloader.load_config(CONFIG)\nconfig.mixture"),
         ("markdown", "## Target vs realized over steps 0..999\n\nStep ranges are half-open everywhere: "
                      "`audit(CONFIG, 0, 1000)` in Python, `--steps 0:1000` on the command line and "
@@ -129,7 +129,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("markdown", "## The same in SQL\n\n`mixture_plan(id, first, stop)` gives, per step `first..stop-1` "
                      "and dataset, how many examples it contributed and which ones (`[before, after)` of its "
                      "stream); `mixture_proportions` aggregates a range."),
-        ("code", "lake = lakeloader.open_lake(CONFIG)\nmixture_id = Mixer.from_config(config).mixture_id\n"
+        ("code", "lake = lakeloader.open_lake(CONFIG)\nmixture_id = mixture_spec(config).mixture_id\n"
                  "lake.sql(f\"SELECT * FROM mixtures WHERE mixture_id = '{mixture_id}'\")"),
         ("code", "lake.sql(f\"SELECT step, dataset, examples, before, after, deviation FROM mixture_plan('{mixture_id}', 5, 7) ORDER BY step, dataset\")"),
         ("code", "lake.sql(f\"SELECT dataset, target_weight, share, examples, max_deviation FROM mixture_proportions('{mixture_id}', 0, 100000)\")"),

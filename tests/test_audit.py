@@ -18,9 +18,9 @@ from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
 from lakeloader.config import load_config
 from lakeloader.feed.loader import Loader
-from lakeloader.index.mixing import Mixer
-from lakeloader.index.mixture import Stage, huffman_tree, mixture_counts, quantized_weights, stage_totals
+from lakeloader.index.mixture import Mixer, Stage, huffman_tree, mixture_counts, quantized_weights, stage_totals
 from lakeloader.ingest.driver import build
+from lakeloader.specs import mixture_spec
 
 from conftest import stdlib_texts, write_config, write_jsonl
 
@@ -150,7 +150,7 @@ def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
 
 
 def test_registration_is_idempotent_across_builds(lake: Path) -> None:
-    mixer = Mixer.from_config(load_config(lake))
+    mixer = mixture_spec(load_config(lake))
     built = open_lake(lake)
     mixtures = built.sql("SELECT * FROM mixtures")
     assert mixtures["mixture_id"].tolist() == [mixer.mixture_id]
@@ -177,7 +177,7 @@ def test_sql_proportions_match_the_loaders_batches(lake: Path) -> None:
     with Loader(lake) as loader:
         windows = {step: loader._windows(step) for step in range(first, last + 1)}
         per_epoch = {d.name: d.train_count() for d in loader.datasets}
-    plan = open_lake(lake).sql("SELECT * FROM mixture_plan(?, ?, ?)", [Mixer.from_config(load_config(lake)).mixture_id,
+    plan = open_lake(lake).sql("SELECT * FROM mixture_plan(?, ?, ?)", [mixture_spec(load_config(lake)).mixture_id,
                                                                        first, last + 1])
     for step, rows in windows.items():
         here = plan[plan["step"] == step].set_index("dataset")

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakeloader.index.concat import segments
+from lakeloader.index.ranges import segments
 
 
 def _plain_segments(keys: list[int]) -> tuple[list[int], list[int]]:

@@ -24,8 +24,8 @@ from lakeloader.catalog.snapshot import SNAPSHOT_DIR, open_snapshot
 from lakeloader.cli import main
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
-from lakeloader.index.mixing import Mixer
 from lakeloader.ingest.driver import build
+from lakeloader.specs import mixture_spec
 
 from conftest import REPO, stdlib_texts, write_config, write_jsonl
 
@@ -87,7 +87,7 @@ def test_step_ranges_are_half_open_everywhere(lake: Path, capsys: pytest.Capture
     assert audit(lake, 0, 10)["examples"].sum() == 10 * BATCH
     plan = mixture_plan(lake, 3, 6)
     assert sorted(set(plan["step"])) == [3, 4, 5]
-    mixture_id = Mixer.from_config(lakeloader.load_config(lake)).mixture_id
+    mixture_id = mixture_spec(lakeloader.load_config(lake)).mixture_id
     sql = open_lake(lake).sql("SELECT DISTINCT step FROM mixture_plan(?, 3, 6) ORDER BY step", [mixture_id])
     assert sql["step"].tolist() == [3, 4, 5]
     props = open_lake(lake).sql("SELECT sum(examples) AS n FROM mixture_proportions(?, 0, 10)", [mixture_id])

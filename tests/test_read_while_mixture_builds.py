@@ -29,8 +29,9 @@ from lakeloader.catalog import store
 from lakeloader.catalog.audit import audit
 from lakeloader.catalog.lake import Lake
 from lakeloader.contracts.errors import InputError, LakeloaderError
+from lakeloader.contracts.specs import make_template
 from lakeloader.feed.loader import Loader
-from lakeloader.index.render import make_template, stream_lengths
+from lakeloader.index.render import stream_lengths
 from lakeloader.ingest.driver import build
 from lakeloader.read.catalog_view import CatalogView, ChunkWaitTimeout
 

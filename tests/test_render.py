@@ -6,8 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lakeloader.contracts.specs import Fim, make_template
 from lakeloader.index.render import (
-    FIM_SENTINELS, Fim, doc_lengths, fim_choice, fim_counts, make_template, part_starts, render, stream_lengths,
+    FIM_SENTINELS, doc_lengths, fim_choice, fim_counts, part_starts, render, stream_lengths,
 )
 
 PRE, MID, SUF, EOS, BOS = 90, 91, 92, 0, 1

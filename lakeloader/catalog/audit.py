@@ -3,7 +3,8 @@
 Step ranges are half-open, ``[first, stop)``, as ``--steps A:B`` of the command line and the
 catalog macros ``mixture_plan(id, first_step, stop_step)`` and ``mixture_proportions``.
 
-The schedule is closed form (:mod:`lakeloader.index.mixture`), so an audit never reads data.
+The schedule is closed form (:func:`lakeloader.index.mixture.schedule`, the same computation the
+loader's batches come from), so an audit never reads data.
 When a build has registered the config's mixture in the catalog, the numbers come from the
 catalog's SQL (macros ``mixture_plan`` and ``mixture_proportions`` of ``catalog/views.sql``);
 otherwise from the same closed form in Python. Both give the same integers, bit for bit.
@@ -22,9 +23,9 @@ from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.sql import TOKEN_WEIGHTS_NEED, example_token_means, query
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
-from lakeloader.index.mixing import Mixer
-from lakeloader.index.mixture import mixture_counts, quantized_weights, stage_totals
-from lakeloader.index.templates import packing_specs
+from lakeloader.contracts.specs import MixtureSpec
+from lakeloader.index.mixture import Mixer, Schedule, quantized_weights
+from lakeloader.specs import dataset_names, mixture_spec, packing_specs, plan_keys, token_weights
 
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
            "registered"]
@@ -45,83 +46,56 @@ def _check_steps(first: int, stop: int) -> tuple[int, int]:
     return int(first), int(stop) - 1
 
 
-def _schedule(mixer: Mixer, steps: np.ndarray) -> dict[str, np.ndarray]:
-    """The closed-form schedule at global ``steps`` (sorted int64): arrays ``[len(steps), D]``."""
-    stages = list(mixer.stages)
-    size = mixer.batch_size
-    starts = np.array([s.start_step for s in stages], np.int64)
-    quanta = np.array([quantized_weights(s.weights) for s in stages], np.int64)
-    totals = quanta.sum(axis=1)
-    stage = np.searchsorted(starts, steps, side="right") - 1
-    relative = steps - starts[stage]
-    stage_after = np.empty((len(steps), len(mixer.names)), np.int64)
-    stage_before = np.empty_like(stage_after)
-    for number in np.unique(stage):
-        rows = stage == number
-        weights = stages[number].weights
-        stage_after[rows] = mixture_counts(weights, size, relative[rows])
-        stage_before[rows] = mixture_counts(weights, size, relative[rows] - 1)
-    n = (relative + 1) * size
-    q, w = quanta[stage], totals[stage][:, None]
-    # |C*W - q*n| < 2W < 2**63, so wrapping uint64 arithmetic gives it exactly.
-    numerator = (stage_after.astype(np.uint64) * w.astype(np.uint64)
-                 - q.astype(np.uint64) * n.astype(np.uint64)[:, None]).view(np.int64)
-    return {
-        "step": steps, "stage": stage, "n": n,
-        "before": stage_totals(stages, size, steps), "after": stage_totals(stages, size, steps + 1),
-        "stage_before": stage_before, "stage_after": stage_after,
-        "target_weight": q / w, "deviation": np.abs(numerator) / w,
-    }
-
-
-def _blocks(mixer: Mixer, first: int, last: int) -> Iterator[dict[str, np.ndarray]]:
-    """:func:`_schedule` of steps ``first..last`` in blocks of at most ``_BLOCK`` steps."""
+def _blocks(mixer: Mixer, first: int, last: int) -> Iterator[Schedule]:
+    """The schedule of steps ``first..last`` in blocks of at most ``_BLOCK`` steps."""
     for lo in range(first, last + 1, _BLOCK):
-        yield _schedule(mixer, np.arange(lo, min(lo + _BLOCK, last + 1), dtype=np.int64))
+        yield mixer.schedule(np.arange(lo, min(lo + _BLOCK, last + 1), dtype=np.int64))
 
 
-def _plan_frame(mixer: Mixer, block: dict[str, np.ndarray]) -> pd.DataFrame:
-    """Rows of ``mixture_plan`` of a :func:`_schedule` block: one per (step, dataset)."""
-    steps, datasets = len(block["step"]), len(mixer.names)
+def _plan_frame(mixer: MixtureSpec, block: Schedule) -> pd.DataFrame:
+    """Rows of ``mixture_plan`` of a schedule block: one per (step, dataset)."""
+    steps, datasets = len(block.steps), len(mixer.names)
     return pd.DataFrame({
-        "step": np.repeat(block["step"], datasets),
-        "stage": np.repeat(block["stage"], datasets).astype(np.int32),
+        "step": np.repeat(block.steps, datasets),
+        "stage": np.repeat(block.stage, datasets).astype(np.int32),
         "dataset": np.tile(np.array(mixer.names, dtype=object), steps),
         "dataset_index": np.tile(np.arange(datasets, dtype=np.int32), steps),
-        "examples": (block["stage_after"] - block["stage_before"]).reshape(-1),
-        "before": block["before"].reshape(-1),
-        "after": block["after"].reshape(-1),
-        "stage_before": block["stage_before"].reshape(-1),
-        "stage_after": block["stage_after"].reshape(-1),
-        "stage_examples": np.repeat(block["n"], datasets),
-        "target_weight": block["target_weight"].reshape(-1),
-        "deviation": block["deviation"].reshape(-1),
+        "examples": (block.after - block.before).reshape(-1),
+        "before": block.before.reshape(-1),
+        "after": block.after.reshape(-1),
+        "stage_before": block.stage_before.reshape(-1),
+        "stage_after": block.stage_after.reshape(-1),
+        "stage_examples": np.repeat(block.stage_examples, datasets),
+        "target_weight": block.target_weight.reshape(-1),
+        "deviation": block.deviation.reshape(-1),
     })
 
 
-def closed_form_plan(mixer: Mixer, first: int, stop: int) -> pd.DataFrame:
+def closed_form_plan(spec: MixtureSpec, first: int, stop: int) -> pd.DataFrame:
     """The rows of the catalog macro ``mixture_plan`` for steps ``[first, stop)``, computed in
-    Python with :mod:`lakeloader.index.mixture`: one row per (step, dataset)."""
+    Python with :func:`lakeloader.index.mixture.schedule`: one row per (step, dataset)."""
     first, last = _check_steps(first, stop)
+    mixer = Mixer.of(spec)
     return pd.concat([_plan_frame(mixer, block) for block in _blocks(mixer, first, last)],
                      ignore_index=True)
 
 
-def closed_form_proportions(mixer: Mixer, first: int, stop: int) -> pd.DataFrame:
+def closed_form_proportions(spec: MixtureSpec, first: int, stop: int) -> pd.DataFrame:
     """The rows of the catalog macro ``mixture_proportions`` for steps ``[first, stop)``, computed
     in Python (in blocks, so long ranges need little memory): one row per dataset. Integers and
     ``share``/``max_deviation`` equal the macro's bit for bit; the mean target is summed in
     another order, so it agrees to rounding."""
     first, last = _check_steps(first, stop)
+    mixer = Mixer.of(spec)
     target = np.zeros(len(mixer.names))
     deviation = np.zeros(len(mixer.names))
     first_index = end_index = None
     for block in _blocks(mixer, first, last):
         if first_index is None:
-            first_index = block["before"][0]
-        end_index = block["after"][-1]
-        target += block["target_weight"].sum(axis=0)
-        deviation = np.maximum(deviation, block["deviation"].max(axis=0))
+            first_index = block.before[0]
+        end_index = block.after[-1]
+        target += block.target_weight.sum(axis=0)
+        deviation = np.maximum(deviation, block.deviation.max(axis=0))
     examples = end_index - first_index
     return pd.DataFrame({
         "dataset": list(mixer.names),
@@ -134,7 +108,7 @@ def closed_form_proportions(mixer: Mixer, first: int, stop: int) -> pd.DataFrame
     })
 
 
-def _mean_target(mixer: Mixer, first: int, steps: np.ndarray) -> np.ndarray:
+def _mean_target(mixer: MixtureSpec, first: int, steps: np.ndarray) -> np.ndarray:
     """Target share of each dataset over steps ``first..k`` for each ``k`` in ``steps``: the mean
     of the stages' (quantised) weights weighted by their steps in the range, ``[len(steps), D]``."""
     total = np.zeros((len(steps), len(mixer.names)))
@@ -155,7 +129,7 @@ def registered(con: duckdb.DuckDBPyConnection, mixture_id: str) -> bool:
         return False  # a catalog from before mixtures were registered
 
 
-def _catalog(config: Config, mixer: Mixer) -> duckdb.DuckDBPyConnection | None:
+def _catalog(config: Config, mixer: MixtureSpec) -> duckdb.DuckDBPyConnection | None:
     """A read-only connection to the lake's catalog if it holds ``mixer``'s schedule."""
     try:
         con = open_lake(config).connect()
@@ -168,24 +142,21 @@ def _catalog(config: Config, mixer: Mixer) -> duckdb.DuckDBPyConnection | None:
 
 
 def _lake_means(config: Config) -> tuple[Mixer, dict[str, float]]:
-    """The config's mixer with its weights in tokens converted from the lake's catalog, and each
-    dataset's mean non-padding tokens per example (``seq_len`` under concat)."""
-    names = Mixer.dataset_names(config)
-    packed = config.loader.packing != "concat"
-    token_weights = config.mixture is not None and config.mixture.unit == "tokens"
-    if not packed and not token_weights:
-        return Mixer.from_config(config), {n: float(config.loader.seq_len) for n in names}
+    """The config's mixer (weights in tokens converted with the lake's catalog) and each dataset's
+    mean non-padding tokens per example (``seq_len`` under concat)."""
+    names = dataset_names(config)
+    if config.loader.packing == "concat" and not token_weights(config):
+        return Mixer.of(mixture_spec(config)), {n: float(config.loader.seq_len) for n in names}
     lake = open_lake(config)
     con = lake.connect()
     try:
-        specs = packing_specs(config, lake.tokenizer(con, names))
-        plans = {name: spec.plan_key if (spec := specs.get(name)) else None for name in names}
-        needed_by = (TOKEN_WEIGHTS_NEED if token_weights else
+        plans = plan_keys(config, packing_specs(config, lake.tokenizer(con, names)))
+        needed_by = (TOKEN_WEIGHTS_NEED if token_weights(config) else
                      (f"the audit's token shares under packing: {config.loader.packing}", "then audit again"))
         means = example_token_means(con, plans, config.loader.seq_len, needed_by)
     finally:
         con.close()
-    return Mixer.from_config(config, means if token_weights else None), means
+    return Mixer.of(mixture_spec(config, means)), means
 
 
 def mixture_plan(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.DataFrame:
@@ -283,7 +254,7 @@ def plot_audit(config: Config | str | os.PathLike[str], first: int, stop: int,
         source = plan.attrs["source"]
     else:  # evenly spaced steps, each exact (the closed form seeks at no cost)
         picks = np.unique(np.linspace(first, last, max_steps).round().astype(np.int64))
-        plan = _plan_frame(mixer, _schedule(mixer, picks))
+        plan = _plan_frame(mixer, mixer.schedule(picks))
         source = f"closed form at {len(picks):,} evenly spaced steps"
     sampled = last - first + 1 > max_steps
     size = mixer.batch_size

@@ -11,7 +11,7 @@ import re
 import socket
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 import pandas as pd
@@ -19,14 +19,11 @@ import pandas as pd
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.contracts.chunk_file import ChunkResult, PlanStats
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeloaderError
-from lakeloader.index.layout import PackingSpec
-from lakeloader.index.mixture import huffman_tree, quantized_weights
+from lakeloader.contracts.specs import MixtureSpec, PackingSpec
+from lakeloader.index.mixture import mixture_rows
 from lakeloader.plan.planner import DatasetPlan
 from lakeloader.plan.sources import readable_url, url_bytes
 from lakeloader.storage import remove_quietly, write_failure
-
-if TYPE_CHECKING:
-    from lakeloader.index.mixing import Mixer
 
 log = logging.getLogger(__name__)
 
@@ -287,34 +284,21 @@ class CatalogWriter:
         """Committed chunks of ``dataset`` whose counts under ``plan_key`` are missing."""
         return self._run("chunks_without_plan", {"name": dataset, "plan_key": plan_key}).df()
 
-    def register_mixture(self, mixer: Mixer) -> bool:
-        """Store ``mixer``'s schedule (stages, quantised weights, Huffman trees) under its
-        ``mixture_id`` unless it is there already; returns whether it was new. Registering it
-        again only updates ``last_registered_at``."""
-        mixture_id = mixer.mixture_id
+    def register_mixture(self, spec: MixtureSpec) -> bool:
+        """Store ``spec``'s schedule (stages, quantised weights, Huffman trees: the rows of
+        :func:`lakeloader.index.mixture.mixture_rows`) under its ``mixture_id`` unless it is there
+        already; returns whether it was new. Registering it again only updates
+        ``last_registered_at``."""
+        rows = mixture_rows(spec)
         self.con.execute("BEGIN TRANSACTION")
         try:
-            known = self._run("touch_mixture", {"mixture_id": mixture_id}).fetchone()
+            known = self._run("touch_mixture", {"mixture_id": spec.mixture_id}).fetchone()
             if not known:
-                self._run("insert_mixture", {
-                    "mixture_id": mixture_id, "batch_size": mixer.batch_size, "stop": mixer.stop,
-                    "datasets": list(mixer.names), "num_stages": len(mixer.stages),
-                })
-                ends = [s.start_step for s in mixer.stages[1:]] + [None]
-                for number, (stage, end) in enumerate(zip(mixer.stages, ends)):
-                    quanta = quantized_weights(stage.weights)
-                    self._run("insert_mixture_stage", {
-                        "mixture_id": mixture_id, "stage": number, "start_step": stage.start_step,
-                        "end_step": end, "weights": list(stage.weights), "quanta": list(quanta),
-                        "total_weight": sum(quanta),
-                    })
-                    for node in huffman_tree(stage.weights):
-                        self._run("insert_mixture_node", {
-                            "mixture_id": mixture_id, "stage": number, "node": node.node,
-                            "parent": node.parent, "is_first": node.first, "weight": node.weight,
-                            "parent_weight": node.parent_weight, "split_weight": node.split_weight,
-                            "dataset": node.dataset, "depth": node.depth,
-                        })
+                self._run("insert_mixture", rows.mixture)
+                for stage in rows.stages:
+                    self._run("insert_mixture_stage", stage)
+                for node in rows.nodes:
+                    self._run("insert_mixture_node", node)
             self.con.execute("COMMIT")
         except BaseException:
             self.con.execute("ROLLBACK")

@@ -16,10 +16,11 @@ import numpy as np
 
 from lakeloader.config import ShuffleConfig
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.index.concat import cumulative, eval_examples, locate, segments, strided_chunk, train_examples
-from lakeloader.index.layout import PackingSpec, plan_chunk
+from lakeloader.contracts.specs import PackingSpec
+from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
 from lakeloader.index.permutation import derive_key
+from lakeloader.index.ranges import cumulative, eval_examples, locate, segments, strided_chunk, train_examples
 from lakeloader.index.render import part_starts
 from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, shuffle_window
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks

@@ -25,11 +25,11 @@ from lakeloader.catalog.sql import example_token_means
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window, fill_windows
-from lakeloader.index.mixing import Mixer
-from lakeloader.index.templates import packing_spec, template_for, token_id
+from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.windows import StreamReader
+from lakeloader.specs import dataset_names, mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class LoaderState:
 def check_combination(config: Config, mode: str) -> None:
     """Raise a ConfigError for formats and packing modes that cannot work together."""
     loader = config.loader
-    used = {name: config.datasets[name] for name in Mixer.dataset_names(config)}
+    used = {name: config.datasets[name] for name in dataset_names(config)}
     seq2seq = [n for n, d in used.items() if d.seq2seq]
     for name, dataset in used.items():
         if loader.packing == "concat" and dataset.format == "interleaved":
@@ -120,7 +120,7 @@ class Loader:
         self.view = CatalogView(self.lake, config.io_retry_deadline)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline)
-        names = Mixer.dataset_names(config)
+        names = dataset_names(config)
         self.tokenizer = self.lake.tokenizer(self.view, names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
@@ -132,11 +132,11 @@ class Loader:
                 "ordering fixes its own order); set shuffle to none or ordering to global")
         self.datasets = [self._examples(name, ordering, shuffle) for name in names]
         means = None
-        if config.mixture is not None and config.mixture.unit == "tokens":
+        if token_weights(config):
             for examples in self.datasets:   # the weights need every dataset's mean example size
                 examples.complete_chunks()
             means = example_token_means(self.view, {d.name: d.plan_key for d in self.datasets}, loader.seq_len)
-        self.mixer = Mixer.from_config(config, means)
+        self.mixer = Mixer.of(mixture_spec(config, means))
         self.fingerprint = self._fingerprint()
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
 
@@ -175,15 +175,15 @@ class Loader:
         """Batches of an evaluation pass, or of training under a stop strategy (the same on every
         process; waits for the complete lake); None when training cycles forever."""
         if self.mode == "train":
-            return self.mixer.stop_step(self.datasets)
-        return -(-self.mixer.eval_total(self.datasets) // self.config.loader.batch_size)
+            return self.mixer.stop_step([d.train_count() for d in self.datasets]) if self.mixer.finite else None
+        return -(-self.mixer.eval_total([d.eval_count() for d in self.datasets]) // self.config.loader.batch_size)
 
     # -- batches ---------------------------------------------------------------------------------
 
     def _windows(self, step: int) -> list[Window | PackedExample | None]:
         positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
-            owners, indices = self.mixer.eval_assign(positions, self.datasets)
+            owners, indices = self.mixer.eval_assign(positions, [d.eval_count() for d in self.datasets])
         else:
             owners, indices = self.mixer.assign(step, self.row_indices)
         windows: list[Window | PackedExample | None] = [None] * len(owners)   # None: past an eval pass

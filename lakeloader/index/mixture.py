@@ -11,6 +11,11 @@ most 2/3 of its parent, so the errors sum to less than ``1/2 * (1 + 1 + 2/3 + 4/
 Weights are first quantised to integers summing to about ``2**40`` (exact rational rounding,
 no float arithmetic), and the splits use only uint64 integer arithmetic, so every count is
 bitwise reproducible for prefixes up to ``2**62`` examples.
+
+A mixture's spec (:class:`lakeloader.contracts.specs.MixtureSpec`: datasets, stages of weights,
+batch size, stop strategy, seed) becomes index maps in :class:`Mixer`. Every per-step count (what
+the loader assigns, what the audit reports, what the catalog's ``mixture_plan`` macro recomputes
+in SQL from the rows of :func:`mixture_rows`) comes from one computation, :func:`schedule`.
 """
 
 from __future__ import annotations
@@ -18,15 +23,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import math
 from collections.abc import Callable, Sequence
-from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
+from lakeloader.contracts.specs import (
+    MixtureSpec,
+    Stage,
+    check_batch_size,
+    check_stages,
+    check_weights,
+    quantized_weights,
+)
 from lakeloader.index.permutation import derive_key, permute
+from lakeloader.index.ranges import cumulative
 
 __all__ = [
+    "Mixer",
+    "MixtureRows",
+    "Schedule",
     "Stage",
     "TreeNode",
     "batch_assignment",
@@ -34,14 +50,15 @@ __all__ = [
     "derive_key",
     "huffman_tree",
     "mixture_counts",
+    "mixture_rows",
     "quantized_weights",
+    "schedule",
     "stage_totals",
     "staged_assignment",
     "staged_assignments",
     "stop_step",
 ]
 
-SCALE_BITS = 40
 MAX_EXAMPLES = 1 << 62
 _LOW_BITS = 20
 _LOW_MASK = np.uint64((1 << _LOW_BITS) - 1)
@@ -66,38 +83,9 @@ class _Tree:
     splits: tuple[_Split, ...]       # top-down: a parent's split comes before its children's
 
 
-def _check_weights(weights: Sequence[float]) -> tuple[float, ...]:
-    try:
-        values = tuple(float(w) for w in weights)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"mixture weights must be numbers, got {list(weights)!r}") from exc
-    if not values:
-        raise ValueError("mixture weights are empty: give at least one dataset weight")
-    for i, w in enumerate(values):
-        if not math.isfinite(w) or w < 0:
-            raise ValueError(f"mixture weight {i} is {w!r}; weights must be finite and >= 0")
-    if not any(values):
-        raise ValueError(f"mixture weights are all zero ({list(values)}); at least one must be > 0")
-    return values
-
-
-@functools.lru_cache(maxsize=256)
-def _quantize(values: tuple[float, ...]) -> tuple[int, ...]:
-    exact = [Fraction(w) for w in values]
-    total = sum(exact)
-    # Nearest integer of w / total * 2**40, at least 1 for a positive weight.
-    return tuple(max(1, math.floor(w / total * (1 << SCALE_BITS) + Fraction(1, 2))) if w else 0 for w in exact)
-
-
-def quantized_weights(weights: Sequence[float]) -> tuple[int, ...]:
-    """The integer weights the schedule really uses (about ``w_d / sum(w) * 2**40``; zero
-    exactly for zero weights, >= 1 for positive ones). Raises ValueError on invalid weights."""
-    return _quantize(_check_weights(weights))
-
-
 @functools.lru_cache(maxsize=256)
 def _tree(values: tuple[float, ...]) -> _Tree:
-    quanta = _quantize(values)
+    quanta = quantized_weights(values)
     leaves = tuple(d for d, q in enumerate(quanta) if q)
     heap = [(quanta[d], node) for node, d in enumerate(leaves)]
     heapq.heapify(heap)
@@ -136,8 +124,8 @@ def huffman_tree(weights: Sequence[float]) -> tuple[TreeNode, ...]:
     """The nodes of the schedule's Huffman tree for ``weights``, top-down (root first, a parent
     before its children), with the exact integer weights :func:`mixture_counts` uses. Zero
     weights have no leaf. Raises ValueError on invalid weights."""
-    values = _check_weights(weights)
-    tree, quanta = _tree(values), _quantize(values)
+    values = check_weights(weights)
+    tree, quanta = _tree(values), quantized_weights(values)
     weight = {node: quanta[d] for node, d in enumerate(tree.leaves)}
     for split in reversed(tree.splits):  # bottom-up: children before parents
         weight[split.parent] = split.parent_weight
@@ -187,12 +175,6 @@ def _as_batches(batches: np.ndarray | Sequence[int] | int) -> np.ndarray:
     return array.astype(np.int64).reshape(-1)
 
 
-def _check_batch_size(batch_size: int) -> int:
-    if int(batch_size) != batch_size or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    return int(batch_size)
-
-
 def _prefix_counts(values: tuple[float, ...], batch_size: int, ends: np.ndarray) -> np.ndarray:
     """Counts after ``ends`` whole batches (``ends >= 0``), shape ``[len(ends), D]``."""
     if ends.size and int(ends.max()) > MAX_EXAMPLES // batch_size:
@@ -209,49 +191,20 @@ def mixture_counts(weights: Sequence[float], batch_size: int, batches: np.ndarra
     ``k = -1`` is allowed (all zeros). Raises ValueError for negative, NaN, infinite or
     all-zero weights and for ``k < -1``.
     """
-    values = _check_weights(weights)
-    size = _check_batch_size(batch_size)
+    values = check_weights(weights)
+    size = check_batch_size(batch_size)
     ks = _as_batches(batches)
     if ks.size and int(ks.min()) < -1:
         raise ValueError(f"batch index {int(ks.min())} is negative")
     return _prefix_counts(values, size, ks + 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """Mixture ``weights`` (one per dataset, same order in every stage) from global batch
-    ``start_step`` until the next stage starts."""
-
-    start_step: int
-    weights: Sequence[float]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "weights", _check_weights(self.weights))
-        if int(self.start_step) != self.start_step or self.start_step < 0:
-            raise ValueError(f"stage start_step must be an integer >= 0, got {self.start_step!r}")
-
-
-def _check_stages(stages: Sequence[Stage]) -> tuple[Stage, ...]:
-    stages = tuple(stages)
-    if not stages:
-        raise ValueError("a mixture needs at least one stage")
-    if stages[0].start_step != 0:
-        raise ValueError(f"the first stage must start at step 0, got start_step {stages[0].start_step}")
-    starts = [s.start_step for s in stages]
-    if any(b <= a for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"stage start_step values must strictly increase, got {starts}")
-    sizes = {len(s.weights) for s in stages}
-    if len(sizes) != 1:
-        raise ValueError(f"every stage must weigh the same datasets; got {sorted(sizes)} weights")
-    return stages
-
-
 def stage_totals(stages: Sequence[Stage], batch_size: int, ends: np.ndarray) -> np.ndarray:
     """Examples drawn from each dataset over the first ``m`` global batches, for each ``m`` in
     ``ends`` (``m >= 0``), across all stages: int64 ``[len(ends), D]``, non-decreasing in ``m``,
     rows summing to ``m * batch_size``."""
-    stages = _check_stages(stages)
-    size = _check_batch_size(batch_size)
+    stages = check_stages(stages)
+    size = check_batch_size(batch_size)
     ms = _as_batches(ends)
     if ms.size and int(ms.min()) < 0:
         raise ValueError(f"batch count {int(ms.min())} is negative")
@@ -263,6 +216,77 @@ def stage_totals(stages: Sequence[Stage], batch_size: int, ends: np.ndarray) -> 
             done = np.minimum(done, stop - stage.start_step)
         out += _prefix_counts(stage.weights, size, np.maximum(done, 0))
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """A staged mixture's counts at global steps ``steps`` (arrays ``[len(steps), D]`` unless
+    said otherwise): what the loader assigns, the audit reports and the catalog's ``mixture_plan``
+    macro recomputes, bit for bit. Stream indices continue across stages; counts from the start
+    of a step's stage restart at each ``start_step``."""
+
+    stages: tuple[Stage, ...]
+    batch_size: int
+    steps: np.ndarray    # int64 [K]
+    stage: np.ndarray    # int64 [K]: the stage of each step
+    before: np.ndarray   # examples of each dataset drawn by the batches before the step
+    after: np.ndarray    # ... and by the end of the step: the step drew indices [before, after)
+
+    @functools.cached_property
+    def base(self) -> np.ndarray:
+        """Examples of each dataset drawn by the stages before the step's stage."""
+        starts = np.array([s.start_step for s in self.stages], np.int64)
+        return stage_totals(self.stages, self.batch_size, starts)[self.stage]
+
+    @functools.cached_property
+    def stage_before(self) -> np.ndarray:
+        """The dataset's examples from the start of the step's stage to the step (excluded)."""
+        return self.before - self.base
+
+    @functools.cached_property
+    def stage_after(self) -> np.ndarray:
+        """The dataset's examples from the start of the step's stage to the step (included)."""
+        return self.after - self.base
+
+    @functools.cached_property
+    def stage_examples(self) -> np.ndarray:
+        """Examples of the step's stage by the end of the step, int64 ``[K]``."""
+        starts = np.array([s.start_step for s in self.stages], np.int64)
+        return (self.steps - starts[self.stage] + 1) * self.batch_size
+
+    @functools.cached_property
+    def _quanta(self) -> tuple[np.ndarray, np.ndarray]:
+        quanta = np.array([quantized_weights(s.weights) for s in self.stages], np.int64)
+        return quanta[self.stage], quanta.sum(axis=1)[self.stage][:, None]
+
+    @functools.cached_property
+    def target_weight(self) -> np.ndarray:
+        """The step's stage's (quantised) weight of each dataset."""
+        quanta, total = self._quanta
+        return quanta / total
+
+    @functools.cached_property
+    def deviation(self) -> np.ndarray:
+        """``|stage_after - target_weight * stage_examples|``: below 2 at every step."""
+        quanta, total = self._quanta
+        # |C*W - q*n| < 2W < 2**63, so wrapping uint64 arithmetic gives it exactly.
+        numerator = (self.stage_after.astype(np.uint64) * total.astype(np.uint64)
+                     - quanta.astype(np.uint64) * self.stage_examples.astype(np.uint64)[:, None]).view(np.int64)
+        return np.abs(numerator) / total
+
+
+def schedule(stages: Sequence[Stage], batch_size: int, steps: np.ndarray | Sequence[int] | int) -> Schedule:
+    """The counts of the staged mixture at global ``steps`` (integers >= 0): the one computation
+    behind :func:`staged_assignments` (the loader's batches), the audit and the catalog's plan."""
+    size = check_batch_size(batch_size)
+    ks = _as_batches(steps)
+    if ks.size and int(ks.min()) < 0:
+        raise ValueError(f"batch index {int(ks.min())} is negative")
+    stages = check_stages(stages)
+    totals = stage_totals(stages, size, np.concatenate([ks, ks + 1]))
+    starts = np.array([s.start_step for s in stages], np.int64)
+    stage = np.searchsorted(starts, ks, side="right") - 1
+    return Schedule(stages, size, ks, stage, totals[:ks.size], totals[ks.size:])
 
 
 def _assign(before: np.ndarray, after: np.ndarray, batch_size: int, batches: np.ndarray,
@@ -295,12 +319,8 @@ def _assign(before: np.ndarray, after: np.ndarray, batch_size: int, batches: np.
 def staged_assignments(stages: Sequence[Stage], batch_size: int, batches: np.ndarray,
                        key: int) -> tuple[np.ndarray, np.ndarray]:
     """Vectorized :func:`staged_assignment`: int64 arrays ``[len(batches), batch_size]``."""
-    size = _check_batch_size(batch_size)
-    ks = _as_batches(batches)
-    if ks.size and int(ks.min()) < 0:
-        raise ValueError(f"batch index {int(ks.min())} is negative")
-    totals = stage_totals(stages, size, np.concatenate([ks, ks + 1]))
-    return _assign(totals[:ks.size], totals[ks.size:], size, ks, key)
+    counts = schedule(stages, batch_size, batches)
+    return _assign(counts.before, counts.after, counts.batch_size, counts.steps, key)
 
 
 def staged_assignment(stages: Sequence[Stage], batch_size: int, batch: int,
@@ -354,8 +374,8 @@ def stop_step(stages: Sequence[Stage], batch_size: int, sizes: Sequence[int], st
 
     Both are found by binary search over the monotone closed-form totals.
     """
-    stages = _check_stages(stages)
-    size = _check_batch_size(batch_size)
+    stages = check_stages(stages)
+    size = check_batch_size(batch_size)
     if strategy == "restart":
         return None
     need = np.asarray([int(n) for n in sizes], dtype=np.int64)
@@ -393,3 +413,85 @@ def _smallest(done: Callable[[int], bool], batch_size: int) -> int:
         else:
             lo = mid
     return hi
+
+
+class Mixer(MixtureSpec):
+    """The index maps of a :class:`MixtureSpec`: which dataset and which of its examples fills
+    each position of each global batch (training), the stop step, and the evaluation order."""
+
+    @classmethod
+    def of(cls, spec: MixtureSpec) -> Mixer:
+        """The mixer of ``spec``."""
+        if isinstance(spec, cls):
+            return spec
+        return cls(spec.names, spec.stages, spec.batch_size, spec.stop, spec.seed)
+
+    def schedule(self, steps: np.ndarray | Sequence[int]) -> Schedule:
+        """The mixture's counts at global ``steps`` (:func:`schedule`)."""
+        return schedule(self.stages, self.batch_size, steps)
+
+    def assign(self, step: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number, example index within it) of ``rows`` of global batch ``step`` in
+        training."""
+        if self.single:
+            return np.zeros(len(rows), np.int64), step * self.batch_size + rows
+        owners, indices = staged_assignment(list(self.stages), self.batch_size, step,
+                                            derive_key(self.seed, "mixture"))
+        return np.asarray(owners, np.int64)[rows], np.asarray(indices, np.int64)[rows]
+
+    @property
+    def finite(self) -> bool:
+        """Whether the stop strategy ends the training stream (else it cycles forever)."""
+        return self.stop != "restart"
+
+    def stop_step(self, train_counts: Sequence[int]) -> int | None:
+        """Training batches before the stop strategy ends the stream (None: infinite), for
+        datasets of ``train_counts`` examples per epoch (in ``names`` order)."""
+        if not self.finite:
+            return None
+        return stop_step(list(self.stages), self.batch_size, train_counts, self.stop)
+
+    def eval_total(self, eval_counts: Sequence[int]) -> int:
+        """Examples of an evaluation pass over datasets of ``eval_counts`` examples: every
+        dataset once, in ``names`` order."""
+        return int(sum(eval_counts))
+
+    def eval_assign(self, positions: np.ndarray,
+                    eval_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset number or -1 past the end, example index) of evaluation ``positions``."""
+        offsets = cumulative(np.asarray(eval_counts, np.int64))
+        owners = np.searchsorted(offsets, positions, side="right") - 1
+        past = positions >= offsets[-1]
+        owners = np.where(past, -1, owners)
+        indices = np.where(past, 0, positions - offsets[np.clip(owners, 0, len(eval_counts) - 1)])
+        return owners.astype(np.int64), indices.astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureRows:
+    """A mixture's rows for the catalog tables ``mixtures``, ``mixture_stages`` and
+    ``mixture_nodes`` (keys are their columns): what the ``mixture_plan`` macro computes from."""
+
+    mixture: dict[str, Any]
+    stages: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]
+
+
+def mixture_rows(spec: MixtureSpec) -> MixtureRows:
+    """The catalog rows of ``spec``: each stage's steps, weights and quantised weights, and the
+    Huffman tree of each stage with the exact integers :func:`schedule` splits counts by."""
+    mixture_id = spec.mixture_id
+    stages, nodes = [], []
+    ends = [s.start_step for s in spec.stages[1:]] + [None]
+    for number, (stage, end) in enumerate(zip(spec.stages, ends)):
+        quanta = quantized_weights(stage.weights)
+        stages.append({"mixture_id": mixture_id, "stage": number, "start_step": stage.start_step,
+                       "end_step": end, "weights": list(stage.weights), "quanta": list(quanta),
+                       "total_weight": sum(quanta)})
+        nodes += [{"mixture_id": mixture_id, "stage": number, "node": node.node, "parent": node.parent,
+                   "is_first": node.first, "weight": node.weight, "parent_weight": node.parent_weight,
+                   "split_weight": node.split_weight, "dataset": node.dataset, "depth": node.depth}
+                  for node in huffman_tree(stage.weights)]
+    mixture = {"mixture_id": mixture_id, "batch_size": spec.batch_size, "stop": spec.stop,
+               "datasets": list(spec.names), "num_stages": len(spec.stages)}
+    return MixtureRows(mixture, stages, nodes)

@@ -18,7 +18,7 @@ import itertools
 
 import numpy as np
 
-from lakeloader.index.concat import cumulative
+from lakeloader.index.ranges import cumulative
 
 __all__ = ["DocumentTooLong", "PackPlan", "plan_pack"]
 

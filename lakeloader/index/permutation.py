@@ -11,10 +11,13 @@ element), which lets callers permute many windows or epochs in a single vectoriz
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 
 import numpy as np
+
+from lakeloader.contracts.specs import derive_key
+
+__all__ = ["derive_key", "inverse_permute", "mix64", "mix_key", "permute"]
 
 ROUNDS = 10  # 6 leaves visible bias on 4-bit domains (sizes 5..16); 10 costs ~40% more
 MASK64 = (1 << 64) - 1
@@ -33,24 +36,6 @@ def mix64(x: np.ndarray) -> np.ndarray:
     x *= _M2
     x ^= x >> _S31
     return x
-
-
-def derive_key(*parts: int | str) -> int:
-    """A 64-bit key (an int in ``[0, 2**64)``) from ``parts`` (ints and strings).
-
-    Stable across processes, Python versions and platforms (blake2b over a typed,
-    length-prefixed encoding, so ``("ab", 1)`` and ``("a", "b1")`` differ).
-    """
-    hasher = hashlib.blake2b(digest_size=8, person=b"lakeloader-key")
-    for part in parts:
-        if isinstance(part, str):
-            tag, data = b"s", part.encode("utf-8")
-        elif isinstance(part, numbers.Integral):
-            tag, data = b"i", str(int(part)).encode("ascii")
-        else:
-            raise TypeError(f"derive_key parts must be int or str, got {type(part).__name__}: {part!r}")
-        hasher.update(tag + len(data).to_bytes(8, "little") + data)
-    return int.from_bytes(hasher.digest(), "little")
 
 
 def mix_key(key: int | np.ndarray, *parts: np.ndarray | int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Collation: a document's stored parts become its rendered tokens, with special tokens and
-templates from the config (never stored, so changing them needs no rebuild).
+templates from the config (never stored, so changing them needs no rebuild). The template itself
+is a plain spec (:class:`lakeloader.contracts.specs.Template`, built by :mod:`lakeloader.specs`).
 
 A document renders as ``doc_prefix`` (BOS), then per part ``part_prefix[kind] + content +
 part_suffix[kind]``, then ``doc_suffix`` (EOS). Fill-in-the-middle reorders a seeded choice of
@@ -11,92 +12,14 @@ and packing plans never need the tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
 
 import numpy as np
 
+from lakeloader.contracts.specs import Fim, Template, token_array
 from lakeloader.index.permutation import mix_key, permute
 
 FIM_SENTINELS = 3
 _SLOTS = 8   # output order slots per part: prefix, 6 content pieces (FIM), suffix
-
-
-@dataclasses.dataclass(frozen=True)
-class Fim:
-    """Fill-in-the-middle: a fraction ``rate`` of documents, cut at two seeded token positions."""
-
-    rate: float
-    spm_rate: float
-    prefix: int            # sentinel token ids
-    middle: int
-    suffix: int
-    key: int               # seeds which documents and where (per dataset)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Template:
-    """Token ids added at collation around documents and around each part kind.
-
-    ``part_trains[k]``: whether the content and suffix of parts of kind ``k`` are training
-    targets (prefixes never are, unless ``train_all``). The document suffix trains when its
-    last part does. ``train_all`` (plain text) makes every token a target.
-    """
-
-    kind_names: tuple[str, ...]
-    doc_prefix: np.ndarray
-    doc_suffix: np.ndarray
-    part_prefix: tuple[np.ndarray, ...]
-    part_suffix: tuple[np.ndarray, ...]
-    part_trains: tuple[bool, ...]
-    train_all: bool = True
-    fim: Fim | None = None
-    image_kind: int | None = None     # kind whose parts are images (interleaved)
-
-    @functools.cached_property
-    def doc_overhead(self) -> int:
-        """Tokens added to every document."""
-        return len(self.doc_prefix) + len(self.doc_suffix)
-
-    @functools.cached_property
-    def part_overhead(self) -> np.ndarray:
-        """Tokens added around each part, per kind (int64)."""
-        return np.array([len(p) + len(s) for p, s in zip(self.part_prefix, self.part_suffix)], np.int64)
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """Hash of everything that decides rendered tokens and their loss."""
-        payload = {
-            "kinds": list(self.kind_names), "doc": [self.doc_prefix.tolist(), self.doc_suffix.tolist()],
-            "parts": [[p.tolist(), s.tolist()] for p, s in zip(self.part_prefix, self.part_suffix)],
-            "trains": list(self.part_trains), "train_all": self.train_all,
-            "fim": dataclasses.asdict(self.fim) if self.fim else None, "image_kind": self.image_kind,
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _ids(values: list[int] | np.ndarray) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32).reshape(-1)
-
-
-def make_template(kind_names: tuple[str, ...], *, bos: int | None, eos: int,
-                  part_prefix: dict[str, list[int]] | None = None,
-                  part_suffix: dict[str, list[int]] | None = None,
-                  trains: set[str] | None = None, fim: Fim | None = None,
-                  image_kind: str | None = None) -> Template:
-    """A :class:`Template` from token ids per kind name (missing kinds add nothing); ``trains``
-    None means every token trains (plain text and FIM)."""
-    part_prefix, part_suffix = part_prefix or {}, part_suffix or {}
-    return Template(
-        kind_names=tuple(kind_names),
-        doc_prefix=_ids([] if bos is None else [bos]), doc_suffix=_ids([eos]),
-        part_prefix=tuple(_ids(part_prefix.get(k, [])) for k in kind_names),
-        part_suffix=tuple(_ids(part_suffix.get(k, [])) for k in kind_names),
-        part_trains=tuple(trains is None or k in trains for k in kind_names),
-        train_all=trains is None, fim=fim,
-        image_kind=None if image_kind is None else kind_names.index(image_kind),
-    )
 
 
 # -- fill-in-the-middle choices --------------------------------------------------------------------
@@ -198,7 +121,7 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
         template.part_prefix, template.part_suffix) for x in pair]]
     if template.fim is not None:
         f = template.fim
-        pool_pieces += [_ids([f.prefix]), _ids([f.suffix]), _ids([f.middle])]
+        pool_pieces += [token_array([f.prefix]), token_array([f.suffix]), token_array([f.middle])]
     piece_at = np.cumsum([0] + [len(p) for p in pool_pieces]) + len(values)
     constants = np.concatenate(pool_pieces).astype(np.int32)
 

@@ -30,7 +30,8 @@ from lakeloader.contracts.chunk_file import (
     unreadable_chunk,
 )
 from lakeloader.contracts.formats import Document
-from lakeloader.index.layout import PackingSpec, plan_stats
+from lakeloader.contracts.specs import PackingSpec
+from lakeloader.index.chunk_packing import plan_stats
 from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.storage import is_transient, with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import DocumentEncoder

@@ -33,15 +33,14 @@ from lakeloader.config import Config, load_config
 from lakeloader.contracts import VERSION
 from lakeloader.contracts.chunk_file import ChunkResult
 from lakeloader.contracts.errors import CatalogError, ChunkIntegrityError, LakeWriteError, SourceError
-from lakeloader.index.layout import PackingSpec
-from lakeloader.index.mixing import Mixer
-from lakeloader.index.templates import packing_specs
+from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
 from lakeloader.ingest.cluster import dask_client
 from lakeloader.ingest.documents import SplitSource
 from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
+from lakeloader.specs import mixture_spec, packing_specs, plan_keys, token_weights
 from lakeloader.storage import with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
 
@@ -370,9 +369,9 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         )
         log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
                  len(plan.chunks), "" if new else " (plan unchanged)")
-    token_weights = config.mixture is not None and config.mixture.unit == "tokens"
-    if not token_weights and (config.mixture is not None or len(names) == 1):
-        _register_mixture(writer, Mixer.from_config(config))
+    weighs_tokens = token_weights(config)
+    if not weighs_tokens and (config.mixture is not None or len(names) == 1):
+        _register_mixture(writer, mixture_spec(config))
     packing = _register_packing(config, writer, tokenizer)
     unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()}
     _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
@@ -421,10 +420,9 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
                 _record_end(writer, build_id, "failed", f"{type(exc).__name__}: {exc}", stats)
                 raise
             log.warning("could not publish the final catalog snapshot of failed build %d: %s", build_id, exc)
-    if token_weights:  # the weights need the complete lake's mean tokens per example
-        plans = {name: spec.plan_key if (spec := packing.get(name)) else None for name in Mixer.dataset_names(config)}
-        _register_mixture(writer, Mixer.from_config(
-            config, example_token_means(writer.con, plans, config.loader.seq_len)))
+    if weighs_tokens:  # the weights need the complete lake's mean tokens per example
+        _register_mixture(writer, mixture_spec(
+            config, example_token_means(writer.con, plan_keys(config, packing), config.loader.seq_len)))
         _publish(writer, lake, build_id, config)
     log.info("build %d %s: %d chunks, %d docs, %d tokens in %.1fs (%.0f tokens/s)", build_id, status,
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
@@ -471,9 +469,9 @@ def _record_end(writer: CatalogWriter, build_id: int, status: str, error: str | 
                     "marks it interrupted): %s", build_id, exc)
 
 
-def _register_mixture(writer: CatalogWriter, mixer: Mixer) -> None:
-    new = writer.register_mixture(mixer)
-    log.info("mixture %s%s", mixer.mixture_id, " registered" if new else " (registered already)")
+def _register_mixture(writer: CatalogWriter, spec: MixtureSpec) -> None:
+    new = writer.register_mixture(spec)
+    log.info("mixture %s%s", spec.mixture_id, " registered" if new else " (registered already)")
 
 
 def _register_packing(config: Config, writer: CatalogWriter, tokenizer: Tokenizer) -> dict[str, PackingSpec]:

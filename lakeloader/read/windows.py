@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lakeloader.index.concat import cumulative, locate
-from lakeloader.index.render import Rendered, Template, fim_choice, fim_counts, render, stream_lengths
+from lakeloader.contracts.specs import Template
+from lakeloader.index.ranges import cumulative, locate
+from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
 

@@ -1,16 +1,63 @@
-"""From a dataset's config to its collation template and packing spec (token ids of the lake's
-tokenizer), shared by the build (per-chunk packing counts) and the loader (rendering)."""
+"""From a config to the plain specs the index maps take (:mod:`lakeloader.contracts.specs`), in one
+place: the datasets a mixture draws from, its :class:`MixtureSpec` (weights in tokens converted
+here), each dataset's collation :class:`Template` (token ids of the lake's tokenizer) and its
+:class:`PackingSpec`. Shared by the build (catalog registration, per-chunk packing counts), the
+loader (rendering, mixing) and the audit.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lakeloader.config import Config
 from lakeloader.contracts.errors import ConfigError
-from lakeloader.index.layout import PackingSpec
-from lakeloader.index.mixing import Mixer
-from lakeloader.index.permutation import derive_key
-from lakeloader.index.render import Fim, Template, make_template
+from lakeloader.contracts.specs import Fim, MixtureSpec, PackingSpec, Stage, Template, derive_key, make_template
+
+
+def dataset_names(config: Config) -> tuple[str, ...]:
+    """The datasets the config's mixture draws from (weight > 0 in some stage), in config order;
+    a config without a ``mixture`` section must have exactly one dataset (else a ConfigError)."""
+    if config.mixture is None:
+        if len(config.datasets) != 1:
+            raise ConfigError(
+                f"{config.source_file or 'config'}: {len(config.datasets)} datasets need a "
+                "'mixture' section (e.g. mixture: {weights: {" +
+                ", ".join(f"{n}: 1" for n in config.datasets) + "}})")
+        return tuple(config.datasets)
+    weights = config.mixture.all_weights()
+    return tuple(n for n in config.datasets if any(w.get(n, 0) > 0 for w in weights))
+
+
+def token_weights(config: Config) -> bool:
+    """Whether the config's mixture weighs datasets by tokens (``mixture.unit: tokens``): its spec
+    then needs each dataset's mean non-padding tokens per example, known once the lake is built."""
+    return config.mixture is not None and config.mixture.unit == "tokens"
+
+
+def mixture_spec(config: Config, example_tokens: Mapping[str, float] | None = None) -> MixtureSpec:
+    """The mixture of ``config``; a single dataset needs no ``mixture`` section.
+
+    With ``mixture.unit: tokens`` the weights count non-padding tokens: each is divided here by
+    the dataset's mean non-padding tokens per example (``example_tokens``, from the catalog of the
+    complete lake: :func:`lakeloader.catalog.sql.example_token_means`), a ConfigError if missing.
+    Under ``unit: examples`` ``example_tokens`` is ignored.
+    """
+    mixture = config.mixture
+    names = dataset_names(config)
+    if mixture is None:
+        return MixtureSpec(names, (Stage(0, [1.0]),), config.loader.batch_size, "restart", config.loader.seed)
+    stage_weights = mixture.all_weights()
+    if mixture.unit == "tokens":
+        if example_tokens is None:
+            raise ConfigError(
+                "mixture.unit = 'tokens' needs each dataset's mean tokens per example, known once "
+                "the lake is built: open a loader or audit on the built lake, or use unit: examples")
+        stage_weights = [{n: w / example_tokens[n] if w > 0 else 0.0 for n, w in weights.items()}
+                         for weights in stage_weights]
+    starts = [0] if mixture.weights is not None else [s.start_step for s in mixture.stages or []]
+    stages = tuple(Stage(start, [w.get(n, 0.0) for n in names]) for start, w in zip(starts, stage_weights))
+    return MixtureSpec(names, stages, config.loader.batch_size, mixture.stop, config.loader.seed)
 
 
 def token_id(tokenizer: Any, key: str, token: str) -> int:
@@ -92,5 +139,11 @@ def packing_specs(config: Config, tokenizer: Any) -> dict[str, PackingSpec]:
     if config.loader.packing == "concat":
         return {}
     specs = {name: packing_spec(name, config, template_for(name, config, tokenizer))
-             for name in Mixer.dataset_names(config)}
+             for name in dataset_names(config)}
     return {name: spec for name, spec in specs.items() if spec is not None}
+
+
+def plan_keys(config: Config, specs: Mapping[str, PackingSpec]) -> dict[str, str | None]:
+    """The packing plan (``plan_key``) of every dataset the mixture draws from, None under concat:
+    what :func:`lakeloader.catalog.sql.example_token_means` reads the counts of."""
+    return {name: spec.plan_key if (spec := specs.get(name)) else None for name in dataset_names(config)}

@@ -1,9 +1,12 @@
-"""Index maps of ``packing: concat``: example -> token window of a stream of chunks.
+"""Integer maps over ranges of a stream of pieces: the offsets of consecutive pieces and the piece
+holding a position (``cumulative``, ``locate``), the examples of one stream under ``packing:
+concat``, the strided readers' order, and the segments of documents within windows.
 
 Pure functions over integer arrays. A dataset's *stream* is its documents in chunk order, each
 rendered by its collation template (:mod:`lakeloader.index.render`: BOS/EOS, chat templates, FIM
-sentinels); chunk ``c`` contributes ``render.stream_lengths`` tokens. Example ``k`` of a stream covers stream
-tokens ``[k*L, k*L + L]`` (L+1 tokens: inputs are the first L, targets the last L).
+sentinels); chunk ``c`` contributes ``render.stream_lengths`` tokens. Under ``concat``, example
+``k`` of a stream covers stream tokens ``[k*L, k*L + L]`` (L+1 tokens: inputs are the first L,
+targets the last L).
 """
 
 from __future__ import annotations

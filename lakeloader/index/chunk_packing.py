@@ -1,5 +1,6 @@
 """How a chunk's documents become examples under ``packing: pack | pad``: the packing plan of one
-chunk from its documents' stored part lengths and the collation template (no tokens needed).
+chunk from its documents' stored part lengths and the collation template (no tokens needed),
+under a :class:`lakeloader.contracts.specs.PackingSpec`.
 
 The build computes each chunk's plan for the config's loader and stores the counts in the catalog
 (``chunk_examples``); the loader recomputes the same plan for a chunk it reads.
@@ -7,47 +8,13 @@ The build computes each chunk's plan for the config's loader and stores the coun
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-
 import numpy as np
 
 from lakeloader.contracts.chunk_file import ChunkParts, PlanStats
 from lakeloader.contracts.errors import InputError
+from lakeloader.contracts.specs import PackingSpec, Template
 from lakeloader.index.packing import DocumentTooLong, PackPlan, plan_pack
-from lakeloader.index.render import Template, doc_lengths, fim_choice, part_starts
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PackingSpec:
-    """Everything that decides a chunk's packing plan (hashable into ``plan_key``)."""
-
-    seq_len: int
-    mode: str                   # pack | pad
-    algorithm: str              # first_fit | best_fit
-    window: int
-    long_documents: str         # truncate | split | error
-    template: Template
-    max_images: int | None = None
-
-    @property
-    def plan_key(self) -> str:
-        """Id of this plan in the catalog."""
-        payload = {
-            "seq_len": self.seq_len, "mode": self.mode, "algorithm": self.algorithm,
-            "window": self.window if self.mode == "pack" else None, "long_documents": self.long_documents,
-            "template": self.template.fingerprint, "max_images": self.max_images,
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-    def to_json(self) -> str:
-        """The spec's settings for the catalog's ``packing_plans`` table (readable, not parsed)."""
-        return json.dumps({
-            "seq_len": self.seq_len, "mode": self.mode, "algorithm": self.algorithm, "window": self.window,
-            "long_documents": self.long_documents, "template": self.template.fingerprint,
-            "max_images": self.max_images,
-        }, sort_keys=True)
+from lakeloader.index.render import doc_lengths, fim_choice, part_starts
 
 
 def rendered_doc_lengths(template: Template, parts: ChunkParts, chunk: int) -> tuple[np.ndarray, np.ndarray | None]:
