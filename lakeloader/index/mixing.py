@@ -18,7 +18,7 @@ from lakeloader.index.mixture import Stage, quantized_weights, staged_assignment
 from lakeloader.index.permutation import derive_key
 
 if TYPE_CHECKING:
-    from lakeloader.feed.examples import DatasetExamples
+    from lakeloader.feed.concat_examples import DatasetExamples
 
 
 @dataclasses.dataclass(frozen=True)
