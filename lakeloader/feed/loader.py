@@ -143,7 +143,7 @@ class Loader:
         self.mixer = Mixer.from_config(config, means)
         self.fingerprint = self._fingerprint()
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
-        self._num_batches: tuple[int | None] | None = None
+        self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
 
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
         loader, dataset = self.config.loader, self.config.datasets[name]
@@ -177,8 +177,9 @@ class Loader:
 
     def num_batches(self) -> int | None:
         """Batches of an evaluation pass, or of training under a stop strategy (the same on every
-        process); None when training cycles forever. While the lake is being built this waits
-        for the build to finish (up to ``loader.wait_timeout`` per chunk); the count is kept."""
+        process); None when training cycles forever. A count needs every dataset complete: while
+        the lake is being built this waits for the build (``loader.wait_timeout`` per chunk at
+        most). Computed once."""
         if self._num_batches is None:
             if self.mode == "train":
                 self._num_batches = (self.mixer.stop_step(self.datasets),)
