@@ -169,7 +169,7 @@ def test_batches_file_is_the_np_savez_file_and_atomic(lake: Path, tmp_path: Path
     assert out == str(tmp_path / "new.npz") and shapes["input_ids"] == (5, BATCH, 64)
     assert (tmp_path / "new.npz").read_bytes() == (tmp_path / "old.npz").read_bytes()
     with Loader(lake, mode="eval") as loader:  # an eval pass ends: a range past it fails midway
-        stop = loader.num_batches + 2
+        stop = loader.num_batches() + 2
         with pytest.raises(IndexError):
             write_batches(loader, 0, stop, tmp_path / "partial.npz", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.npz", "old.npz"]  # nothing half-written

@@ -250,7 +250,7 @@ def test_pack_places_every_document_once_and_reports_padding(lake, dask_schedule
     placed: dict[tuple[int, int], list[tuple[int, int, list[int]]]] = {}
     tokens = slots = 0
     with Loader(config, mode="eval") as loader:
-        for step in range(loader.num_batches):
+        for step in range(loader.num_batches()):
             batch = loader.batch(step)
             for row in loader.explain(step).dropna(subset=["dataset"]).itertuples():
                 r, a, b = int(row.row), int(row.window_start), int(row.window_stop)

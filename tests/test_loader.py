@@ -193,7 +193,7 @@ def test_global_ordering_equals_naive_reference(lake: Path) -> None:
     steps = per_epoch // BATCH
     assert steps > 100
     loader = Loader(loader_config(lake, "global"))
-    assert loader.num_batches is None  # training is infinite with stop: restart
+    assert loader.num_batches() is None  # training is infinite with stop: restart
     multi_segment = 0
     for step in range(steps):
         rows = [naive_row(stream, (step * BATCH + g) * SEQ_LEN) for g in range(BATCH)]
@@ -336,7 +336,7 @@ def test_resume_eval_pass(lake: Path, prefetch: int) -> None:
     config = loader_config(lake, f"resume_eval{prefetch}", ("d", "e"), prefetch=prefetch)
     run = Loader(config, mode="eval")
     everything = list(run.iter_from(0))
-    assert len(everything) == run.num_batches
+    assert len(everything) == run.num_batches()
     restarted = Loader(config, mode="eval")
     for step in range(0, len(everything) + 1, 7):
         resumed = list(restarted.iter_from(json.loads(json.dumps(run.state(step)))))
@@ -384,7 +384,7 @@ def test_eval_pass_every_target_once_with_equal_batches(lake: Path, batch_size: 
     config = loader_config(lake, f"eval{batch_size}", names, batch_size=batch_size)
     for count in [p for p in (1, 2, 3, 4, 6, 8) if batch_size % p == 0]:
         loaders = processes(config, count, mode="eval")
-        assert {loader.num_batches for loader in loaders} == {len(expected)}
+        assert {loader.num_batches() for loader in loaders} == {len(expected)}
         targets, inputs = [], []
         for step, reference in enumerate(expected):
             parts = [loader.batch(step) for loader in loaders]

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lakeloader.catalog import store
-from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.store import LiveCatalog
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
 
@@ -74,21 +73,21 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
 
     def run() -> None:
         try:
-            build(config, workers=1, progress=False)
+            build(config, workers=1, progress=False, live=live)
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
+    live = LiveCatalog()   # the build's live catalog, for the reader in this process
     builder = threading.Thread(target=run)
     builder.start()
-    lake = Lake(str(tmp_path / "lake"))
     deadline = time.monotonic() + 60
-    while store.active_writer(lake.writer_catalog_path) is None and builder.is_alive():
+    while not live.is_open and builder.is_alive():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     during_loader = None
     while during_loader is None and builder.is_alive():
         try:
-            during_loader = Loader(config)
+            during_loader = Loader(config, catalog=live)
         except Exception:  # the plan is not registered yet
             time.sleep(0.01)
     assert during_loader is not None, "the build finished before a reader could start"
@@ -132,7 +131,7 @@ def test_stop_strategies_end_the_stream_exactly(tmp_path: Path, dask_scheduler: 
     loader = Loader(config)
     sizes = [d.train_count() for d in loader.datasets]
     expected = stop_step(list(loader.mixer.stages), 16, sizes, stop)
-    assert loader.num_batches == expected > 0
+    assert loader.num_batches() == expected > 0
     batches = list(loader.iter_from(max(0, expected - 2)))
     assert len(batches) == min(2, expected)
     used = {name: 0 for name in loader.mixer.names}

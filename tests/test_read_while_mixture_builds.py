@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lakeloader.catalog import store
+from lakeloader.catalog.store import LiveCatalog
 from lakeloader.catalog.audit import audit
 from lakeloader.catalog.lake import Lake
 from lakeloader.contracts.errors import InputError, LakeloaderError
@@ -160,10 +160,11 @@ def test_readers_wait_for_a_dataset_without_committed_chunks(tmp_path: Path, das
 
     def resume() -> None:
         try:   # reads with on_error: skip: the same plan, the bad line goes to rejects
-            build(configs[("pack", "none")], scheduler=dask_scheduler, progress=False)
+            build(configs[("pack", "none")], scheduler=dask_scheduler, progress=False, live=live)
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
+    live = LiveCatalog()   # the build's live catalog, for the readers in this process
     builder = threading.Thread(target=resume)
     try:
         with workers_held(dask_scheduler, tmp_path):
@@ -174,11 +175,11 @@ def test_readers_wait_for_a_dataset_without_committed_chunks(tmp_path: Path, das
                         stdout=subprocess.DEVNULL, stderr=log)
             builder.start()
             deadline = time.monotonic() + 60
-            while store.active_writer(lake.writer_catalog_path) is None:
+            while not live.is_open:
                 assert builder.is_alive() and time.monotonic() < deadline, errors
                 time.sleep(0.01)
             for key in READERS:   # the build driver's process: its live catalog
-                loader = Loader(configs[key])
+                loader = Loader(configs[key], catalog=live)
                 assert [d.chunks.committed for d in loader.datasets][1] == 0
                 in_process[key] = pool.submit(lambda loader=loader: [loader.batch(s) for s in range(STEPS)])
             deadline = time.monotonic() + 90

@@ -61,7 +61,7 @@ def test_steps_out_of_range_name_the_valid_range(lake_config: Path, tmp_path: Pa
     assert main(["explain", str(lake_config), "--step", "-1"]) == 2
     assert "step -1 does not exist: valid are steps 0 and up" in capsys.readouterr().err
     with Loader(lake_config, mode="eval") as loader:
-        total = loader.num_batches
+        total = loader.num_batches()
     assert main(["batches", str(lake_config), "--mode", "eval", "--steps", f"0:{total + 5}",
                  "--out", str(tmp_path / "x.npz")]) == 2
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.snapshot import open_snapshot
 from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
 from lakeloader.catalog.stale import stale_chunk_folders
-from lakeloader.catalog.store import active_writer, connect_reader
+from lakeloader.catalog.store import LiveCatalog, connect_reader
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError
 from lakeloader.storage import with_retries
@@ -28,17 +28,18 @@ log = logging.getLogger(__name__)
 class Lake(LakeLocation):
     """A lake opened for queries: catalog connections, SQL, status and its tokenizer."""
 
-    def connect(self, *, sandboxed: bool = False) -> duckdb.DuckDBPyConnection:
+    def connect(self, *, sandboxed: bool = False, live: LiveCatalog | None = None) -> duckdb.DuckDBPyConnection:
         """A read-only catalog connection: a local lake's catalog file when no build holds it,
         else the newest published snapshot, opened by ``connect_reader`` (no SQL stored in the
-        file runs; no other file, network or extension is reachable). In the process of a running
-        build it is that build's live connection, unless ``sandboxed``: then its published snapshot."""
+        file runs; no other file, network or extension is reachable). Given the ``live`` handle
+        of a build running in this process, it is that build's live connection while the build
+        holds it, unless ``sandboxed``: then its published snapshot."""
         path = self.writer_catalog_path
-        writer = active_writer(path)
-        if writer is not None:
-            if not sandboxed:  # the writer's connection can write and reach files
-                return writer.cursor()  # a build runs in this process: read its live catalog
-        elif self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
+        if live is not None and not sandboxed:  # the writer's connection can write and reach files
+            cursor = live.cursor(path)
+            if cursor is not None:
+                return cursor
+        if self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
             try:
                 return connect_reader(path)
             except CatalogLockedError:

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
-_ACTIVE_WRITERS: dict[str, duckdb.DuckDBPyConnection] = {}
 _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
@@ -42,9 +42,52 @@ _READER_CONFIG = {
 }
 
 
-def active_writer(path: str) -> duckdb.DuckDBPyConnection | None:
-    """The open writer connection of the catalog at ``path`` in this process, if any."""
-    return _ACTIVE_WRITERS.get(os.path.abspath(path))
+class LiveCatalog:
+    """A handle on a build's live catalog for readers in the build's own process.
+
+    Pass the same handle to ``build(config, live=handle)`` and to the readers that should follow
+    that build (``Loader(config, catalog=handle)``, ``CatalogView(lake, live=handle)``,
+    ``Lake.connect(live=handle)``): while the build holds its catalog they share its connection,
+    always current; before it starts and after it ends they read as any other process does (the
+    published snapshot). Readers given no handle always read as other processes do.
+    """
+
+    def __init__(self) -> None:
+        self._writer: CatalogWriter | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, writer: CatalogWriter) -> None:
+        """Make ``writer``'s catalog the live one (called by the build once its catalog is open)."""
+        with self._lock:
+            if self._writer is not None:
+                raise LakeloaderError(
+                    f"this live-catalog handle already follows the build of {self._writer.path}: one "
+                    "handle follows one build at a time; create a LiveCatalog per build")
+            self._writer = writer
+
+    def detach(self) -> None:
+        """The build released its catalog: readers move on to its published snapshot."""
+        with self._lock:
+            self._writer = None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a build holds the live catalog now."""
+        with self._lock:
+            return self._writer is not None
+
+    def cursor(self, path: str) -> duckdb.DuckDBPyConnection | None:
+        """A cursor on the live catalog if a build holds it now, else None; ``path`` is the
+        catalog file the reader means (an error if the handle follows another lake's build)."""
+        with self._lock:
+            writer = self._writer
+            if writer is None:
+                return None
+            if os.path.abspath(writer.path) != os.path.abspath(path):
+                raise LakeloaderError(
+                    f"the live-catalog handle follows the build of {writer.path}, but this reader "
+                    f"opens the catalog {path}: pass the handle only to readers of that build's lake")
+            return writer.con.cursor()
 
 
 def _locked_error(path: str, exc: duckdb.Error) -> CatalogLockedError:
@@ -102,6 +145,11 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
         except duckdb.Error as exc:
             if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
                 raise _locked_error(path, exc) from exc
+            if isinstance(exc, duckdb.ResourceInUseException):
+                raise CatalogLockedError(
+                    f"catalog {path} is held by a build in this process: readers here read its "
+                    "published snapshot, or its live catalog when given the build's LiveCatalog "
+                    "handle") from exc
             raise catalog_failure(path, exc) or exc
         objects = dict(con.execute(query("attached_objects")).fetchall())
         altered = sorted(name for name in catalog_tables() if objects.get(name) == "view")
@@ -129,8 +177,11 @@ def _column_sums(rows: list[list[int]]) -> list[int]:
 class CatalogWriter:
     """The single read-write connection of a build; every write happens in one transaction."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, live: LiveCatalog | None = None) -> None:
+        """Open (creating if needed) the catalog at ``path`` for writing; ``live``, if given,
+        follows it until :meth:`close` (readers in this process then read it live)."""
         self.path = path
+        self._live = live
         existed = os.path.exists(path)
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -150,7 +201,8 @@ class CatalogWriter:
             if isinstance(exc, duckdb.Error):
                 raise catalog_failure(path, exc) or exc
             raise
-        _ACTIVE_WRITERS[os.path.abspath(path)] = self.con
+        if live is not None:
+            live.attach(self)
 
     def _discard(self, existed: bool) -> None:
         """Remove a catalog file this writer created but could not set up (a full disk, say)."""
@@ -172,7 +224,8 @@ class CatalogWriter:
 
     def close(self) -> None:
         """Checkpoint and close the connection (closed even when the checkpoint fails)."""
-        _ACTIVE_WRITERS.pop(os.path.abspath(self.path), None)
+        if self._live is not None:
+            self._live.detach()
         try:
             self.con.execute("CHECKPOINT")
         except duckdb.Error as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -22,9 +21,13 @@ import pandas as pd
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
+from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeError
-from lakeloader.feed.examples import DatasetExamples, PackedExample, PackedExamples, Row, Window, fill_windows
+from lakeloader.feed.concat_examples import DatasetExamples
+from lakeloader.feed.explain import explain
+from lakeloader.feed.packed_examples import PackedExamples
+from lakeloader.feed.rows import Batch, Example, StepExamples, fill_batch
 from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
@@ -32,9 +35,6 @@ from lakeloader.read.windows import StreamReader
 from lakeloader.specs import dataset_names, mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
-
-Batch = dict[str, np.ndarray]
-_ROW_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +90,13 @@ class Loader:
     """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, process_index: int = 0,
-                 process_count: int = 1, mode: str = "train", rows: Sequence[int] | None = None) -> None:
+                 process_count: int = 1, mode: str = "train", rows: Sequence[int] | None = None,
+                 catalog: LiveCatalog | None = None) -> None:
         """``rows`` (global row numbers within each batch) overrides the contiguous block of
-        process ``process_index`` of ``process_count``, for shardings that own other rows."""
+        process ``process_index`` of ``process_count``, for shardings that own other rows.
+        ``catalog``: the live-catalog handle of a build running in this process (the one given
+        to ``build(config, live=...)``) to read its live catalog while it runs; without it the
+        loader reads the published snapshot, as in any other process."""
         self.config = config = load_config(config)
         loader = config.loader
         if process_count < 1 or not 0 <= process_index < process_count:
@@ -117,7 +121,7 @@ class Loader:
         self.mode = mode
         self.process_index, self.process_count = process_index, process_count
         self.lake = Lake(config.lake, config.storage_options)
-        self.view = CatalogView(self.lake, config.io_retry_deadline)
+        self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline)
         names = dataset_names(config)
@@ -139,6 +143,7 @@ class Loader:
         self.mixer = Mixer.of(mixture_spec(config, means))
         self.fingerprint = self._fingerprint()
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
+        self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
 
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
         loader, dataset = self.config.loader, self.config.datasets[name]
@@ -170,23 +175,29 @@ class Loader:
         """Vocabulary size of the lake's tokenizer, special tokens included."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @functools.cached_property
     def num_batches(self) -> int | None:
         """Batches of an evaluation pass, or of training under a stop strategy (the same on every
-        process; waits for the complete lake); None when training cycles forever."""
-        if self.mode == "train":
-            return self.mixer.stop_step([d.train_count() for d in self.datasets]) if self.mixer.finite else None
-        return -(-self.mixer.eval_total([d.eval_count() for d in self.datasets]) // self.config.loader.batch_size)
+        process); None when training cycles forever. A count needs every dataset complete: while
+        the lake is being built this waits for the build (``loader.wait_timeout`` per chunk at
+        most). Computed once."""
+        if self._num_batches is None:
+            if self.mode == "train":
+                self._num_batches = (self.mixer.stop_step([d.train_count() for d in self.datasets])
+                                     if self.mixer.finite else None,)
+            else:
+                total = self.mixer.eval_total([d.eval_count() for d in self.datasets])
+                self._num_batches = (-(-total // self.config.loader.batch_size),)
+        return self._num_batches[0]
 
     # -- batches ---------------------------------------------------------------------------------
 
-    def _windows(self, step: int) -> list[Window | PackedExample | None]:
+    def _windows(self, step: int) -> list[Example | None]:
         positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
             owners, indices = self.mixer.eval_assign(positions, [d.eval_count() for d in self.datasets])
         else:
             owners, indices = self.mixer.assign(step, self.row_indices)
-        windows: list[Window | PackedExample | None] = [None] * len(owners)   # None: past an eval pass
+        windows: list[Example | None] = [None] * len(owners)   # None: past an eval pass
         for owner in np.unique(owners[owners >= 0]).tolist():
             rows = np.flatnonzero(owners == owner)
             examples = self.datasets[owner]
@@ -201,7 +212,7 @@ class Loader:
     def check_step(self, step: int) -> None:
         """Raise :class:`StepRangeError` naming the valid steps unless batch ``step`` exists."""
         # A negative step in training needs no count (a stop strategy's waits for the whole lake).
-        total = self.num_batches if step >= 0 or self.mode == "eval" else None
+        total = self.num_batches() if step >= 0 or self.mode == "eval" else None
         if step >= 0 and (total is None or step < total):
             return
         if total is None:
@@ -216,22 +227,10 @@ class Loader:
         """This process's rows of global batch ``step``: arrays of shape [rows, seq_len]."""
         self.check_step(step)
         arrays = self._empty_batch()
-        example_mask = np.zeros(self.rows, np.float32)
-        window_rows, windows = [], []
-        for number, example in enumerate(self._windows(step)):
-            if example is None:
-                continue
-            example_mask[number] = 1.0
-            if isinstance(example, Window):
-                window_rows.append(number)
-                windows.append(example)
-                continue
-            row = Row(*(arrays[k][number] for k in _ROW_FIELDS),
-                      {k: arrays[k][number] for k in arrays if k not in _ROW_FIELDS})
-            example.fill(row)
-        fill_windows(arrays, window_rows, windows)
+        examples = self._windows(step)
+        fill_batch(arrays, examples)
         if self.mode == "eval":
-            arrays["example_mask"] = example_mask
+            arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
         return arrays
 
     def _empty_batch(self) -> Batch:
@@ -281,7 +280,7 @@ class Loader:
         return iterator
 
     def _iterate(self, step: int) -> Iterator[Batch]:
-        total = self.num_batches
+        total = self.num_batches()
         ahead = self.config.loader.prefetch
         if ahead == 0:
             while total is None or step < total:
@@ -306,13 +305,18 @@ class Loader:
 
     # -- provenance ------------------------------------------------------------------------------
 
+    def examples(self, step: int) -> StepExamples:
+        """The examples feeding this process's rows of batch ``step`` (None for the padding rows
+        past the end of an evaluation pass) with each row's global row number and each dataset's
+        chunk-to-shard map: what :meth:`batch` writes, before it is written."""
+        self.check_step(step)
+        return StepExamples(step, self.row_indices.copy(), self._windows(step),
+                            {d.name: d.chunks.shard_index for d in self.datasets})
+
     def explain(self, step: int) -> pd.DataFrame:
         """For every row of batch ``step`` on this process: which dataset, epoch, chunk, shard,
         source document (file and line/row) and token range fed each of its segments."""
-        from lakeloader.feed.explain import explain_windows
-
-        self.check_step(step)
-        return explain_windows(self, step, self._windows(step))
+        return explain(self.examples(step), self.view)
 
     def close(self) -> None:
         """Stop open iterators' read-ahead and release the catalog connection."""

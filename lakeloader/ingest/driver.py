@@ -28,7 +28,7 @@ from lakeloader.catalog.snapshot import (
     read_pointer,
 )
 from lakeloader.catalog.sql import example_token_means
-from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, catalog_failure, connect_reader
+from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, LiveCatalog, catalog_failure, connect_reader
 from lakeloader.config import Config, load_config
 from lakeloader.contracts import VERSION
 from lakeloader.contracts.chunk_file import ChunkResult
@@ -305,7 +305,8 @@ class _Scheduler:
 
 def build(config: Config | str | os.PathLike[str], *, workers: int | None = None,
           scheduler: str | None = None, progress: bool = True, recover_catalog: bool = False,
-          repair: Collection[tuple[str, int]] = (), dashboard_address: str | None = None) -> BuildReport:
+          repair: Collection[tuple[str, int]] = (), dashboard_address: str | None = None,
+          live: LiveCatalog | None = None) -> BuildReport:
     """Build (or resume) the lake of ``config``.
 
     Plans every dataset (chunks of the global order stored before tokenizing anything), runs one
@@ -317,13 +318,15 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
     lake fails at once. The writer catalog is the lake's own (see :func:`_prepare_writer_catalog`);
     ``recover_catalog`` replaces it with the lake's newest published snapshot.
     A local cluster's dashboard listens on ``dashboard_address`` if given, else ``build.dashboard``.
+    ``live``: a handle that follows this build's catalog while it runs, for readers in this
+    process given the same handle (``Loader(config, catalog=live)``) to read it live.
     """
     config = load_config(config)
     lake = Lake(config.lake, config.storage_options, config.io_retry_deadline)
     created = _make_lake_folder(lake)
     try:
         _prepare_writer_catalog(lake, recover_catalog)
-        writer = CatalogWriter(lake.writer_catalog_path)
+        writer = CatalogWriter(lake.writer_catalog_path, live)
     except BaseException:
         if created is not None:  # a build that cannot start leaves no empty lake behind
             shutil.rmtree(created, ignore_errors=True)

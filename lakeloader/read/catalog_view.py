@@ -1,7 +1,8 @@
 """What a reader knows of the catalog: each dataset's committed chunks as numpy arrays.
 
-Readers in the build driver's process share its catalog connection; other processes read the
-published snapshot and refresh it when they need chunks they have not seen committed.
+Readers given a build's live-catalog handle (in the build driver's process) share its catalog
+connection while it runs; all others read the published snapshot and refresh it when they need
+chunks they have not seen committed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any, TypeVar
 import duckdb
 import numpy as np
 
-from lakeloader.catalog import store
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
+from lakeloader.catalog.store import LiveCatalog
 from lakeloader.catalog.sql import query
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.storage import with_retries
@@ -75,23 +76,28 @@ def part_matrix(column: Any, kinds: int) -> np.ndarray:
 
 
 class CatalogView:
-    """Read-only access to a lake's catalog that can be refreshed while the lake is built."""
+    """Read-only access to a lake's catalog that can be refreshed while the lake is built;
+    with a build's ``live`` handle, its live catalog while that build runs."""
 
-    def __init__(self, lake: Lake, io_retry_deadline: float = 0.0) -> None:
+    def __init__(self, lake: Lake, io_retry_deadline: float = 0.0, live: LiveCatalog | None = None) -> None:
         self.lake = lake
+        self.live_catalog = live
         self.io_retry_deadline = io_retry_deadline
         self._lock = threading.Lock()
         self._version: int | None = None
         self._con = self._connect()
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
-        writer = store.active_writer(self.lake.writer_catalog_path)
-        self._live = writer is not None
-        if writer is not None:
-            return writer.cursor()  # same process as the build driver: its live catalog
+        cursor = None if self.live_catalog is None else self.live_catalog.cursor(self.lake.writer_catalog_path)
+        self._live = cursor is not None
+        if cursor is not None:
+            return cursor  # same process as the build driver: its live catalog
         # Never the writer's file: a long-lived reader holding it would lock out the next build.
         con, self._version = self._retrying(lambda: open_snapshot(self.lake))
         return con
+
+    def _build_running(self) -> bool:
+        return self.live_catalog is not None and self.live_catalog.is_open
 
     def _retrying(self, call: Callable[[], T]) -> T:
         return with_retries(call, what=f"reading the published catalog of {self.lake.url}",
@@ -100,7 +106,7 @@ class CatalogView:
     def refresh(self) -> bool:
         """Re-open the newest published snapshot if there is a newer one; returns whether it changed."""
         if self._live:
-            if store.active_writer(self.lake.writer_catalog_path) is not None:
+            if self._build_running():
                 return True  # the live catalog is always current
             with self._lock:  # the build ended: move on to its final snapshot
                 self._con = self._connect()
@@ -116,7 +122,7 @@ class CatalogView:
 
     def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
         """Run SQL on the current view (thread-safe)."""
-        if self._live and store.active_writer(self.lake.writer_catalog_path) is None:
+        if self._live and not self._build_running():
             self.refresh()
         with self._lock:
             cursor = self._con.cursor()

@@ -3,10 +3,8 @@ row groups read zero-copy and cached."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,6 +24,7 @@ from lakeloader.contracts.chunk_file import (
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
+from lakeloader.read.lru import LRU
 from lakeloader.storage import sha256_of, with_retries
 
 
@@ -39,66 +38,14 @@ def _nbytes(item: Any) -> int:
     return 64
 
 
-class _Pending:
-    """A value one thread is computing while others wait for it."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
-class RowGroupCache:
+class RowGroupCache(LRU[tuple[Any, ...], Any]):
     """Decoded row groups and what is derived from them (arrays or dataclasses of arrays),
-    bounded in bytes, LRU. A value is computed once even when read-ahead threads ask for it
-    together: the others wait for the first instead of reading the same row group again."""
+    bounded in bytes, least recently used first (:class:`~lakeloader.read.lru.LRU`). A value is
+    computed once even when read-ahead threads ask for it together."""
 
     def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes, _nbytes)
         self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[tuple[Any, ...], tuple[Any, int]] = collections.OrderedDict()
-        self._pending: dict[tuple[Any, ...], _Pending] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        """The value cached under ``key``, computed by ``compute()`` (once) if missing."""
-        with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-                return found[0]
-            pending = self._pending.get(key)
-            owner = pending is None
-            if owner:
-                pending = self._pending[key] = _Pending()
-        assert pending is not None
-        if not owner:
-            pending.done.wait()
-            if pending.error is not None:
-                raise pending.error
-            return pending.value
-        try:
-            pending.value = compute()
-            self._put(key, pending.value)
-            return pending.value
-        except BaseException as exc:
-            pending.error = exc
-            raise
-        finally:
-            with self._lock:
-                del self._pending[key]
-            pending.done.set()
-
-    def _put(self, key: tuple[Any, ...], item: Any) -> None:
-        size = _nbytes(item)
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = (item, size)
-            self._bytes += size
-            while self._bytes > self.max_bytes and len(self._items) > 1:
-                _, (_, evicted) = self._items.popitem(last=False)
-                self._bytes -= evicted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,6 +12,7 @@ from lakeloader.index.ranges import cumulative, locate
 from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
+from lakeloader.read.lru import LRU
 
 
 @dataclasses.dataclass
@@ -35,8 +35,7 @@ class StreamReader:
         self.view = view
         self.files = files
         self.template = template
-        self._row_groups: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._lock = threading.Lock()
+        self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (from catalog counts only)."""
@@ -50,27 +49,21 @@ class StreamReader:
 
     def groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream offsets of the row groups within the chunk, first document of each)."""
-        key = (chunks.fingerprint, chunk)
-        with self._lock:
-            found = self._row_groups.get(key)
-        if found is None:
-            groups = self.view.row_groups(chunks.name, chunk)
-            first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
-            num_docs = groups["num_docs"].astype(np.int64)
-            fim_docs = np.zeros(len(first_doc), np.int64)
-            if self.template.fim is not None:
-                # Which documents are FIM does not depend on their lengths: count them per group.
-                docs = np.arange(int(chunks.num_docs[chunk]), dtype=np.int64)
-                selected = self._fim(chunks, chunk, docs, np.zeros(len(docs), np.int64))[0]
-                fim_docs = np.add.reduceat(selected.astype(np.int64), first_doc) if len(docs) else fim_docs
-            lengths = stream_lengths(self.template, groups["num_tokens"], num_docs,
-                                     part_matrix(groups["num_parts"], len(self.template.kind_names)), fim_docs)
-            found = (cumulative(lengths), first_doc)
-            with self._lock:
-                if len(self._row_groups) > 4096:
-                    self._row_groups.clear()
-                self._row_groups[key] = found
-        return found
+        return self._row_groups.get((chunks.fingerprint, chunk), lambda: self._groups(chunks, chunk))
+
+    def _groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        groups = self.view.row_groups(chunks.name, chunk)
+        first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
+        num_docs = groups["num_docs"].astype(np.int64)
+        fim_docs = np.zeros(len(first_doc), np.int64)
+        if self.template.fim is not None:
+            # Which documents are FIM does not depend on their lengths: count them per group.
+            docs = np.arange(int(chunks.num_docs[chunk]), dtype=np.int64)
+            selected = self._fim(chunks, chunk, docs, np.zeros(len(docs), np.int64))[0]
+            fim_docs = np.add.reduceat(selected.astype(np.int64), first_doc) if len(docs) else fim_docs
+        lengths = stream_lengths(self.template, groups["num_tokens"], num_docs,
+                                 part_matrix(groups["num_parts"], len(self.template.kind_names)), fim_docs)
+        return cumulative(lengths), first_doc
 
     def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
         """One row group's documents rendered (cached apart from the stored row group, which is

@@ -1,0 +1,218 @@
+"""Examples of one dataset under ``packing: concat``: windows of L+1 tokens cut from the
+dataset's rendered stream, in the global order (shuffled if configured) or the strided order of
+``loader.ideal_readers`` readers each looping over every ``ideal_readers``-th chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from lakeloader.config import ShuffleConfig
+from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, Row, Segment
+from lakeloader.feed.shuffled import ShuffledDataset
+from lakeloader.index.ranges import cumulative, eval_examples, segments, strided_chunk, train_examples
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
+from lakeloader.read.windows import Piece, StreamReader
+
+
+@dataclasses.dataclass
+class Window(Example):
+    """One example's L+1 stream tokens (fewer at the end of an evaluation pass) and provenance."""
+
+    pieces: list[Piece]
+
+    def write(self, tokens: np.ndarray, keys: np.ndarray, trainable: np.ndarray) -> int:
+        """Copy the window's stream tokens, document keys and target flags into row buffers;
+        returns how many (L+1, fewer at the end of an evaluation pass)."""
+        at = 0
+        for piece in self.pieces:
+            n = len(piece.tokens)
+            tokens[at : at + n] = piece.tokens
+            keys[at : at + n] = piece.docs + (np.int64(piece.position) << 32)
+            trainable[at : at + n] = piece.trainable
+            at += n
+        return at
+
+    def fill(self, row: Row) -> None:
+        """Write the window into a batch row: inputs its first L tokens, targets its last L."""
+        fill_windows({name: getattr(row, name)[None] for name in ROW_FIELDS}, [0], [self])
+
+    @classmethod
+    def fill_rows(cls, batch: Batch, rows: list[int], examples: Sequence[Example]) -> None:
+        """All windows' rows at once (:func:`fill_windows`)."""
+        fill_windows(batch, rows, examples)  # type: ignore[arg-type]
+
+    def segments(self) -> list[Segment]:
+        """A segment per document run; a document continued from the previous piece's chunk
+        position keeps its segment."""
+        found: list[Segment] = []
+        offset, number, previous = 0, 0, None
+        for piece in self.pieces:
+            doc_change = np.flatnonzero(np.diff(piece.docs, prepend=-1))
+            bounds = np.append(doc_change, len(piece.docs))
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                doc = int(piece.docs[a])
+                if (piece.position, doc) != previous:
+                    number += 1
+                    previous = (piece.position, doc)
+                found.append(Segment(number, piece.chunk, doc, offset + int(a), offset + int(b),
+                                     {"chunk_stream_start": piece.start + int(a),
+                                      "chunk_stream_stop": piece.start + int(b)}))
+            offset += len(piece.docs)
+        return found
+
+
+def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
+    """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
+    first L tokens, targets the last L; segments and masks are computed for all rows together."""
+    if not windows:
+        return
+    length = batch["input_ids"].shape[1]
+    if all(len(w.pieces) == 1 and len(w.pieces[0].tokens) == length + 1 for w in windows):
+        # The common case, each window one piece: stack the views (document keys need no chunk
+        # position when a window never leaves its chunk).
+        tokens = np.stack([w.pieces[0].tokens for w in windows])
+        keys = np.stack([w.pieces[0].docs for w in windows])
+        trainable = np.stack([w.pieces[0].trainable for w in windows])
+        counts = np.full(len(windows), length + 1)
+    else:
+        tokens = np.zeros((len(rows), length + 1), np.int32)
+        keys = np.full((len(rows), length + 1), -1, np.int64)
+        trainable = np.zeros((len(rows), length + 1), bool)
+        counts = np.array([w.write(tokens[i], keys[i], trainable[i]) for i, w in enumerate(windows)])
+    segment_ids, positions = segments(keys[:, :-1])
+    fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": trainable[:, 1:],
+              "segment_ids": segment_ids, "positions": positions}
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: plain copies, no gathers
+    if counts.min() == length + 1:   # every window whole (training)
+        for name, values in fields.items():
+            batch[name][index] = values
+        return
+    valid = np.arange(length) < (counts - 1)[:, None]   # the short end of an evaluation pass
+    fields["loss_mask"] = valid & fields["loss_mask"]
+    for name in ("segment_ids", "positions"):
+        fields[name] = np.where(valid, fields[name], 0)
+    for name in ("input_ids", "targets"):
+        fields[name] = np.where(valid, fields[name], batch[name][index])
+    for name, values in fields.items():
+        batch[name][index] = values
+
+
+class DatasetExamples(ShuffledDataset):
+    """Example ``j`` of a dataset -> its token window, for the global or strided ordering.
+
+    Works on the committed prefix while the dataset is being built, waiting (with a timeout)
+    only when an example needs a chunk that is not committed yet.
+    """
+
+    def __init__(self, name: str, view: CatalogView, reader: StreamReader, *, seq_len: int,
+                 ordering: str, ideal_readers: int, wait_timeout: float,
+                 shuffle: ShuffleConfig | None = None, seed: int = 0) -> None:
+        self.seq_len = seq_len
+        self.ordering = ordering
+        self.ideal_readers = ideal_readers
+        super().__init__(name, view, reader, wait_timeout=wait_timeout, shuffle=shuffle, seed=seed)
+
+    def _set(self, chunks: DatasetChunks) -> None:
+        super()._set(chunks)
+        self._periods: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _too_small(self) -> LakeloaderError:
+        return LakeloaderError(
+            f"dataset {self.name!r} has {int(self.offsets[-1])} stream tokens, fewer than one example "
+            f"of seq_len {self.seq_len} + 1: lower loader.seq_len or add data"
+        )
+
+    def eval_count(self) -> int:
+        """Examples in one evaluation pass (needs the complete dataset)."""
+        self.complete_chunks()
+        return eval_examples(int(self.offsets[-1]), self.seq_len)
+
+    def _available(self) -> int:
+        """Training examples the committed prefix holds whole."""
+        return train_examples(int(self.offsets[-1]), self.seq_len)
+
+    def eval_window(self, j: int) -> Window:
+        """Example ``j`` of the evaluation pass: stream tokens [jL, jL+L] clipped at the end."""
+        self.complete_chunks()
+        total = int(self.offsets[-1])
+        start = j * self.seq_len
+        length = min(self.seq_len + 1, total - start)
+        pieces = self.reader.window(self.chunks, self.sequence, self.offsets, start, length)
+        return Window(self.name, 0, j, pieces)
+
+    def _window_starts(self, chunk_limit: int) -> np.ndarray:
+        boundaries = self.offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
+        return -(-boundaries // self.seq_len)
+
+    def train_window(self, j: int) -> Window:
+        """Example ``j`` of the cycled training stream (shuffled per epoch if configured)."""
+        return self.train_windows(np.array([j]))[0]
+
+    def train_windows(self, js: np.ndarray) -> list[Window]:
+        """:meth:`train_window` of many positions."""
+        if self.ordering == "strided":
+            return self._strided_windows(js)
+        return self._examples(*self.train_examples(js))
+
+    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[Window]:
+        """Windows of examples ``examples`` (of epochs ``epochs``), looked up together."""
+        pieces = self.reader.windows(self.chunks, self.sequence, self.offsets, examples * self.seq_len,
+                                     self.seq_len + 1)
+        return [Window(self.name, e, k, p) for e, k, p in zip(epochs.tolist(), examples.tolist(), pieces)]
+
+    def _period(self, reader: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunks and cumulative stream offsets of one period of ideal reader ``reader``'s
+        looped chunk sequence (complete datasets only)."""
+        if reader not in self._periods:
+            count = self.chunks.committed
+            period = count // math.gcd(count, self.ideal_readers)
+            positions = strided_chunk(np.full(period, reader), np.arange(period), self.ideal_readers)
+            chunks = positions % count
+            lengths = np.diff(self.offsets)[chunks]
+            self._periods[reader] = (chunks, cumulative(lengths))
+        return self._periods[reader]
+
+    def _strided_while_building(self, i: int) -> Window | None:
+        """Window of global example ``i`` of the strided ordering from the committed prefix
+        (waiting for chunks as needed); None once the dataset is complete."""
+        reader, k = int(i % self.ideal_readers), int(i // self.ideal_readers)
+        start, length = k * self.seq_len, self.seq_len + 1
+        while not self.chunks.complete:
+            positions = np.arange(reader, self.chunks.committed, self.ideal_readers)
+            offsets = cumulative(np.diff(self.offsets)[positions])
+            if start + length <= offsets[-1]:
+                return Window(self.name, 0, k, self.reader.window(self.chunks, positions, offsets, start, length))
+            self._wait()
+        return None
+
+    def _strided_windows(self, ids: np.ndarray) -> list[Window]:
+        """Windows of global examples ``ids`` of the strided ordering: each ideal reader's
+        looped chunk sequence, read in one batch per reader once the dataset is complete."""
+        found = [self._strided_while_building(int(i)) for i in ids] if not self.chunks.complete else [None] * len(ids)
+        rest = np.array([n for n, window in enumerate(found) if window is None], np.int64)
+        ids = np.asarray(ids, np.int64)[rest]
+        readers, ks = ids % self.ideal_readers, ids // self.ideal_readers
+        length = self.seq_len + 1
+        for reader in np.unique(readers).tolist():
+            mine = np.flatnonzero(readers == reader)
+            chunks, offsets = self._period(reader)
+            total = int(offsets[-1])
+            if total == 0:
+                raise self._too_small()
+            cycles, starts = np.divmod(ks[mine] * self.seq_len, total)
+            repeats = 1 + math.ceil((int(starts.max()) + length) / total)
+            sequence = np.tile(chunks, repeats)
+            sequence_offsets = cumulative(np.tile(np.diff(offsets), repeats))
+            pieces = self.reader.windows(self.chunks, sequence, sequence_offsets, starts, length)
+            first = np.array([window_pieces[0].position for window_pieces in pieces], np.int64)
+            epochs = strided_chunk(reader, cycles * len(chunks) + first, self.ideal_readers) // self.chunks.committed
+            for n, k, epoch, window_pieces in zip(rest[mine].tolist(), ks[mine].tolist(), epochs.tolist(), pieces):
+                found[n] = Window(self.name, epoch, k, window_pieces)
+        return found  # type: ignore[return-value]

@@ -1,0 +1,182 @@
+"""Examples of one dataset under ``packing: pack | pad``: whole documents per each chunk's
+packing plan, with the images of interleaved documents and the prompt/response split of
+seq2seq ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.contracts.specs import PackingSpec
+from lakeloader.feed.concat_examples import DatasetExamples
+from lakeloader.feed.rows import Example, Row, Segment
+from lakeloader.index.chunk_packing import plan_chunk
+from lakeloader.index.packing import PackPlan
+from lakeloader.index.ranges import cumulative, locate
+from lakeloader.index.render import part_starts
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
+from lakeloader.read.lru import LRU
+from lakeloader.read.windows import StreamReader
+
+
+@dataclasses.dataclass
+class Item:
+    """One document (or a piece of one) inside a packed example."""
+
+    chunk: int
+    doc: int                    # document index within the chunk
+    start: int                  # rendered token range of the document
+    stop: int
+    tokens: np.ndarray          # rendered tokens [start, stop] (one more for the last target, if any)
+    trainable: np.ndarray
+    images: list[tuple[int, str]]   # (offset of the image run within the item, reference)
+    split: int                  # rendered offset where the response starts (seq2seq), else -1
+
+
+@dataclasses.dataclass
+class PackedExample(Example):
+    """An example of whole documents (``packing: pack | pad``) with provenance."""
+
+    items: list[Item]
+
+    def fill(self, row: Row) -> None:
+        """Write the example into a batch row: items back to back, each its own segment with
+        positions from 0; a target is the next token of the same document."""
+        if "inputs" in row.extra:
+            return self._fill_seq2seq(row)
+        at = 0
+        for number, item in enumerate(self.items, start=1):
+            n = item.stop - item.start
+            row.input_ids[at : at + n] = item.tokens[:n]
+            targets = item.tokens[1 : n + 1]
+            row.targets[at : at + len(targets)] = targets
+            row.loss_mask[at : at + len(targets)] = item.trainable[1 : n + 1]  # all True for plain text
+            row.segment_ids[at : at + n] = number
+            row.positions[at : at + n] = np.arange(n, dtype=np.int32)
+            if "image_refs" in row.extra:
+                filled = int((row.extra["image_positions"] >= 0).sum())
+                for offset, ref in item.images:
+                    row.extra["image_positions"][filled] = at + offset
+                    row.extra["image_refs"][filled] = ref
+                    filled += 1
+            at += n
+
+    def segments(self) -> list[Segment]:
+        """A segment per item, in row order."""
+        found: list[Segment] = []
+        offset = 0
+        for number, item in enumerate(self.items, start=1):
+            length = item.stop - item.start
+            found.append(Segment(number, item.chunk, item.doc, offset, offset + length,
+                                 {"document_start": item.start, "document_stop": item.stop}))
+            offset += length
+        return found
+
+    def _fill_seq2seq(self, row: Row) -> None:
+        extra, at_in, at_out = row.extra, 0, 0
+        for number, item in enumerate(self.items, start=1):
+            cut = min(max(item.split - item.start, 0), item.stop - item.start)
+            prompt, response = item.tokens[:cut], item.tokens[cut : item.stop - item.start]
+            extra["inputs"][at_in : at_in + len(prompt)] = prompt
+            extra["inputs_segment_ids"][at_in : at_in + len(prompt)] = number
+            extra["inputs_positions"][at_in : at_in + len(prompt)] = np.arange(len(prompt))
+            row.targets[at_out : at_out + len(response)] = response
+            row.input_ids[at_out + 1 : at_out + len(response)] = response[:-1]  # decoder inputs
+            row.loss_mask[at_out : at_out + len(response)] = 1.0
+            row.segment_ids[at_out : at_out + len(response)] = number
+            row.positions[at_out : at_out + len(response)] = np.arange(len(response))
+            at_in, at_out = at_in + len(prompt), at_out + len(response)
+
+
+class PackedExamples(DatasetExamples):
+    """Example ``j`` of a dataset under ``packing: pack | pad``: whole documents per the packing
+    plan of the chunk holding it. Per-chunk example counts come from the catalog, so a seek is a
+    binary search over chunks; the chunk's plan is recomputed from its part layout when read."""
+
+    def __init__(self, name: str, view: CatalogView, reader: StreamReader, spec: PackingSpec, *,
+                 seq2seq: bool = False, **kwargs: Any) -> None:
+        self.spec = spec
+        self.seq2seq = seq2seq
+        self.plan_key = spec.plan_key
+        if not view.plan_registered(name, spec.plan_key):
+            raise LakeloaderError(
+                f"dataset {name!r}: the lake keeps no example counts for this loader's packing "
+                f"(packing: {spec.mode}, seq_len: {spec.seq_len}, plan {spec.plan_key}); run "
+                "`lakeloader build CONFIG` with this config once: it computes them from the stored "
+                "documents' lengths without tokenizing again")
+        self._plans: LRU[tuple[str, int], PackPlan] = LRU(64)
+        super().__init__(name, view, reader, **kwargs)
+
+    def _set(self, chunks: DatasetChunks) -> None:
+        super()._set(chunks)
+        assert chunks.num_examples is not None
+        self.offsets = cumulative(chunks.num_examples)   # example offsets, not stream tokens
+
+    def _available(self) -> int:
+        return int(self.offsets[-1])
+
+    def _too_small(self) -> LakeloaderError:
+        return LakeloaderError(f"dataset {self.name!r} has no examples under packing: {self.spec.mode}")
+
+    def eval_count(self) -> int:
+        """Examples in one evaluation pass (needs the complete dataset)."""
+        self.complete_chunks()
+        return self._available()
+
+    def eval_window(self, j: int) -> PackedExample:
+        """Example ``j`` of the evaluation pass."""
+        self.complete_chunks()
+        return self._example(0, j)
+
+    def _window_starts(self, chunk_limit: int) -> np.ndarray:
+        return self.offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
+
+    def plan(self, chunk: int) -> PackPlan:
+        """The packing plan of chunk ``chunk`` (cached)."""
+        return self._plans.get((self.chunks.fingerprint, chunk), lambda: plan_chunk(
+            self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
+
+    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+        chunks = locate(self.offsets, examples).tolist()
+        return [self._example(e, k, c) for e, k, c in zip(epochs.tolist(), examples.tolist(), chunks)]
+
+    def _example(self, epoch: int, k: int, chunk: int | None = None) -> PackedExample:
+        if chunk is None:
+            chunk = int(locate(self.offsets, np.array([k]))[0])
+        plan = self.plan(chunk)
+        items = plan.example_items(k - int(self.offsets[chunk]))
+        docs = plan.item_doc[items]
+        _, first_docs = self.reader.groups(self.chunks, chunk)
+        groups = np.searchsorted(first_docs, docs, side="right") - 1
+        return PackedExample(self.name, epoch, k, [
+            self._item(chunk, group, doc - int(first_docs[group]), doc, start, stop)
+            for group, doc, start, stop in zip(groups.tolist(), docs.tolist(), plan.item_start[items].tolist(),
+                                               plan.item_stop[items].tolist())])
+
+    def _item(self, chunk: int, group: int, local: int, doc: int, start: int, stop: int) -> Item:
+        """Item of document ``doc`` of the chunk (``local`` within its row group ``group``)."""
+        rendered = self.reader.rendered_group(self.chunks, chunk, group)
+        begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
+        tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
+        trainable = rendered.trainable[begin + start : min(begin + stop + 1, end)]
+        template = self.reader.template
+        images: list[tuple[int, str]] = []
+        split = -1
+        if template.image_kind is not None or self.seq2seq:
+            stored = self.reader.files.row_group(self.chunks, chunk, group)
+            parts = stored.parts
+            mine = np.arange(*np.searchsorted(parts.part_doc, [local, local + 1]))
+            starts = part_starts(template, parts.part_lengths[mine], parts.part_kinds[mine],
+                                 np.zeros(len(mine), np.int64))
+            kinds = parts.part_kinds[mine]
+            if template.image_kind is not None and stored.refs is not None:
+                for part, offset in zip(mine[kinds == template.image_kind], starts[kinds == template.image_kind]):
+                    if start <= offset < stop:
+                        images.append((int(offset) - start, str(stored.refs[part])))
+            if self.seq2seq:
+                responses = starts[kinds == template.kind_names.index("response")]
+                split = int(responses[0]) if len(responses) else end - begin
+        return Item(chunk, doc, start, stop, tokens, trainable, images, split)

@@ -1,0 +1,90 @@
+"""Batch rows and the examples that fill them: one ``fill(row)`` protocol for every kind of
+example (concat windows, packed documents), and where each row's segments came from."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+ROW_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+@dataclasses.dataclass
+class Row:
+    """Views of one row of each batch array (filled in place)."""
+
+    input_ids: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    extra: dict[str, np.ndarray]     # task fields: image_refs, image_positions, inputs_*, ...
+
+
+def row_of(batch: Batch, number: int) -> Row:
+    """Views of row ``number`` of every array of ``batch``."""
+    return Row(*(batch[k][number] for k in ROW_FIELDS), {k: batch[k][number] for k in batch if k not in ROW_FIELDS})
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One segment of an example's row: tokens of one document from one chunk."""
+
+    number: int             # the row's segment id (1, 2, ...)
+    chunk: int              # global index of the chunk
+    document: int           # document index within the chunk
+    window_start: int       # token range within the example
+    window_stop: int
+    span: dict[str, int]    # where the tokens lie in their chunk or document, by column name
+
+
+@dataclasses.dataclass
+class Example(abc.ABC):
+    """One example of a dataset with its provenance; it writes its own batch row."""
+
+    dataset: str
+    epoch: int
+    example: int            # example number within the dataset's epoch (or ideal reader stream)
+
+    @abc.abstractmethod
+    def fill(self, row: Row) -> None:
+        """Write the example into the views of one batch row."""
+
+    @classmethod
+    def fill_rows(cls, batch: Batch, rows: list[int], examples: Sequence[Example]) -> None:
+        """Write ``examples`` (all of this kind) into rows ``rows`` of ``batch``; the same as
+        each one's :meth:`fill` of its row (a kind may do it for all rows at once)."""
+        for number, example in zip(rows, examples):
+            example.fill(row_of(batch, number))
+
+    @abc.abstractmethod
+    def segments(self) -> list[Segment]:
+        """The example's segments in row order."""
+
+
+def fill_batch(batch: Batch, examples: Sequence[Example | None]) -> None:
+    """Write example ``i`` into row ``i`` of ``batch`` (None leaves the row as it is), each kind
+    of example filling its rows together (:meth:`Example.fill_rows`)."""
+    kinds: dict[type[Example], tuple[list[int], list[Example]]] = {}
+    for number, example in enumerate(examples):
+        if example is not None:
+            rows, found = kinds.setdefault(type(example), ([], []))
+            rows.append(number)
+            found.append(example)
+    for kind, (rows, found) in kinds.items():
+        kind.fill_rows(batch, rows, found)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepExamples:
+    """The examples of one batch step on one process (``Loader.examples``), with what is needed
+    to say where they came from."""
+
+    step: int
+    rows: np.ndarray                    # global row number (within the batch) of each local row
+    examples: list[Example | None]      # each local row's example; None: past an evaluation pass
+    shards: dict[str, np.ndarray]       # per dataset: shard index of each committed chunk

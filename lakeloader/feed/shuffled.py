@@ -1,0 +1,106 @@
+"""Position ``j`` of a dataset's cycled training stream -> (epoch, example), under the
+configured shuffle (none, full, block or window), while the dataset may still be built."""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+from lakeloader.config import ShuffleConfig
+from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.feed.growing import GrowingDataset
+from lakeloader.index.permutation import derive_key
+from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, shuffle_window
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
+from lakeloader.read.windows import StreamReader
+
+
+class ShuffledDataset(GrowingDataset, abc.ABC):
+    """Training positions of a dataset mapped to its examples: index arithmetic only, waiting
+    while the dataset is built only when the committed prefix cannot fix a position yet."""
+
+    def __init__(self, name: str, view: CatalogView, reader: StreamReader, *, wait_timeout: float,
+                 shuffle: ShuffleConfig | None = None, seed: int = 0) -> None:
+        self.shuffle = shuffle or ShuffleConfig()
+        self.shuffle_key = derive_key(seed, "shuffle", name)
+        super().__init__(name, view, reader, wait_timeout)
+
+    def _set(self, chunks: DatasetChunks) -> None:
+        super()._set(chunks)
+        self._epoch_window_starts: np.ndarray | None = None
+
+    @abc.abstractmethod
+    def _available(self) -> int:
+        """Training examples the committed prefix holds whole."""
+
+    @abc.abstractmethod
+    def _too_small(self) -> LakeloaderError:
+        """The error for a dataset with no training example."""
+
+    @abc.abstractmethod
+    def _window_starts(self, chunk_limit: int) -> np.ndarray:
+        """First example of each window of ``shuffle.window_chunks`` chunks among the first
+        ``chunk_limit`` chunks (an example belongs to the window where it starts)."""
+
+    def train_count(self) -> int:
+        """Examples per epoch in training (needs the complete dataset)."""
+        self.complete_chunks()
+        return self._available()
+
+    def _shuffled(self, positions: np.ndarray, per_epoch: int, starts: np.ndarray | None = None) -> np.ndarray:
+        """Example of each stream position under the configured shuffle (epoch folded in)."""
+        kind, key = self.shuffle.kind, self.shuffle_key
+        if kind == "none":
+            return shuffle_none(positions, per_epoch)
+        if kind == "full":
+            return shuffle_full(positions, per_epoch, key)
+        if kind == "block":
+            return shuffle_block(positions, per_epoch, self.shuffle.block_size, self.shuffle.window_blocks, key)
+        if starts is None:
+            if self._epoch_window_starts is None:  # fixed once the dataset is complete
+                self._epoch_window_starts = np.minimum(self._window_starts(self.chunks.committed), per_epoch)
+            starts = self._epoch_window_starts
+        return shuffle_window(positions, starts, per_epoch, key)
+
+    def _position_while_building(self, j: int) -> int | None:
+        """Example at position ``j`` of epoch 0 if the committed prefix already fixes it."""
+        kind = self.shuffle.kind
+        if kind == "none":
+            return j
+        if kind != "window":
+            return None  # block and full shuffles need the whole dataset
+        # Windows whose chunks and the next window's first chunk are committed are final.
+        windows = (self.chunks.committed - 1) // self.shuffle.window_chunks
+        if windows < 1:
+            return None
+        starts = self._window_starts(windows * self.shuffle.window_chunks)
+        if j >= starts[-1]:
+            return None
+        return int(self._shuffled(np.array([j]), int(starts[-1]), starts[:-1])[0])
+
+    def train_example(self, j: int) -> tuple[int, int]:
+        """(epoch, example) at position ``j`` of the cycled, shuffled training stream (global
+        ordering): index arithmetic only, waiting while building only if the prefix can't fix it."""
+        epochs, examples = self.train_examples(np.array([j]))
+        return int(epochs[0]), int(examples[0])
+
+    def train_examples(self, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`train_example` of many positions (one vectorized shuffle once complete)."""
+        js = np.asarray(js, np.int64)
+        if not self.chunks.complete:
+            found = [self._train_example_while_building(int(j)) for j in js]
+            return np.array([e for e, _ in found], np.int64), np.array([k for _, k in found], np.int64)
+        per_epoch = self._available()
+        if per_epoch == 0:
+            raise self._too_small()
+        return js // per_epoch, self._shuffled(js, per_epoch)
+
+    def _train_example_while_building(self, j: int) -> tuple[int, int]:
+        while not self.chunks.complete:
+            k = self._position_while_building(j)
+            if k is not None and k < self._available():
+                return 0, k   # fixed by the committed prefix: necessarily epoch 0
+            self._wait()
+        epochs, examples = self.train_examples(np.array([j]))
+        return int(epochs[0]), int(examples[0])
