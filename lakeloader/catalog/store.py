@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -10,7 +11,7 @@ import os
 import re
 import socket
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -195,6 +196,27 @@ class CatalogWriter:
         except Exception as exc:  # keep the error that ended the build the one the user sees
             log.warning("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
 
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run the block as one transaction: committed when it ends, rolled back when it (or the
+        commit) raises, and the error re-raised; no reader ever sees half of it."""
+        self._run("begin_transaction")
+        try:
+            yield
+            self._run("commit_transaction")
+        except BaseException:
+            self._run("rollback_transaction")
+            raise
+
+    @contextlib.contextmanager
+    def _registered(self, name: str, frame: pd.DataFrame) -> Iterator[None]:
+        """``frame`` readable by SQL as the view ``name`` for the block."""
+        self.con.register(name, frame)
+        try:
+            yield
+        finally:
+            self.con.unregister(name)
+
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         statements = [s for s in query(name).split(";") if s.strip()]
         result = self.con
@@ -217,9 +239,7 @@ class CatalogWriter:
             self._run("set_on_error", {"name": plan.name, "on_error": on_error})
             return False
         chunk_rows = plan.chunks.assign(dataset=plan.name)
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            self.con.register("new_chunks", chunk_rows)
+        with self._registered("new_chunks", chunk_rows), self.transaction():
             self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
@@ -252,12 +272,6 @@ class CatalogWriter:
                     "line": None, "reason": missing.reason, "shard_index": None,
                     "split_index": None, "global_index": None, "build_id": None,
                 })
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        finally:
-            self.con.unregister("new_chunks")
         if adopted:
             log.info("dataset %r: re-planned; %d committed chunk(s) of unchanged files kept", plan.name, adopted)
         return True
@@ -274,14 +288,9 @@ class CatalogWriter:
 
     def commit_plans(self, dataset: str, rows: Iterable[tuple[int, PlanStats]]) -> None:
         """Store packing counts computed for already committed chunks, in one transaction."""
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self.transaction():
             for global_index, stats in rows:
                 self._insert_plan_stats(dataset, global_index, [stats])
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
 
     def chunks_without_plan(self, dataset: str, plan_key: str) -> pd.DataFrame:
         """Committed chunks of ``dataset`` whose counts under ``plan_key`` are missing."""
@@ -292,8 +301,7 @@ class CatalogWriter:
         ``mixture_id`` unless it is there already; returns whether it was new. Registering it
         again only updates ``last_registered_at``."""
         mixture_id = mixer.mixture_id
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self.transaction():
             known = self._run("touch_mixture", {"mixture_id": mixture_id}).fetchone()
             if not known:
                 self._run("insert_mixture", {
@@ -315,10 +323,6 @@ class CatalogWriter:
                             "parent_weight": node.parent_weight, "split_weight": node.split_weight,
                             "dataset": node.dataset, "depth": node.depth,
                         })
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
         return not known
 
     def chunk_folders(self, datasets: Sequence[str]) -> list[str]:
@@ -352,8 +356,7 @@ class CatalogWriter:
         Returns the number of chunks newly committed.
         """
         committed = 0
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self.transaction():
             for r in results:
                 changed = self._run("commit_chunk", {
                     "dataset": r.dataset, "global_index": r.global_index, "num_docs": r.num_docs,
@@ -388,10 +391,6 @@ class CatalogWriter:
                         "split_index": split_index, "global_index": r.global_index,
                         "build_id": build_id,
                     })
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
         return committed
 
     def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str) -> int:
