@@ -197,25 +197,23 @@ class CatalogWriter:
             log.warning("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self, **frames: pd.DataFrame) -> Iterator[None]:
         """Run the block as one transaction: committed when it ends, rolled back when it (or the
-        commit) raises, and the error re-raised; no reader ever sees half of it."""
+        commit) raises, and the error re-raised; no reader ever sees half of it. Each of
+        ``frames`` is readable by SQL as a view of its name inside the transaction."""
         self._run("begin_transaction")
         try:
-            yield
-            self._run("commit_transaction")
-        except BaseException:
-            self._run("rollback_transaction")
-            raise
-
-    @contextlib.contextmanager
-    def _registered(self, name: str, frame: pd.DataFrame) -> Iterator[None]:
-        """``frame`` readable by SQL as the view ``name`` for the block."""
-        self.con.register(name, frame)
-        try:
-            yield
+            try:
+                for name, frame in frames.items():
+                    self.con.register(name, frame)
+                yield
+                self._run("commit_transaction")
+            except BaseException:
+                self._run("rollback_transaction")
+                raise
         finally:
-            self.con.unregister(name)
+            for name in frames:
+                self.con.unregister(name)
 
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         statements = [s for s in query(name).split(";") if s.strip()]
@@ -239,7 +237,7 @@ class CatalogWriter:
             self._run("set_on_error", {"name": plan.name, "on_error": on_error})
             return False
         chunk_rows = plan.chunks.assign(dataset=plan.name)
-        with self._registered("new_chunks", chunk_rows), self.transaction():
+        with self.transaction(new_chunks=chunk_rows):
             self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
