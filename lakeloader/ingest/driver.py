@@ -118,6 +118,9 @@ def _make_lake_folder(lake: Lake) -> str | None:
 
 def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: int | None,
                   scheduler: str | None, progress: bool, repair: Collection[tuple[str, int]]) -> BuildReport:
+    """The steps of a build, in order: register the plans, the mixture (unless weighted in tokens)
+    and the packing; choose the tasks; run them as one recorded build run; then register a mixture
+    weighted in tokens, which needs the complete lake."""
     tokenizer = load_tokenizer(config.tokenizer)
     tokenizer_path = _register_plans(config, lake, writer, tokenizer)
     names = list(config.datasets)
