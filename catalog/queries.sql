@@ -1,5 +1,14 @@
 -- Named statements used by lakeloader; each starts with a "-- name: <name>" line.
 
+-- name: begin_transaction
+BEGIN TRANSACTION;
+
+-- name: commit_transaction
+COMMIT;
+
+-- name: rollback_transaction
+ROLLBACK;
+
 -- name: dataset_plan
 SELECT fingerprint FROM dataset_plans WHERE name = $name;
 

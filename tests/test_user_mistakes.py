@@ -56,6 +56,16 @@ def test_dashboard_on_loopback_unless_opened() -> None:
     assert args.dashboard_address == "0.0.0.0:8787"
 
 
+def test_build_dashboard_listens_where_asked(tmp_path: Path) -> None:
+    with socket.socket() as probe:   # a port free now, so the build's dashboard can take it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    write_jsonl(tmp_path / "docs.jsonl", stdlib_texts("json"))
+    config = write_config(tmp_path, {"docs": {"sources": [str(tmp_path / "docs.jsonl")]}})
+    report = build(config, workers=1, progress=False, dashboard_address=f"127.0.0.1:{port}")
+    assert report.dashboard == f"http://127.0.0.1:{port}/status"
+
+
 def test_steps_out_of_range_name_the_valid_range(lake_config: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", str(lake_config), "--step", "-1"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -11,7 +12,7 @@ import re
 import socket
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import duckdb
@@ -245,6 +246,25 @@ class CatalogWriter:
         except Exception as exc:  # keep the error that ended the build the one the user sees
             log.warning("could not checkpoint the catalog %s after the build failed: %s", self.path, exc)
 
+    @contextlib.contextmanager
+    def transaction(self, **frames: pd.DataFrame) -> Iterator[None]:
+        """Run the block as one transaction: committed when it ends, rolled back when it (or the
+        commit) raises, and the error re-raised; no reader ever sees half of it. Each of
+        ``frames`` is readable by SQL as a view of its name inside the transaction."""
+        self._run("begin_transaction")
+        try:
+            try:
+                for name, frame in frames.items():
+                    self.con.register(name, frame)
+                yield
+                self._run("commit_transaction")
+            except BaseException:
+                self._run("rollback_transaction")
+                raise
+        finally:
+            for name in frames:
+                self.con.unregister(name)
+
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
         statements = [s for s in query(name).split(";") if s.strip()]
         result = self.con
@@ -267,9 +287,7 @@ class CatalogWriter:
             self._run("set_on_error", {"name": plan.name, "on_error": on_error})
             return False
         chunk_rows = plan.chunks.assign(dataset=plan.name)
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            self.con.register("new_chunks", chunk_rows)
+        with self.transaction(new_chunks=chunk_rows):
             self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
@@ -302,12 +320,6 @@ class CatalogWriter:
                     "line": None, "reason": missing.reason, "shard_index": None,
                     "split_index": None, "global_index": None, "build_id": None,
                 })
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        finally:
-            self.con.unregister("new_chunks")
         if adopted:
             log.info("dataset %r: re-planned; %d committed chunk(s) of unchanged files kept", plan.name, adopted)
         return True
@@ -324,14 +336,9 @@ class CatalogWriter:
 
     def commit_plans(self, dataset: str, rows: Iterable[tuple[int, PlanStats]]) -> None:
         """Store packing counts computed for already committed chunks, in one transaction."""
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self.transaction():
             for global_index, stats in rows:
                 self._insert_plan_stats(dataset, global_index, [stats])
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
 
     def chunks_without_plan(self, dataset: str, plan_key: str) -> pd.DataFrame:
         """Committed chunks of ``dataset`` whose counts under ``plan_key`` are missing."""
@@ -343,8 +350,7 @@ class CatalogWriter:
         already; returns whether it was new. Registering it again only updates
         ``last_registered_at``."""
         rows = mixture_rows(spec)
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self.transaction():
             known = self._run("touch_mixture", {"mixture_id": spec.mixture_id}).fetchone()
             if not known:
                 self._run("insert_mixture", rows.mixture)
@@ -352,10 +358,6 @@ class CatalogWriter:
                     self._run("insert_mixture_stage", stage)
                 for node in rows.nodes:
                     self._run("insert_mixture_node", node)
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
         return not known
 
     def chunk_folders(self, datasets: Sequence[str]) -> list[str]:
@@ -389,8 +391,7 @@ class CatalogWriter:
         Returns the number of chunks newly committed.
         """
         committed = 0
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self.transaction():
             for r in results:
                 changed = self._run("commit_chunk", {
                     "dataset": r.dataset, "global_index": r.global_index, "num_docs": r.num_docs,
@@ -425,10 +426,6 @@ class CatalogWriter:
                         "split_index": split_index, "global_index": r.global_index,
                         "build_id": build_id,
                     })
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
         return committed
 
     def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str) -> int:

@@ -1,0 +1,185 @@
+"""Running a build's chunk tasks on the Dask cluster: a bounded window of tasks in flight, each
+finished batch committed to the catalog (repairs checked byte for byte), progress shown, and a
+snapshot published every ``build.publish_interval`` seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+
+import pandas as pd
+from distributed import Client, Future, as_completed
+from tqdm import tqdm
+
+from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.store import CatalogWriter
+from lakeloader.config import Config
+from lakeloader.contracts.chunk_file import ChunkResult
+from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.contracts.specs import PackingSpec
+from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
+from lakeloader.ingest.cluster import dask_client
+from lakeloader.ingest.tasks import TaskBatch
+from lakeloader.ingest.writer_catalog import publish
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Totals:
+    """What a build run has committed so far."""
+
+    chunks: int = 0
+    docs: int = 0
+    tokens: int = 0
+    source_bytes: int = 0
+    rejects: int = 0
+    retries: int = 0
+
+    def add(self, result: ChunkResult) -> None:
+        """Count one committed chunk."""
+        self.chunks += 1
+        self.docs += result.num_docs
+        self.tokens += result.num_tokens
+        self.source_bytes += result.source_bytes
+        self.rejects += len(result.rejects)
+        self.retries += result.retries
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildRun:
+    """What every step of one build run shares: its config, lake, catalog writer and build id,
+    the published tokenizer, the cluster asked for, and the running totals."""
+
+    config: Config
+    lake: Lake
+    writer: CatalogWriter
+    build_id: int
+    tokenizer_url: str
+    workers: int | None
+    scheduler: str | None
+    dashboard: str | None   # where a local cluster's dashboard listens (host:port; None: none)
+    progress: bool
+    totals: Totals = dataclasses.field(default_factory=Totals)
+
+    def publish(self) -> None:
+        """Publish the writer catalog as the lake's newest snapshot."""
+        publish(self.writer, self.lake, self.build_id, self.config)
+
+
+class _Scheduler:
+    """Keeps a bounded window of chunk tasks in flight, highest priority to the lowest index."""
+
+    def __init__(self, client: Client, tasks: Iterator[ChunkTask], window: int) -> None:
+        self.client = client
+        self.tasks = tasks
+        self.window = window
+        self.running = as_completed()
+        self.in_flight: dict[str, ChunkTask] = {}
+
+    def fill(self) -> None:
+        while len(self.in_flight) < self.window:
+            task = next(self.tasks, None)
+            if task is None:
+                return
+            future = self.client.submit(
+                build_chunk, task, key=f"chunk-{task.dataset}-{task.global_index}-{time.time_ns()}",
+                priority=-task.global_index, pure=False,
+            )
+            self.in_flight[future.key] = task
+            self.running.add(future)
+
+    def finished(self) -> Iterator[list[Future]]:
+        self.fill()
+        for batch in self.running.batches():
+            for future in batch:
+                self.in_flight.pop(future.key, None)
+            self.fill()
+            yield batch
+
+    def cancel(self) -> None:
+        futures = list(self.running.futures)
+        self.running.clear()
+        if futures:
+            self.client.cancel(futures)
+
+
+def run_tasks(run: BuildRun, batch: TaskBatch) -> str:
+    """Start the cluster, count the packing of ``batch.unplanned`` chunks, then tokenize the
+    pending chunks and commit each finished group (what finished beside a failed task is kept,
+    then its error raised). Returns the dashboard address."""
+    with dask_client(run.workers, run.scheduler, run.dashboard) as client:
+        dashboard = client.dashboard_link
+        run.writer.set_build_cluster(run.build_id, workers=len(client.nthreads()), dashboard=dashboard)
+        _plan_committed(client, run, batch.packing, batch.unplanned)
+        _tokenize(client, run, batch, dashboard)
+    return dashboard
+
+
+def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -> None:
+    """Run the pending chunks' tasks, committing each finished group, with a progress bar."""
+    sources = batch.sources()
+    threads = max(1, sum(client.nthreads().values()))
+    scheduler = _Scheduler(client, batch.chunk_tasks(run.config, run.lake, run.tokenizer_url),
+                           window=2 * threads + 2)
+    totals = run.totals
+    bar = tqdm(total=len(batch.pending), unit="chunk", desc="build", disable=not run.progress, smoothing=0.1,
+               mininterval=0.5)
+    if run.progress:
+        bar.write(f"Dask dashboard: {dashboard}")
+    last_publish = time.monotonic()
+    started = time.perf_counter()
+    try:
+        for finished in scheduler.finished():
+            failed = [future for future in finished if future.status == "error"]
+            results: list[ChunkResult] = [future.result() for future in finished if future not in failed]
+            for result in results:
+                _check_repair(result, batch.repairs)
+            run.writer.commit(results, sources, run.build_id)  # keep what finished beside a failure
+            if failed:
+                failed[0].result()  # raises the task's own error
+            for result in results:
+                totals.add(result)
+            bar.update(len(results))
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
+                            rejects=totals.rejects, refresh=False)
+            if time.monotonic() - last_publish >= run.config.build.publish_interval:
+                run.publish()
+                last_publish = time.monotonic()
+    except BaseException:
+        scheduler.cancel()
+        raise
+    finally:
+        bar.close()
+
+
+def _plan_committed(client: Client, run: BuildRun, packing: dict[str, PackingSpec],
+                    unplanned: dict[str, pd.DataFrame]) -> None:
+    """Packing counts for chunks built before this loader config (no tokenizing: each task reads
+    a chunk's part layout), committed per dataset."""
+    for name, rows in unplanned.items():
+        if not len(rows):
+            continue
+        log.info("dataset %r: computing %s packing counts of %d built chunks", name, packing[name].mode, len(rows))
+        n = len(rows)
+        futures = client.map(plan_committed_chunk, [run.lake.url_of(p) for p in rows["path"]],
+                             [run.config.storage_options] * n, rows["global_index"].astype(int).tolist(),
+                             [(packing[name],)] * n, pure=False)
+        done = [f.result() for f in tqdm(as_completed(futures), total=len(futures), unit="chunk",
+                                         desc=f"plan {name}", disable=not run.progress)]
+        run.writer.commit_plans(name, [(index, stats[0]) for index, stats in done])
+
+
+def _check_repair(result: ChunkResult, repairs: dict[tuple[str, int], str]) -> None:
+    """A repaired chunk must be the very file its catalog record describes."""
+    expected = repairs.get((result.dataset, result.global_index))
+    if expected is None or expected == result.checksum:
+        return
+    raise ChunkIntegrityError(
+        f"chunk {result.global_index} of dataset {result.dataset!r} was rebuilt, but the new file has "
+        f"sha256 {result.checksum[:16]}…, the catalog says {expected[:16]}…: its source changed since "
+        "it was planned, or this lakeloader/pyarrow writes different bytes. Readers will reject it; "
+        "build the dataset into a new lake.")

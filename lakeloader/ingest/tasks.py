@@ -1,0 +1,159 @@
+"""Choosing a build's chunk tasks: the uncommitted chunks, the committed ones to repair (file
+missing, wrong size, or named by ``verify``), and the committed ones still lacking packing counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import posixpath
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import pandas as pd
+
+from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.snapshot import SNAPSHOT_DIR
+from lakeloader.catalog.store import CatalogWriter
+from lakeloader.config import Config
+from lakeloader.contracts.specs import PackingSpec
+from lakeloader.ingest.chunk import ChunkTask
+from lakeloader.ingest.documents import SplitSource
+from lakeloader.plan.sources import url_from_bytes
+from lakeloader.plan.splits import Split
+from lakeloader.storage import with_retries
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskBatch:
+    """The work of one build run.
+
+    ``pending``: chunks to tokenize, by global index (uncommitted ones and repairs), with the
+    columns of :meth:`CatalogWriter.pending_chunks`. ``repairs``: ``(dataset, global_index)`` of
+    each committed chunk rebuilt -> the checksum its new file must have. ``unplanned``: per
+    dataset, committed chunks (not rebuilt) whose counts under ``packing`` are missing.
+    ``total``: planned chunks of ``names``.
+    """
+
+    names: list[str]
+    packing: dict[str, PackingSpec]
+    pending: pd.DataFrame
+    repairs: dict[tuple[str, int], str]
+    unplanned: dict[str, pd.DataFrame]
+    total: int
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any chunk is to be tokenized or counted."""
+        return bool(len(self.pending) or any(len(rows) for rows in self.unplanned.values()))
+
+    def sources(self) -> dict[tuple[str, int], tuple[str, int, int]]:
+        """(dataset, global_index) -> (source, shard_index, split_index) of each pending chunk."""
+        return {
+            (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
+            for row in self.pending.itertuples(index=False)
+        }
+
+    def chunk_tasks(self, config: Config, lake: Lake, tokenizer_url: str) -> Iterator[ChunkTask]:
+        """The task of each pending chunk, in ``pending``'s order."""
+        formats = {name: dataset.record_format() for name, dataset in config.datasets.items()}
+        for row in self.pending.itertuples(index=False):
+            dataset = config.datasets[row.dataset]
+            yield ChunkTask(
+                dataset=row.dataset,
+                global_index=int(row.global_index),
+                source=SplitSource(
+                    url=url_from_bytes(row.source_raw) if isinstance(row.source_raw, (bytes, bytearray)) else row.source,
+                    layout=row.layout,
+                    compression=row.compression if isinstance(row.compression, str) else None,
+                    split=Split(row.split_kind, int(row.split_start), int(row.split_stop), int(row.first_row)),
+                    record_format=formats[row.dataset],
+                    on_error=dataset.on_error,
+                    storage_options=config.storage_options,
+                ),
+                chunk_url=lake.url_of(row.path),
+                tokenizer_url=tokenizer_url,
+                row_group_tokens=config.build.row_group_tokens,
+                io_retry_deadline=config.io_retry_deadline,
+                packing=(self.packing[row.dataset],) if row.dataset in self.packing else (),
+            )
+
+
+def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dict[str, PackingSpec],
+                 requested: Collection[tuple[str, int]]) -> TaskBatch:
+    """The work of a build of ``config``'s datasets, after removing the temporary files a killed
+    build left. ``requested`` are ``(dataset, global_index)`` pairs to rebuild (e.g. what
+    ``verify`` found corrupt); committed chunks whose file is missing or of the wrong size are
+    rebuilt too."""
+    names = list(config.datasets)
+    unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()}
+    _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
+    repairs = _chunks_to_repair(lake, writer, names, config, requested)
+    expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
+    pending = writer.pending_chunks(names)
+    if len(repairs):  # their packing counts come with the rebuilt chunks, not from their files
+        unplanned = {name: rows[~rows.global_index.isin(repairs.global_index[repairs.dataset == name])]
+                     for name, rows in unplanned.items()}
+        pending = pd.concat([pending, repairs[pending.columns]]).sort_values("global_index", kind="stable")
+    total = writer.chunk_count(names)
+    log.info("%d of %d chunks to build%s", len(pending), total,
+             f" ({len(repairs)} committed ones to repair)" if len(repairs) else "")
+    return TaskBatch(names, packing, pending, expected, unplanned, total)
+
+
+def _chunk_file_sizes(lake: Lake, folder: str, config: Config) -> dict[str, int]:
+    """Lake-relative path -> size of every file in chunk folder ``folder`` (one listing)."""
+    full = lake.path_of(folder)
+
+    def listing() -> list[dict[str, Any]]:
+        lake.fs.invalidate_cache(full)
+        try:
+            return lake.fs.ls(full, detail=True)
+        except FileNotFoundError:
+            return []
+
+    entries = with_retries(listing, what=f"listing the chunk folder {lake.url_of(folder)}",
+                           deadline=config.io_retry_deadline)
+    return {f"{folder}/{posixpath.basename(entry['name'].rstrip('/'))}": int(entry["size"])
+            for entry in entries if entry.get("type") == "file"}
+
+
+def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], config: Config,
+                      requested: Collection[tuple[str, int]]) -> pd.DataFrame:
+    """Committed chunks whose file is missing or not the size the catalog records (found by
+    listing each chunk folder, not by reading the files), plus those in ``requested``."""
+    committed = writer.committed_chunks(names)
+    if committed.empty:
+        return committed
+    sizes: dict[str, int] = {}
+    for folder in writer.chunk_folders(names):
+        sizes.update(_chunk_file_sizes(lake, folder, config))
+    wanted = set(requested)
+    rows = []
+    for row in committed.itertuples(index=False):
+        size = sizes.get(row.path)
+        if size is None:
+            problem = "its file is missing"
+        elif size != row.num_bytes:
+            problem = f"its file has {size} bytes, the catalog says {row.num_bytes}"
+        elif (row.dataset, int(row.global_index)) in wanted:
+            problem = "verify found it damaged"
+        else:
+            continue
+        log.warning("chunk %d of dataset %r (%s): %s; rebuilding it", row.global_index, row.dataset,
+                    lake.url_of(row.path), problem)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=committed.columns)
+
+
+def _remove_partial_files(lake: Lake, folders: list[str]) -> None:
+    """Delete temporary files a killed build left behind (safe: this build holds the lock)."""
+    if not lake.is_local:
+        return  # object stores write chunks in one PUT: nothing partial is ever visible
+    for folder in folders:
+        for leftover in glob.glob(os.path.join(lake.path_of(folder), "*.tmp-*")):
+            os.remove(leftover)
+            log.info("removed %s left by an interrupted build", leftover)
