@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lakeloader.contracts.errors import ConfigError
-from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.formats import METADATA_TYPES, RecordFormat
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
@@ -142,6 +142,10 @@ class InterleavedFormat(_Strict):
 
 
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
+# Columns of the catalog's documents view that no metadata field may shadow (with the prefix
+# tokens_ of its per-kind token counts).
+DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
+_METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class DatasetConfig(_Strict):
@@ -158,6 +162,33 @@ class DatasetConfig(_Strict):
     supervised: SupervisedFormat = Field(default=SupervisedFormat(), description="Settings of format: supervised.")
     fim: FimFormat = Field(default=FimFormat(), description="Settings of format: fim.")
     interleaved: InterleavedFormat = Field(default=InterleavedFormat(), description="Settings of format: interleaved.")
+    metadata_fields: dict[str, Literal["string", "int", "float", "bool"]] = Field(default_factory=dict, description=(
+        "Record fields kept with each document for SQL (the documents view), not tokenized: "
+        "{field: type}, type string | int | float | bool; a missing field or null is NULL, a value "
+        "of another type is bad input (on_error). A float field takes ints."))
+
+    @field_validator("metadata_fields", mode="before")
+    @classmethod
+    def _metadata_types_given(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            names = ", ".join(f"{name}: string" for name in value[:3] if isinstance(name, str)) or "lang: string"
+            raise ValueError(
+                f"give each metadata field its type ({' | '.join(METADATA_TYPES)}) as a mapping, e.g. "
+                f"metadata_fields: {{{names}}}: types are fixed before chunks are built in parallel, "
+                "so every chunk stores a field the same way")
+        return value
+
+    @field_validator("metadata_fields")
+    @classmethod
+    def _metadata_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _METADATA_NAME.match(name):
+                raise ValueError(f"metadata field name {name!r} must be letters, digits and _ (not first), "
+                                 "so that SQL can name its column")
+            if name in DOCUMENT_COLUMNS or name.startswith("tokens_"):
+                raise ValueError(f"metadata field {name!r} would hide the documents view's column of that name "
+                                 f"({', '.join(DOCUMENT_COLUMNS)}, tokens_<kind>); leave it out of metadata_fields")
+        return value
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -208,7 +239,8 @@ class DatasetConfig(_Strict):
     def record_format(self) -> RecordFormat:
         """How the build turns this dataset's records into parts (only its build fields matter)."""
         items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in self.build_fields.items())
-        return RecordFormat(self.format, tuple(sorted(items)), self.part_kinds)
+        return RecordFormat(self.format, tuple(sorted(items)), self.part_kinds,
+                            tuple(self.metadata_fields.items()))
 
 
 class BuildConfig(_Strict):

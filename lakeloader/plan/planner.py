@@ -52,13 +52,16 @@ def chunk_folder(name: str, fingerprint: str) -> str:
 
 
 def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> dict[str, Any]:
-    return {
+    settings = {
         "chunk_format": CHUNK_FORMAT_VERSION,
         "tokenizer": tokenizer_fingerprint,
         "format": dataset.format,
         "fields": dataset.build_fields,
         "split_size": split_size,
     }
+    if dataset.metadata_fields:  # only then: the fingerprints of datasets without metadata stay as they were
+        settings["metadata"] = list(dataset.metadata_fields.items())
+    return settings
 
 
 def _hash(payload: Any) -> str:
@@ -124,8 +127,15 @@ def _unreadable(name: str, missing: list[MissingSource]) -> SourceError:
 
 
 def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordFormat, shards: list[Shard]) -> None:
-    """ConfigError for plain-text sources of a format whose documents are more than one string."""
+    """ConfigError for plain-text sources of a format whose documents are more than one string,
+    or of a dataset with metadata fields (a line of text has no fields)."""
     plain = [readable_url(shard.url) for shard in shards if shard.layout == "text"]
+    if plain and dataset.metadata_fields:
+        raise ConfigError(
+            f"dataset {name!r}: metadata_fields needs JSON Lines or Parquet sources (a line of plain text has "
+            f"no fields), but {len(plain)} source(s) are plain text:\n{_listing(plain)}\n"
+            f"remove datasets.{name}.metadata_fields or those sources"
+        )
     if plain and not record_format.text_only:
         raise ConfigError(
             f"dataset {name!r}: format: {dataset.format} needs JSON Lines or Parquet sources "
