@@ -326,9 +326,9 @@ WHERE c.status = 'committed'
 ORDER BY c.dataset, c.global_index;
 
 -- name: documents_of_dataset
--- The documents view's rows of one dataset: {source} is the relation of its committed chunk
--- files (their record, part_lengths, part_kinds and meta.* columns, and per file its dataset,
--- chunk, source and line_base), {columns} its per-kind token counts and metadata fields
+-- The documents view's rows of one dataset. Placeholders: source, the relation of its committed
+-- chunk files (their record, part_lengths, part_kinds and meta.* columns, and per file its
+-- dataset, chunk, source and line_base); columns, its per-kind token counts and metadata fields
 -- (documents_kind_tokens, documents_metadata). A chunk's documents are in record order.
 SELECT dataset, chunk, (row_number() OVER (PARTITION BY chunk ORDER BY record) - 1)::BIGINT AS doc,
        source, line_base + record AS line, list_sum(part_lengths)::BIGINT AS num_tokens,
@@ -342,7 +342,7 @@ list_sum(list_transform(list_zip(part_lengths, part_kinds), lambda p: CASE WHEN 
 {column} AS {name}
 
 -- name: documents_view
--- {selects}: documents_of_dataset of each dataset with committed chunks, joined by UNION ALL BY NAME.
+-- Placeholder selects: documents_of_dataset of each dataset with committed chunks, joined by UNION ALL BY NAME.
 CREATE VIEW documents AS {selects};
 
 -- name: documents_empty
@@ -351,16 +351,16 @@ SELECT NULL::VARCHAR AS dataset, NULL::BIGINT AS chunk, NULL::BIGINT AS doc, NUL
 WHERE false
 
 -- name: document_stats
--- Documents, tokens and length percentiles per group of the documents view ({by}: dataset, or
--- dataset and a column of the view).
+-- Documents, tokens and length percentiles per group of the documents view (placeholder by:
+-- dataset, or dataset and a column of the view).
 SELECT {by}, count(*)::BIGINT AS documents, coalesce(sum(num_tokens), 0)::BIGINT AS tokens,
        quantile_disc(num_tokens, 0.5)::BIGINT AS p50, quantile_disc(num_tokens, 0.9)::BIGINT AS p90,
        quantile_disc(num_tokens, 0.99)::BIGINT AS p99, max(num_tokens)::BIGINT AS max
 FROM documents GROUP BY {by} ORDER BY {by};
 
 -- name: document_length_histogram
--- Documents per length bin of each dataset (and {value}: a column of the view, or NULL): bin b
--- holds lengths in [2^(b/{per_octave}), 2^((b+1)/{per_octave})) tokens (length 0 joins bin 0).
+-- Documents per length bin of each dataset (and placeholder value: a column of the view, or
+-- NULL): bin b holds lengths in [2^(b/k), 2^((b+1)/k)) tokens, k = per_octave (0 joins bin 0).
 SELECT dataset, {value} AS value,
        floor(log2(greatest(num_tokens, 1)) * {per_octave})::INTEGER AS bin, count(*)::BIGINT AS documents
 FROM documents GROUP BY ALL ORDER BY ALL;

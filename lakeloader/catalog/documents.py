@@ -168,6 +168,7 @@ def plot_lengths(histogram: pd.DataFrame, stats: pd.DataFrame, path: str, by: st
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError as exc:
         raise LakeloaderError("plotting document lengths needs matplotlib: pip install matplotlib") from exc
     datasets = sorted(histogram.dataset.unique())
@@ -189,10 +190,13 @@ def plot_lengths(histogram: pd.DataFrame, stats: pd.DataFrame, path: str, by: st
             values = rows.groupby("value", dropna=False).documents.sum().sort_values(ascending=False)
             for value in values.index[:max_values]:
                 selected = rows[rows.value.isna()] if pd.isna(value) else rows[rows.value == value]
-                _bars(ax, selected.bin.to_numpy(), selected.documents.to_numpy(), f"{by} = {value}")
+                shown = f"{by} is null" if pd.isna(value) else f"{by} = {value}"
+                _bars(ax, selected.bin.to_numpy(), selected.documents.to_numpy(), shown)
             more = len(values) - max_values
             ax.legend(fontsize=8, title=f"{more} more values not shown" if more > 0 else None)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{name}: {docs:,} documents, {tokens:,} tokens", fontsize=10)
         ax.set_xlabel("document length (tokens, log scale)")
         ax.set_ylabel("documents")
