@@ -121,7 +121,7 @@ def scan_failure(exc: duckdb.Error) -> LakeloaderError | None:
     fails its checksum, a file that cannot be decoded or is gone); None for any other error."""
     text = str(exc)
     if "CRC checksum verification failed" in text or "Couldn't deserialize thrift" in text:
-        return unreadable_chunk("a chunk file read by the documents view", exc)
+        return unreadable_chunk("a chunk file read by the documents view (`lakeloader verify CONFIG` names it)", exc)
     if "No such file" in text or "FileNotFoundError" in text:
         return CatalogError(f"a chunk file read by the documents view is missing ({text}); "
                             "`lakeloader verify CONFIG --repair` rebuilds it")
