@@ -40,6 +40,12 @@ LANGS = ["en", "de", "fr", None]
 TOKENIZER = Tokenizer.from_file(str(DEMO_TOKENIZER))
 
 
+def paragraphs(package: str, count: int) -> list[str]:
+    """The first ``count`` paragraphs of a standard-library package's sources: many small documents."""
+    found = [p for text in stdlib_texts(package) for p in text.split("\n\n") if p.strip()]
+    return found[:count]
+
+
 def good_records(texts: list[str]) -> list[dict[str, Any]]:
     """Records with metadata of every type: nulls, missing fields and ints in the float field."""
     records = []
@@ -108,7 +114,7 @@ class Corpus:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        texts = stdlib_texts("json") + stdlib_texts("email", limit=10)
+        texts = paragraphs("json", 150)
         self.good = good_records(texts)
         bad = [{"text": f"bad record {i}", **fields} for i, (fields, _) in enumerate(BAD)]
         self.bad_lines = [{"text": "a fine record", "id": 1, "lang": "en"}] + bad
@@ -133,7 +139,7 @@ class Corpus:
                                                           "p3.parquet")],
                      "metadata_fields": METADATA, "on_error": "skip"},
             "sft": {"sources": [str(data / "sft.jsonl")], "format": "supervised", "metadata_fields": {"lang": "string"}},
-        }, build={"split_size": "24KB"}, loader={"seq_len": 64, "batch_size": 4})
+        }, build={"split_size": "12KB"}, loader={"seq_len": 64, "batch_size": 4})
 
     def expected_meta(self) -> list[tuple[Any, ...]]:
         data = self.root / "data"
@@ -222,17 +228,16 @@ def test_stats_cli_and_plot(corpus: Corpus, tmp_path: Path, capsys: pytest.Captu
     printed = capsys.readouterr().out.split()
     assert printed[:7] == ["dataset", "documents", "tokens", "p50", "p90", "p99", "max"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
-    by_plot = tmp_path / "by-lang.png"
-    assert main(["stats", str(corpus.config), "--by", "lang", "--plot", str(by_plot)]) == 0
+    by_plot = tmp_path / "by-lang.png"   # the Python API: a curve per value, returns stats(by)
+    assert open_lake(corpus.config).plot_lengths(by_plot, by="lang").documents.sum() == len(corpus.expected_meta()) + 150 + 12
     assert by_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    capsys.readouterr()
     # percentiles are those of the documents' token counts
     lengths = sorted(row[6] for row in corpus.expected_meta())
     frame = open_lake(corpus.config).stats()
     meta_row = frame[frame.dataset == "meta"].iloc[0]
     assert meta_row.documents == len(lengths) and meta_row.tokens == sum(lengths) and meta_row["max"] == lengths[-1]
-    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):   # the lower value at q of the sorted lengths
-        assert meta_row[name] == lengths[math.floor(q * (len(lengths) - 1))], name
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):   # the shortest with a share q at or below it
+        assert meta_row[name] == lengths[math.ceil(q * len(lengths)) - 1], name
     assert main(["stats", str(corpus.config), "--by", "nope"]) == 2
     error = capsys.readouterr().err
     assert "no column 'nope'" in error and "lang" in error
@@ -272,14 +277,14 @@ def test_sandbox_holds_with_documents_registered(corpus: Corpus, tmp_path: Path)
 
 
 def test_documents_on_an_s3_lake(s3_endpoint: str, tmp_path: Path, dask_scheduler: str) -> None:  # noqa: F811
-    records = good_records(stdlib_texts("json"))
+    records = good_records(paragraphs("json", 120))
     write_lines(tmp_path / "src" / "a.jsonl", records)
     upload(s3_endpoint, tmp_path / "src", "docs-src")
     config = tmp_path / "s3.yaml"
     config.write_text(yaml.safe_dump({
         "lake": f"s3://{BUCKET}/docs-lake", "tokenizer": str(DEMO_TOKENIZER), "storage_options": storage_options(s3_endpoint),
         "datasets": {"web": {"sources": [f"s3://{BUCKET}/docs-src/a.jsonl"], "metadata_fields": METADATA}},
-        "build": {"split_size": "20KB", "publish_interval": 0.5}, "loader": {"seq_len": 64, "batch_size": 4},
+        "build": {"split_size": "10KB", "publish_interval": 0.5}, "loader": {"seq_len": 64, "batch_size": 4},
     }))
     build(config, scheduler=dask_scheduler, progress=False)
     lake = open_lake(config)
@@ -294,11 +299,11 @@ def test_documents_during_a_build_are_the_committed_chunks(tmp_path: Path, dask_
     """A second file joins a built dataset and fails (a malformed first line): its chunk stays
     planned. While the next build runs with every worker held (nothing can commit), and after it
     stopped, the view holds exactly the first file's documents; once it finishes, both files'."""
-    first, second = good_records(stdlib_texts("json")), good_records(stdlib_texts("email", limit=3))
+    first, second = good_records(paragraphs("json", 120)), good_records(paragraphs("email", 30))
     data = tmp_path / "data"
     write_lines(data / "a.jsonl", first)
     dataset = {"sources": [str(data / "a.jsonl")], "metadata_fields": METADATA}
-    settings: dict[str, Any] = {"build": {"split_size": "20KB"}, "loader": {"seq_len": 64, "batch_size": 4}}
+    settings: dict[str, Any] = {"build": {"split_size": "10KB"}, "loader": {"seq_len": 64, "batch_size": 4}}
     config = write_config(tmp_path, {"web": dataset}, **settings)
     build(config, scheduler=dask_scheduler, progress=False)
     (data / "b.jsonl").write_text("{not json\n" + "".join(json.dumps(r) + "\n" for r in second))

@@ -146,7 +146,8 @@ def check_by(con: duckdb.DuckDBPyConnection, by: str | None) -> list[str]:
 
 def document_stats(con: duckdb.DuckDBPyConnection, by: str | None = None) -> pd.DataFrame:
     """Documents, tokens and document-length percentiles (p50, p90, p99, max; in tokens) per
-    dataset, or per dataset and value of ``by``, over the documents view registered on ``con``."""
+    dataset, or per dataset and value of ``by``, over the documents view registered on ``con``.
+    pXX is the shortest length that at least XX% of the group's documents do not exceed."""
     groups = ", ".join(_quoted(name) for name in check_by(con, by))
     return con.execute(query("document_stats").format(by=groups)).df()
 
