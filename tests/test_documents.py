@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -174,6 +173,10 @@ def test_documents_view_equals_counting_the_source_files(corpus: Corpus) -> None
                          "JOIN chunks c ON c.dataset = d.dataset AND c.global_index = d.chunk GROUP BY ALL")
     assert (per_chunk.n == per_chunk.num_docs).all() and (per_chunk.top == per_chunk.n).all()
     assert (per_chunk.t == per_chunk.num_tokens).all()
+    located = lake.sql("SELECT chunk, doc, num_tokens FROM documents WHERE dataset = 'meta' ORDER BY chunk, doc")
+    paths = lake.sql("SELECT path FROM chunks WHERE dataset = 'meta' ORDER BY global_index").path
+    in_files = [len(doc) for path in paths for doc in pq.read_table(lake.path_of(path)).column("tokens").to_pylist()]
+    assert located.num_tokens.tolist() == in_files
     assert set(per_chunk.dataset) == {"plain", "meta", "sft"}
 
 
@@ -385,4 +388,3 @@ def test_metadata_needs_fields_in_the_sources(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"web": {"sources": [str(tmp_path / "a.txt")], "metadata_fields": {"x": "int"}}})
     with pytest.raises(ConfigError, match="metadata_fields needs JSON Lines or Parquet sources"):
         build(config, workers=1, progress=False)
-    shutil.rmtree(tmp_path / "lake", ignore_errors=True)
