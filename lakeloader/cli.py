@@ -284,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stats", help="documents, tokens and document lengths per dataset (or metadata value)",
         description="Per dataset (with --by, per dataset and value of FIELD): documents, tokens and "
         "the document-length percentiles p50, p90, p99 and max (in stored tokens, without special "
-        "tokens), computed in SQL over the documents view (`lakeloader sql CONFIG \"SELECT ... FROM "
-        "documents\"` asks anything else). Reads the committed chunks: works during a build.")
+        "tokens; pXX: the shortest length that XX% of the documents do not exceed), computed in SQL "
+        "over the documents view (`lakeloader sql CONFIG \"SELECT ... FROM documents\"` asks anything "
+        "else). Reads the committed chunks: works during a build.")
     stats.add_argument("target", metavar="CONFIG|LAKE")
     stats.add_argument("--by", default=None, metavar="FIELD",
                        help="also group by this column of the documents view: a metadata field "
