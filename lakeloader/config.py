@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lakeloader.contracts.errors import ConfigError
-from lakeloader.contracts.formats import METADATA_TYPES, RecordFormat
+from lakeloader.contracts.formats import RecordFormat
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
@@ -162,25 +162,27 @@ class DatasetConfig(_Strict):
     supervised: SupervisedFormat = Field(default=SupervisedFormat(), description="Settings of format: supervised.")
     fim: FimFormat = Field(default=FimFormat(), description="Settings of format: fim.")
     interleaved: InterleavedFormat = Field(default=InterleavedFormat(), description="Settings of format: interleaved.")
-    metadata_fields: dict[str, Literal["string", "int", "float", "bool"]] = Field(default_factory=dict, description=(
-        "Record fields kept with each document for SQL (the documents view), not tokenized: "
-        "{field: type}, type string | int | float | bool; a missing field or null is NULL, a value "
-        "of another type is bad input (on_error). A float field takes ints."))
+    metadata_fields: dict[str, Literal["string", "int", "float", "bool"] | None] = Field(
+        default_factory=dict, description=(
+            "Record fields kept with each document for SQL (the documents view), not tokenized: a list "
+            "of fields, or {field: type} with type string | int | float | bool. A field listed without "
+            "a type takes that of its first value in the dataset's first file (its first 10,000 "
+            "records, or its Parquet column). A missing field or null is NULL; a value of another type "
+            "is bad input (on_error). A float field takes ints."))
 
     @field_validator("metadata_fields", mode="before")
     @classmethod
-    def _metadata_types_given(cls, value: Any) -> Any:
+    def _metadata_list(cls, value: Any) -> Any:
         if isinstance(value, list):
-            names = ", ".join(f"{name}: string" for name in value[:3] if isinstance(name, str)) or "lang: string"
-            raise ValueError(
-                f"give each metadata field its type ({' | '.join(METADATA_TYPES)}) as a mapping, e.g. "
-                f"metadata_fields: {{{names}}}: types are fixed before chunks are built in parallel, "
-                "so every chunk stores a field the same way")
+            if not all(isinstance(name, str) for name in value):
+                raise ValueError("list the metadata fields by name, or map each to its type, e.g. "
+                                 "{lang: string, score: float}")
+            return dict.fromkeys(value)
         return value
 
     @field_validator("metadata_fields")
     @classmethod
-    def _metadata_names(cls, value: dict[str, str]) -> dict[str, str]:
+    def _metadata_names(cls, value: dict[str, str | None]) -> dict[str, str | None]:
         for name in value:
             if not _METADATA_NAME.match(name):
                 raise ValueError(f"metadata field name {name!r} must be letters, digits and _ (not first), "

@@ -27,7 +27,7 @@ from lakeloader.config import parse_config
 from lakeloader.contracts.errors import CatalogError, ConfigError, InputError
 from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.ingest.driver import build
-from lakeloader.plan.planner import settings_fingerprint
+from lakeloader.plan.planner import plan_dataset, settings_fingerprint
 from lakeloader.plan.splits import Split
 
 from conftest import DEMO_TOKENIZER, stdlib_texts, write_config
@@ -131,6 +131,12 @@ class Corpus:
         self.sft = [{"prompt": f"Question {i}: what is {t[:40]}?", "response": t[:300], "lang": LANGS[i % 3]}
                     for i, t in enumerate(texts[:12])]
         write_lines(root / "data" / "sft.jsonl", self.sft)
+        # listed without types: score's first value is an int (its later floats are rejects), tag's
+        # first non-null value a string
+        self.first = [{"text": "one", "score": 1}, {"text": "two", "score": None, "tag": None},
+                      {"text": "three", "score": 0.5, "tag": "x"}, {"text": "four", "score": 7, "tag": "y"},
+                      {"text": "five", "tag": 3}]
+        write_lines(root / "data" / "first.jsonl", self.first)
         data = root / "data"
         self.config = write_config(root, {
             "plain": {"sources": [str(data / "good.jsonl")]},
@@ -138,6 +144,8 @@ class Corpus:
                                                           "p3.parquet")],
                      "metadata_fields": METADATA, "on_error": "skip"},
             "sft": {"sources": [str(data / "sft.jsonl")], "format": "supervised", "metadata_fields": {"lang": "string"}},
+            "listed": {"sources": [str(data / "good.jsonl")], "metadata_fields": list(METADATA)},
+            "first": {"sources": [str(data / "first.jsonl")], "on_error": "skip", "metadata_fields": ["score", "tag"]},
         }, build={"split_size": "12KB"}, loader={"seq_len": 64, "batch_size": 4})
 
     def expected_meta(self) -> list[tuple[Any, ...]]:
@@ -177,7 +185,7 @@ def test_documents_view_equals_counting_the_source_files(corpus: Corpus) -> None
     paths = lake.sql("SELECT path FROM chunks WHERE dataset = 'meta' ORDER BY global_index").path
     in_files = [len(doc) for path in paths for doc in pq.read_table(lake.path_of(path)).column("tokens").to_pylist()]
     assert located.num_tokens.tolist() == in_files
-    assert set(per_chunk.dataset) == {"plain", "meta", "sft"}
+    assert set(per_chunk.dataset) == {"plain", "meta", "sft", "listed", "first"}
 
 
 def pd_na(value: Any) -> bool:
@@ -207,6 +215,23 @@ def test_metadata_is_not_in_the_token_stream(corpus: Corpus) -> None:
     assert len(rejects) == len(BAD) + 1
 
 
+def test_metadata_listed_without_types_takes_the_first_seen_type(corpus: Corpus) -> None:
+    lake = open_lake(corpus.config)
+    data = corpus.root / "data"
+    # the first record's types are those of METADATA (ints in the float field are accepted)
+    assert view_rows(lake, "listed") == expected_rows(corpus.good, str(data / "good.jsonl"), 1)
+    first = lake.sql("SELECT line, score, tag FROM documents WHERE dataset = 'first' ORDER BY line")
+    assert first.line.tolist() == [1, 2, 4] and first.score.tolist()[::2] == [1, 7] \
+        and [None if pd_na(tag) else tag for tag in first.tag][1:] == [None, "y"]
+    chunk = lake.path_of(lake.sql("SELECT path FROM chunks WHERE dataset = 'first'").path[0])
+    schema = pq.read_schema(chunk)
+    assert (schema.field("meta.score").type, schema.field("meta.tag").type) == (pa.int64(), pa.string())
+    rejects = lake.sql("SELECT location, reason FROM rejects WHERE dataset = 'first' ORDER BY line")
+    assert rejects.location.tolist() == ["line 3", "line 5"]
+    assert rejects.reason.str.startswith("metadata field 'score' is float (0.5), expected int (the field's type").tolist()[0]
+    assert rejects.reason[1].startswith("metadata field 'tag' is int (3), expected string (the field's type")
+
+
 def test_part_kinds_have_token_columns(corpus: Corpus) -> None:
     lake = open_lake(corpus.config)
     frame = lake.sql("SELECT line, lang, tokens_prompt, tokens_response, num_tokens, num_parts FROM documents "
@@ -232,7 +257,8 @@ def test_stats_cli_and_plot(corpus: Corpus, tmp_path: Path, capsys: pytest.Captu
     assert printed[:7] == ["dataset", "documents", "tokens", "p50", "p90", "p99", "max"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     by_plot = tmp_path / "by-lang.png"   # the Python API: a curve per value, returns stats(by)
-    assert open_lake(corpus.config).plot_lengths(by_plot, by="lang").documents.sum() == len(corpus.expected_meta()) + 150 + 12
+    assert open_lake(corpus.config).plot_lengths(by_plot, by="lang").documents.sum() == \
+        len(corpus.expected_meta()) + 2 * len(corpus.good) + len(corpus.sft) + 3
     assert by_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # percentiles are those of the documents' token counts
     lengths = sorted(row[6] for row in corpus.expected_meta())
@@ -367,7 +393,7 @@ def test_metadata_fields_config_errors_name_the_key(tmp_path: Path) -> None:
                              "datasets": {"web": {"sources": ["x.jsonl"], "metadata_fields": fields}}})
 
     for fields, message in (
-        (["lang", "score"], "give each metadata field its type"),
+        ([1, 2], "list the metadata fields by name"),
         ({"lang": "text"}, "datasets.web.metadata_fields.lang"),
         ({"num_tokens": "int"}, "would hide the documents view's column"),
         ({"tokens_text": "int"}, "would hide the documents view's column"),
@@ -381,6 +407,26 @@ def test_metadata_fields_config_errors_name_the_key(tmp_path: Path) -> None:
                     for fields in ({}, {"lang": "string"}, {"lang": "int"}, {"lang": "string", "id": "int"})}
     assert len(fingerprints) == 4   # metadata is part of the fingerprint (and names the chunk folder)
     assert dataset.record_format().metadata == (("lang", "string"),)
+
+
+def test_untyped_fields_are_typed_at_planning(tmp_path: Path) -> None:
+    write_lines(tmp_path / "a.jsonl", [{"text": "a", "n": None}, {"text": "b", "n": 2.5}])
+    pq.write_table(pa.table({"text": ["a"], "lang": ["en"], "n": pa.array([1], pa.int16())}), tmp_path / "b.parquet")
+
+    def plan(source: str, fields: Any) -> Any:
+        config = parse_config({"lake": str(tmp_path / "lake"), "tokenizer": str(DEMO_TOKENIZER),
+                               "datasets": {"web": {"sources": [str(tmp_path / source)], "metadata_fields": fields}}})
+        return plan_dataset("web", config, "tok")
+
+    assert plan("a.jsonl", ["n"]).metadata == (("n", "float"),)
+    assert plan("b.parquet", ["n", "lang"]).metadata == (("n", "int"), ("lang", "string"))
+    assert plan("a.jsonl", {"n": "int"}).metadata == (("n", "int"),)   # a declared type wins
+    assert plan("a.jsonl", ["n"]).chunk_dir != plan("a.jsonl", {"n": "int"}).chunk_dir
+    with pytest.raises(ConfigError, match=r"datasets.web.metadata_fields: cannot tell the type of 'lang', 'x' "
+                       r"\(no string, number or boolean value in the first 10,000 records of .*a.jsonl\)"):
+        plan("a.jsonl", ["lang", "x", "n"])
+    with pytest.raises(ConfigError, match=r"cannot tell the type of 'x' \(its column in .*b.parquet is missing"):
+        plan("b.parquet", ["x"])
 
 
 def test_metadata_needs_fields_in_the_sources(tmp_path: Path) -> None:

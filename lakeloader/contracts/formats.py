@@ -61,7 +61,7 @@ class RecordFormat:
     format: str
     fields: tuple[tuple[str, Any], ...]   # sorted items of the dataset's build fields; lists -> tuples
     kind_names: tuple[str, ...]           # the dataset's part kinds: a part's kind is its index
-    metadata: tuple[tuple[str, str], ...] = ()   # (field, type) kept with each document, in config order
+    metadata: tuple[tuple[str, str], ...] = ()   # (field, type fixed at planning) kept with each document
 
     @functools.cached_property
     def _options(self) -> dict[str, Any]:
@@ -137,7 +137,8 @@ def _metadata_value(value: Any, name: str, kind: str) -> Any:
                           "or null: metadata holds strings, numbers, booleans and nulls")
     if found == kind or (found == "int" and kind == "float"):
         return value
-    raise RecordError(f"metadata field {name!r} is {found} ({value!r}), expected {kind} (its type in metadata_fields)")
+    raise RecordError(f"metadata field {name!r} is {found} ({value!r}), expected {kind} (the field's type, "
+                      "as given in metadata_fields or taken from its first value)")
 
 
 def _kind_name(value: Any) -> str:

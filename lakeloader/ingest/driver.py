@@ -39,7 +39,7 @@ from lakeloader.index.templates import packing_specs
 from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
 from lakeloader.ingest.cluster import dask_client
 from lakeloader.ingest.documents import SplitSource
-from lakeloader.plan.planner import plan_dataset
+from lakeloader.plan.planner import plan_dataset, with_planned_metadata
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
 from lakeloader.storage import with_retries, write_atomically, write_failure
@@ -361,8 +361,10 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     names = list(config.datasets)
+    plans = []
     for name in names:
         plan = plan_dataset(name, config, fingerprint)
+        plans.append(plan)
         new = writer.register_plan(
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
             vocab_size=vocab_size, split_size=config.build.split_size,
@@ -370,6 +372,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
         )
         log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
                  len(plan.chunks), "" if new else " (plan unchanged)")
+    config = with_planned_metadata(config, plans)   # metadata types inferred at planning
     token_weights = config.mixture is not None and config.mixture.unit == "tokens"
     if not token_weights and (config.mixture is not None or len(names) == 1):
         _register_mixture(writer, Mixer.from_config(config))
