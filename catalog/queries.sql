@@ -313,3 +313,63 @@ SELECT name, chunk_dir FROM dataset_plans ORDER BY name;
 
 -- name: running_builds
 SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_id;
+
+-- name: document_chunks
+-- Committed chunks with what the documents view adds to their rows: the source file, and the
+-- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0; NULL for a
+-- byte split while an earlier split of its file is not committed (its line count is unknown).
+SELECT c.dataset, c.global_index, c.path, s.source, d.fields,
+       CASE WHEN c.split_kind = 'row_group' THEN c.first_row
+            WHEN c.committed_before = c.split_index THEN c.records_before + 1 END AS line_base
+FROM (
+    SELECT *,
+           coalesce(sum(num_records) OVER w, 0) AS records_before,
+           coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
+    FROM chunks
+    WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+) c
+JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
+JOIN dataset_plans d ON d.name = c.dataset
+WHERE c.status = 'committed'
+ORDER BY c.dataset, c.global_index;
+
+-- name: documents_of_dataset
+-- The documents view's rows of one dataset. Placeholders: source, the relation of its committed
+-- chunk files (their record, part_lengths, part_kinds and meta.* columns, and per file its
+-- dataset, chunk, source and line_base); columns, its per-kind token counts and metadata fields
+-- (documents_kind_tokens, documents_metadata). A chunk's documents are in record order.
+SELECT dataset, chunk, (row_number() OVER (PARTITION BY chunk ORDER BY record) - 1)::BIGINT AS doc,
+       source, line_base + record AS line, list_sum(part_lengths)::BIGINT AS num_tokens,
+       len(part_lengths)::BIGINT AS num_parts{columns}
+FROM {source}
+
+-- name: documents_kind_tokens
+list_sum(list_transform(list_zip(part_lengths, part_kinds), lambda p: CASE WHEN p[2] = {kind} THEN p[1] ELSE 0 END))::BIGINT AS {name}
+
+-- name: documents_metadata
+{column} AS {name}
+
+-- name: documents_view
+-- Placeholder selects: documents_of_dataset of each dataset with committed chunks, joined by UNION ALL BY NAME.
+CREATE VIEW documents AS {selects};
+
+-- name: documents_empty
+SELECT NULL::VARCHAR AS dataset, NULL::BIGINT AS chunk, NULL::BIGINT AS doc, NULL::VARCHAR AS source,
+       NULL::BIGINT AS line, NULL::BIGINT AS num_tokens, NULL::BIGINT AS num_parts
+WHERE false
+
+-- name: document_stats
+-- Documents, tokens and length percentiles per group of the documents view (placeholder by:
+-- dataset, or dataset and a column of the view).
+SELECT {by}, count(*)::BIGINT AS documents, coalesce(sum(num_tokens), 0)::BIGINT AS tokens,
+       quantile_disc(num_tokens, 0.5)::BIGINT AS p50, quantile_disc(num_tokens, 0.9)::BIGINT AS p90,
+       quantile_disc(num_tokens, 0.99)::BIGINT AS p99, max(num_tokens)::BIGINT AS max
+FROM documents GROUP BY {by} ORDER BY {by};
+
+-- name: document_length_histogram
+-- Documents per length bin of each dataset (and placeholder value: a column of the view, or
+-- NULL): bin b holds lengths in [2^(b/k), 2^((b+1)/k)) tokens, k = per_octave (0 joins bin 0).
+SELECT dataset, {value} AS value,
+       floor(log2(greatest(num_tokens, 1)) * {per_octave})::INTEGER AS bin, count(*)::BIGINT AS documents
+FROM documents GROUP BY ALL ORDER BY ALL;

@@ -99,6 +99,18 @@ def _cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from lakeloader.catalog.lake import open_lake
+
+    lake = open_lake(args.target)
+    if args.plot is None:
+        _print_frame(lake.stats(by=args.by), args.format)
+        return 0
+    _print_frame(lake.plot_lengths(args.plot, by=args.by), args.format)
+    print(f"wrote the document-length histogram to {args.plot}", file=sys.stderr)
+    return 0
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from lakeloader.ingest.repair import repair_lake
     from lakeloader.read.verify import verify_lake
@@ -256,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sql", help="run SQL against the catalog",
         description="Query the lake's DuckDB catalog. Allowed: " + ALLOWED_SQL + " Tables: "
         "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
-        "mixture_nodes, packing_plans, chunk_examples; views: committed_prefix, chunk_offsets, packing; "
+        "mixture_nodes, packing_plans, chunk_examples; views: committed_prefix, chunk_offsets, packing, "
+        "documents (one row per document of the committed chunks: dataset, chunk, doc, source, line, "
+        "num_tokens, num_parts, tokens_<kind> per part kind, and each metadata field); "
         "table macros: mixture_plan(id, "
         "first_step, stop_step), mixture_proportions(id, first_step, stop_step) over the steps [first_step, "
         "stop_step), as --steps A:B. Example: lakeloader sql configs/demo.yaml "
@@ -265,6 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("query", metavar="QUERY")
     sql.add_argument("--format", choices=formats, default="table")
     sql.set_defaults(func=_cmd_sql)
+
+    stats = commands.add_parser(
+        "stats", help="documents, tokens and document lengths per dataset (or metadata value)",
+        description="Per dataset (with --by, per dataset and value of FIELD): documents, tokens and "
+        "the document-length percentiles p50, p90, p99 and max (in stored tokens, without special "
+        "tokens; pXX: the shortest length that XX% of the documents do not exceed), computed in SQL "
+        "over the documents view (`lakeloader sql CONFIG \"SELECT ... FROM documents\"` asks anything "
+        "else). Reads the committed chunks: works during a build.")
+    stats.add_argument("target", metavar="CONFIG|LAKE")
+    stats.add_argument("--by", default=None, metavar="FIELD",
+                       help="also group by this column of the documents view: a metadata field "
+                       "(datasets.<name>.metadata_fields), source, chunk, ...")
+    stats.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="also draw a histogram of document lengths into a PNG: one panel per dataset, "
+                       "log-scaled length axis, a curve per value with --by (matplotlib)")
+    stats.add_argument("--format", choices=formats, default="table")
+    stats.set_defaults(func=_cmd_stats)
 
     verify = commands.add_parser(
         "verify", help="check every chunk file against the catalog",

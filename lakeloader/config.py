@@ -143,6 +143,10 @@ class InterleavedFormat(_Strict):
 
 
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
+# Columns of the catalog's documents view that no metadata field may shadow (with the prefix
+# tokens_ of its per-kind token counts).
+DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
+_METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class DatasetConfig(_Strict):
@@ -159,6 +163,35 @@ class DatasetConfig(_Strict):
     supervised: SupervisedFormat = Field(default=SupervisedFormat(), description="Settings of format: supervised.")
     fim: FimFormat = Field(default=FimFormat(), description="Settings of format: fim.")
     interleaved: InterleavedFormat = Field(default=InterleavedFormat(), description="Settings of format: interleaved.")
+    metadata_fields: dict[str, Literal["string", "int", "float", "bool"] | None] = Field(
+        default_factory=dict, description=(
+            "Record fields kept with each document for SQL (the documents view), not tokenized: a list "
+            "of fields, or {field: type} with type string | int | float | bool. A field listed without "
+            "a type takes that of its first value in the dataset's first file (its first 10,000 "
+            "records, or its Parquet column). A missing field or null is NULL; a value of another type "
+            "is bad input (on_error). A float field takes ints."))
+
+    @field_validator("metadata_fields", mode="before")
+    @classmethod
+    def _metadata_list(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not all(isinstance(name, str) for name in value):
+                raise ValueError("list the metadata fields by name, or map each to its type, e.g. "
+                                 "{lang: string, score: float}")
+            return dict.fromkeys(value)
+        return value
+
+    @field_validator("metadata_fields")
+    @classmethod
+    def _metadata_names(cls, value: dict[str, str | None]) -> dict[str, str | None]:
+        for name in value:
+            if not _METADATA_NAME.match(name):
+                raise ValueError(f"metadata field name {name!r} must be letters, digits and _ (not first), "
+                                 "so that SQL can name its column")
+            if name in DOCUMENT_COLUMNS or name.startswith("tokens_"):
+                raise ValueError(f"metadata field {name!r} would hide the documents view's column of that name "
+                                 f"({', '.join(DOCUMENT_COLUMNS)}, tokens_<kind>); leave it out of metadata_fields")
+        return value
 
     @field_validator("sources", mode="before")
     @classmethod
@@ -209,7 +242,8 @@ class DatasetConfig(_Strict):
     def record_format(self) -> RecordFormat:
         """How the build turns this dataset's records into parts (only its build fields matter)."""
         items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in self.build_fields.items())
-        return RecordFormat(self.format, tuple(sorted(items)), self.part_kinds)
+        return RecordFormat(self.format, tuple(sorted(items)), self.part_kinds,
+                            tuple(self.metadata_fields.items()))
 
 
 class BuildConfig(_Strict):

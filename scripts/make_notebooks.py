@@ -48,24 +48,36 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("markdown", "# 2. Ask the catalog\n\nThe catalog is a DuckDB database: `lake.sql` returns pandas "
                      "DataFrames. Tables: `datasets`, `shards`, `chunks`, `row_groups`, `rejects`, `builds`."),
         ("code", SETUP),
-        ("code", "import duckdb\nimport matplotlib.pyplot as plt\nimport lakeloader\n\n"
+        ("code", "import matplotlib.pyplot as plt\nimport lakeloader\n\n"
                  "lake = lakeloader.open_lake(CONFIG)\n"
                  "lake.sql('SELECT name, num_shards, num_chunks, num_docs, num_tokens, num_rejects FROM datasets ORDER BY name')"),
         ("markdown", "## Tokens per dataset"),
         ("code", "tokens = lake.sql('SELECT name, num_tokens FROM datasets ORDER BY num_tokens DESC')\n"
                  "ax = tokens.plot.bar(x='name', y='num_tokens', legend=False, title='tokens per dataset')\n"
                  "ax.set_ylabel('tokens');"),
-        ("markdown", "## Document lengths\n\nChunk files are plain Parquet (one row per document, a "
-                     "`text` column of token ids), so DuckDB reads them directly."),
-        ("code", "chunks = lake.sql(\"SELECT dataset, path FROM chunks WHERE status = 'committed'\")\n"
-                 "lengths = {\n"
-                 "    name: duckdb.sql(f\"SELECT len(tokens) AS tokens FROM read_parquet({[lake.path_of(p) for p in group.path]})\").df().tokens\n"
-                 "    for name, group in chunks.groupby('dataset')\n"
-                 "}\n"
-                 "fig, axes = plt.subplots(1, len(lengths), figsize=(12, 3))\n"
-                 "for ax, (name, values) in zip(axes, lengths.items()):\n"
-                 "    ax.hist(values, bins=40, log=True)\n"
-                 "    ax.set_title(f'{name}: median {values.median():.0f} tokens')\n"
+        ("markdown", "## Documents\n\nThe `documents` view has one row per document of the committed chunks: "
+                     "`dataset, chunk, doc` (its place in the chunk file), `source, line` (where it came from), "
+                     "`num_tokens`, `num_parts`, a `tokens_<kind>` column per part kind, and one column per "
+                     "metadata field (`metadata_fields` in the config). It reads only the columns a query "
+                     "needs, never the tokens."),
+        ("code", "lake.sql('SELECT dataset, source, count(*) AS documents, sum(num_tokens) AS tokens, "
+                 "max(num_tokens) AS longest FROM documents GROUP BY ALL ORDER BY dataset, source LIMIT 8')"),
+        ("markdown", "`lake.stats()` (or `lakeloader stats CONFIG [--by FIELD]`) gives documents, tokens and "
+                     "length percentiles per dataset:"),
+        ("code", "lake.stats()"),
+        ("markdown", "## Document lengths\n\nA histogram in SQL: documents per quarter-octave of length, per "
+                     "dataset (a few hundred rows, however many documents). `lakeloader stats CONFIG --plot "
+                     "FILE.png` draws the same."),
+        ("code", "hist = lake.sql('SELECT dataset, floor(log2(greatest(num_tokens, 1)) * 4) / 4 AS log2_len, "
+                 "count(*) AS documents FROM documents GROUP BY ALL ORDER BY ALL')\n"
+                 "fig, axes = plt.subplots(1, hist.dataset.nunique(), figsize=(12, 3))\n"
+                 "for ax, (name, group) in zip(axes, hist.groupby('dataset')):\n"
+                 "    left = 2.0 ** group.log2_len\n"
+                 "    ax.bar(left, group.documents, width=left * (2 ** 0.25 - 1), align='edge')\n"
+                 "    ax.set_xscale('log')\n"
+                 "    ax.set_xlabel('document length (tokens)')\n"
+                 "    ax.set_title(f'{name}: {group.documents.sum():,} documents')\n"
+                 "axes[0].set_ylabel('documents')\n"
                  "fig.tight_layout()"),
         ("markdown", "## Shard progress and the global order"),
         ("code", "lake.sql('SELECT dataset, shard_index, source, status, num_splits, chunks_done, docs_done, tokens_done FROM shards ORDER BY dataset, shard_index')"),

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import duckdb
 import pandas as pd
 from tokenizers import Tokenizer
 
+from lakeloader.catalog.documents import (
+    document_stats,
+    length_histogram,
+    mentions_documents,
+    plot_lengths,
+    register_documents,
+    scan_failure,
+)
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.snapshot import open_snapshot
 from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
@@ -62,14 +71,37 @@ class Lake(LakeLocation):
         a DataFrame. Anything else (writes, other files, network, extensions, settings) is refused
         with ``CatalogError`` and changes nothing."""
         check_read_only(statement)
-        con = self.connect(sandboxed=True)
-        try:
+        with self._reader(documents=mentions_documents(statement)) as con:
             result = con.execute(statement, params) if params else con.execute(statement)
             return integer_columns(result.df(), result.description)
+
+    def stats(self, by: str | None = None) -> pd.DataFrame:
+        """Documents, tokens and document-length percentiles (p50, p90, p99, max) per dataset, or
+        per dataset and value of ``by`` (a column of the ``documents`` view, e.g. a metadata field)."""
+        with self._reader(documents=True) as con:
+            return document_stats(con, by)
+
+    def plot_lengths(self, path: str | os.PathLike[str], by: str | None = None) -> pd.DataFrame:
+        """Write a PNG histogram of document lengths to ``path`` (one panel per dataset, log-scaled
+        length axis; with ``by``, a curve per value) and return the ``stats(by)`` it summarises."""
+        with self._reader(documents=True) as con:
+            stats = document_stats(con, by)
+            plot_lengths(length_histogram(con, by), stats, os.fspath(path), by)
+            return stats
+
+    @contextlib.contextmanager
+    def _reader(self, *, documents: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A sandboxed catalog connection (with the ``documents`` view if asked), its DuckDB
+        errors as ``CatalogError`` (chunk files that cannot be read as ``ChunkIntegrityError``)."""
+        con = self.connect(sandboxed=True)
+        try:
+            if documents:
+                register_documents(con, self)
+            yield con
         except (duckdb.PermissionException, duckdb.InvalidInputException) as exc:
-            raise CatalogError(f"SQL error: {exc}\nlakeloader sql runs {ALLOWED_SQL}") from exc
+            raise scan_failure(exc) or CatalogError(f"SQL error: {exc}\nlakeloader sql runs {ALLOWED_SQL}") from exc
         except duckdb.Error as exc:
-            raise CatalogError(f"SQL error: {exc}") from exc
+            raise scan_failure(exc) or CatalogError(f"SQL error: {exc}") from exc
         finally:
             con.close()
 

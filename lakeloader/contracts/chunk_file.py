@@ -19,6 +19,15 @@ TOKENS_COLUMN = "tokens"              # the contents of all its parts, back to b
 PART_LENGTHS_COLUMN = "part_lengths"  # tokens of each part
 PART_KINDS_COLUMN = "part_kinds"      # kind of each part (index into dataset_plans.fields)
 PART_REFS_COLUMN = "part_refs"        # interleaved only: each image part's reference (null for text)
+# A dataset's metadata fields (config key metadata_fields), one column each, named META_PREFIX +
+# field, of the field's declared type (never inferred: chunks built in parallel agree on it).
+META_PREFIX = "meta."
+METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
+
+
+def metadata_column(field: str) -> str:
+    """The chunk-file column of metadata field ``field``."""
+    return META_PREFIX + field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,11 @@ class RecordError(ValueError):
     """A record that does not fit its format; str() is the reason."""
 
 
+# Types a metadata field may be declared with (config key metadata_fields) and the Python values
+# each accepts (``bool`` is checked first: it is a subclass of ``int``). A float field takes ints.
+METADATA_TYPES = ("string", "int", "float", "bool")
+_INT64 = (-(2**63), 2**63)
+
 _new_part = tuple.__new__   # Part(kind, text, ref) without the keyword-handling constructor
 _COLUMN_FIELDS = {"text": ("text_field",), "fim": ("text_field",), "chat": ("messages_field",),
                   "supervised": ("prompt_field", "response_field"), "interleaved": ("items_field",)}
@@ -56,6 +61,7 @@ class RecordFormat:
     format: str
     fields: tuple[tuple[str, Any], ...]   # sorted items of the dataset's build fields; lists -> tuples
     kind_names: tuple[str, ...]           # the dataset's part kinds: a part's kind is its index
+    metadata: tuple[tuple[str, str], ...] = ()   # (field, type fixed at planning) kept with each document
 
     @functools.cached_property
     def _options(self) -> dict[str, Any]:
@@ -96,6 +102,11 @@ class RecordFormat:
         """The parts of one record (a JSON object or Parquet row); RecordError if it does not fit."""
         return self._parser(self, record)
 
+    def metadata_values(self, record: dict[str, Any]) -> tuple[Any, ...]:
+        """The values of the metadata fields of one JSON record (a missing field is None);
+        RecordError for a value of another type than its field's."""
+        return tuple(_metadata_value(record.get(name), name, kind) for name, kind in self.metadata)
+
     def text_parts(self, text: str) -> Document:
         """A plain string (a line of a .txt source) as a document of a text-only format."""
         return (_new_part(Part, (0, text, None)),)
@@ -106,6 +117,32 @@ class RecordFormat:
             return record[name]
         except KeyError:
             raise RecordError(f"no field {name!r} (fields: {_keys(record)}); set {self.config_key(key)}") from None
+
+
+def _metadata_value(value: Any, name: str, kind: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        found = "bool"
+    elif isinstance(value, int):
+        found = "int"
+        if not _INT64[0] <= value < _INT64[1]:
+            raise RecordError(f"metadata field {name!r} is {value}, beyond the 64-bit integers it is stored as")
+    elif isinstance(value, float):
+        found = "float"
+    elif isinstance(value, str):
+        found = "string"
+    else:
+        raise RecordError(f"metadata field {name!r} is {_type(value)} ({_kind_name(value)}), expected {kind} "
+                          "or null: metadata holds strings, numbers, booleans and nulls")
+    if found == kind or (found == "int" and kind == "float"):
+        return value
+    raise RecordError(f"metadata field {name!r} is {found} ({value!r}), expected {kind} (the field's type, "
+                      "as given in metadata_fields or taken from its first value)")
+
+
+def _kind_name(value: Any) -> str:
+    return "an object" if isinstance(value, dict) else "a list" if isinstance(value, list) else "not a scalar"
 
 
 def _text(fmt: RecordFormat, record: dict[str, Any]) -> Document:

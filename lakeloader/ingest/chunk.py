@@ -25,6 +25,7 @@ from lakeloader.contracts.chunk_file import (
     ChunkParts,
     ChunkResult,
     PlanStats,
+    metadata_column,
     open_chunk,
     table_parts,
     unreadable_chunk,
@@ -92,8 +93,10 @@ def _lists(values: pa.Array, counts: np.ndarray) -> pa.Array:
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
 
 
-def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool) -> pa.Table:
-    """The Parquet table of one chunk: a row per document with its tokens and part layout."""
+def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
+                metadata: dict[str, pa.Array] | None = None) -> pa.Table:
+    """The Parquet table of one chunk: a row per document with its tokens and part layout, and
+    its ``metadata`` values (a column per field, see ``metadata_column``)."""
     parts = encoded.parts
     columns = {
         RECORD_COLUMN: pa.array(records, type=pa.int64()),
@@ -103,6 +106,8 @@ def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool) -> p
     }
     if with_refs:
         columns[PART_REFS_COLUMN] = _lists(pa.array(encoded.part_refs, pa.string()), parts.parts_per_doc)
+    for field, values in (metadata or {}).items():
+        columns[metadata_column(field)] = values
     return pa.table(columns)
 
 
@@ -165,7 +170,7 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
     encoded = encode_parts(encoder, documents.documents)
     lengths = encoded.parts.content_lengths
     bounds = row_group_bounds(lengths, task.row_group_tokens)
-    table = chunk_table(documents.records, encoded, record_format.format == "interleaved")
+    table = chunk_table(documents.records, encoded, record_format.format == "interleaved", documents.metadata)
     data = encode_chunk_file(table, bounds)
     try:
         write_atomically(task.chunk_url, data, options)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 
-from lakeloader.contracts.chunk_file import Reject
+from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES, Reject
 from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.formats import Document, RecordError, RecordFormat
 from lakeloader.plan.sources import readable_url
@@ -39,6 +39,7 @@ class SplitDocuments:
     num_records: int          # lines or rows the split holds, usable or not
     rejects: list[Reject]
     source_bytes: int
+    metadata: dict[str, pa.Array] = dataclasses.field(default_factory=dict)   # each metadata field's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +178,22 @@ def _decode(policy: _Policy, index: int, line: bytes) -> str | None:
 
 
 class _Collected:
-    """Documents and their record indices, appended in order (two flat lists: no pair per document)."""
+    """Documents and their record indices, appended in order (two flat lists: no pair per document),
+    and their metadata: a tuple of values per document (JSON) or typed columns (Parquet)."""
 
     def __init__(self) -> None:
         self.documents: list[Document] = []
         self.records: list[int] = []
+        self.metadata_rows: list[tuple[Any, ...]] = []
+        self.metadata_columns: dict[str, pa.Array] | None = None
+
+    def metadata(self, record_format: RecordFormat) -> dict[str, pa.Array]:
+        """Each metadata field's values, one per document, of the field's declared type."""
+        if self.metadata_columns is not None:
+            return self.metadata_columns
+        columns = list(zip(*self.metadata_rows)) or [()] * len(record_format.metadata)
+        return {name: pa.array(values, METADATA_ARROW_TYPES[kind])
+                for (name, kind), values in zip(record_format.metadata, columns)}
 
 
 def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, out: _Collected) -> None:
@@ -192,6 +204,8 @@ def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, ou
                          "not plain text")
     parts_of, text_parts = record_format.parts, record_format.text_parts
     add_document, add_record = out.documents.append, out.records.append
+    values_of = record_format.metadata_values if record_format.metadata else None
+    add_values = out.metadata_rows.append
     for index, line in enumerate(lines):
         text = _decode(policy, index, line)
         if text is None:
@@ -216,10 +230,13 @@ def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, ou
             policy.reject(index, f"expected a JSON object, got {type(record).__name__}")
             continue
         try:
-            add_document(parts_of(record))
+            document = parts_of(record)
+            if values_of is not None:
+                add_values(values_of(record))
         except RecordError as exc:
             policy.reject(index, str(exc))
             continue
+        add_document(document)
         add_record(index)
 
 
@@ -232,31 +249,67 @@ def _parquet_documents(source: SplitSource, policy: _Policy, out: _Collected) ->
         names = parquet.schema_arrow.names
         rows = parquet.metadata.row_group(split.start).num_rows
         nbytes = parquet.metadata.row_group(split.start).total_byte_size
-        missing = record_format.missing_columns(names)
-        if missing is not None:
-            policy.reject(
-                None, missing,
-                location=f"rows {split.first_row}-{split.first_row + rows - 1} (row group {split.start})",
-            )
+        location = f"rows {split.first_row}-{split.first_row + rows - 1} (row group {split.start})"
+        wrong = record_format.missing_columns(names) or _wrong_metadata_column(record_format, parquet.schema_arrow)
+        if wrong is not None:
+            policy.reject(None, wrong, location=location)
             return rows, nbytes
+        meta = [name for name, _ in record_format.metadata if name in names]
         try:
-            table = parquet.read_row_group(split.start, columns=list(dict.fromkeys(record_format.columns)))
+            table = parquet.read_row_group(split.start, columns=list(dict.fromkeys([*record_format.columns, *meta])))
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"{source.url}: row group {split.start} (rows {split.first_row}-"
                              f"{split.first_row + rows - 1}) is corrupt: {exc}") from None
+    _parquet_rows(source, table, policy, out, location)
+    if record_format.metadata:
+        out.metadata_columns = _parquet_metadata(record_format, table, out.records)
+    return rows, nbytes
+
+
+def _wrong_metadata_column(record_format: RecordFormat, schema: pa.Schema) -> str | None:
+    """Why a Parquet file's metadata columns cannot be read as their declared types (None if they can)."""
+    for name, kind in record_format.metadata:
+        index = schema.get_field_index(name)
+        if index < 0:
+            continue  # a missing column is a null field
+        found = schema.field(index).type
+        fits = {"string": pa.types.is_string(found) or pa.types.is_large_string(found),
+                "int": pa.types.is_integer(found), "bool": pa.types.is_boolean(found),
+                "float": pa.types.is_floating(found) or pa.types.is_integer(found)}[kind]
+        if not (fits or pa.types.is_null(found)):
+            return (f"column {name!r} has type {found}, but metadata field {name!r} is declared {kind}; "
+                    "fix the file or the type in metadata_fields")
+    return None
+
+
+def _parquet_metadata(record_format: RecordFormat, table: pa.Table, records: list[int]) -> dict[str, pa.Array]:
+    """The metadata columns of the documents at ``records`` (rows of ``table``), as declared."""
+    rows = pa.array(records, pa.int64())
+    columns = {}
+    for name, kind in record_format.metadata:
+        arrow_type = METADATA_ARROW_TYPES[kind]
+        if name in table.column_names:
+            column = table.column(name).combine_chunks().take(rows)
+            columns[name] = column.cast(arrow_type)   # safe: an unsigned value beyond int64 raises
+        else:
+            columns[name] = pa.nulls(len(records), arrow_type)
+    return columns
+
+
+def _parquet_rows(source: SplitSource, table: pa.Table, policy: _Policy, out: _Collected, location: str) -> None:
+    """Reads the documents of a row group's ``table`` into ``out``."""
+    record_format = source.record_format
     if record_format.text_only:
-        _parquet_texts(source, table.column(0), policy, out,
-                       f"rows {split.first_row}-{split.first_row + rows - 1} (row group {split.start})")
-        return rows, nbytes
+        _parquet_texts(source, table.column(0), policy, out, location)
+        return
     parts_of = record_format.parts
-    for index, record in enumerate(table.to_pylist()):
+    for index, record in enumerate(table.select(list(dict.fromkeys(record_format.columns))).to_pylist()):
         try:
             out.documents.append(parts_of(record))
         except RecordError as exc:
             policy.reject(index, str(exc), rows=True)
             continue
         out.records.append(index)
-    return rows, nbytes
 
 
 def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy, out: _Collected,
@@ -331,13 +384,15 @@ def _read_split(source: SplitSource) -> SplitDocuments:
         # Nothing of the split is kept: where the fault lies within it is unknown.
         policy.rejects.clear()
         policy.reject(None, _unreadable_reason(exc), location=_split_location(source.split))
-        return SplitDocuments(documents=[], records=[], num_records=0, rejects=policy.rejects, source_bytes=0)
+        return SplitDocuments(documents=[], records=[], num_records=0, rejects=policy.rejects, source_bytes=0,
+                              metadata=_Collected().metadata(source.record_format))
     return SplitDocuments(
         documents=out.documents,
         records=out.records,
         num_records=num_records,
         rejects=policy.rejects,
         source_bytes=nbytes,
+        metadata=out.metadata(source.record_format),
     )
 
 

@@ -28,7 +28,7 @@ from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
 from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
-from lakeloader.plan.planner import plan_dataset
+from lakeloader.plan.planner import plan_dataset, with_planned_metadata
 from lakeloader.specs import mixture_spec, packing_specs, plan_keys, token_weights
 from lakeloader.storage import write_atomically, write_failure
 from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
@@ -126,7 +126,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     and the packing; choose the tasks; run them as one recorded build run; then register a mixture
     weighted in tokens, which needs the complete lake."""
     tokenizer = load_tokenizer(config.tokenizer)
-    tokenizer_path = _register_plans(config, lake, writer, tokenizer)
+    tokenizer_path, config = _register_plans(config, lake, writer, tokenizer)
     names = list(config.datasets)
     weighs_tokens = token_weights(config)
     if not weighs_tokens and (config.mixture is not None or len(names) == 1):
@@ -152,14 +152,17 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
                        totals.rejects, seconds, dashboard)
 
 
-def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer: Tokenizer) -> str:
+def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer: Tokenizer) -> tuple[str, Config]:
     """Publish the tokenizer into the lake and register each dataset's plan (its chunks of the
-    global order, stored before anything is tokenized); returns the tokenizer's lake-relative path."""
+    global order, stored before anything is tokenized); returns the tokenizer's lake-relative path
+    and the config with the metadata field types the plans fixed."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    plans = []
     for name in config.datasets:
         plan = plan_dataset(name, config, fingerprint)
+        plans.append(plan)
         new = writer.register_plan(
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
             vocab_size=vocab_size, split_size=config.build.split_size,
@@ -167,7 +170,7 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
         )
         log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
                  len(plan.chunks), "" if new else " (plan unchanged)")
-    return tokenizer_path
+    return tokenizer_path, with_planned_metadata(config, plans)   # metadata types fixed at planning
 
 
 def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str, str | None, float]:

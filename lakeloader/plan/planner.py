@@ -15,6 +15,7 @@ import pyarrow as pa
 from lakeloader.config import Config, DatasetConfig
 from lakeloader.contracts.errors import ConfigError, SourceError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.plan.metadata import infer_metadata_types
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import MissingSource, Shard, expand_sources, readable_url
 from lakeloader.plan.splits import Split, plan_splits
@@ -38,6 +39,7 @@ class DatasetPlan:
     chunks: pd.DataFrame  # one row per chunk in global order: see chunk_table()
     missing: list[MissingSource]
     settings_fingerprint: str = ""   # settings_fingerprint(): names the chunk folder
+    metadata: tuple[tuple[str, str], ...] = ()   # each metadata field and its type (listed, or inferred)
 
     @property
     def chunk_dir(self) -> str:
@@ -51,14 +53,19 @@ def chunk_folder(name: str, fingerprint: str) -> str:
     return f"{name}/{fingerprint[:16]}"
 
 
-def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> dict[str, Any]:
-    return {
+def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int,
+              metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    settings = {
         "chunk_format": CHUNK_FORMAT_VERSION,
         "tokenizer": tokenizer_fingerprint,
         "format": dataset.format,
         "fields": dataset.build_fields,
         "split_size": split_size,
     }
+    metadata = dataset.metadata_fields if metadata is None else metadata
+    if metadata:  # only then: the fingerprints of datasets without metadata stay as they were
+        settings["metadata"] = list(metadata.items())
+    return settings
 
 
 def _hash(payload: Any) -> str:
@@ -66,16 +73,20 @@ def _hash(payload: Any) -> str:
 
 
 def dataset_fingerprint(
-    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int
+    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int,
+    metadata: dict[str, str] | None = None,
 ) -> str:
-    """Hash of everything that changes the dataset's tokens or chunk boundaries."""
-    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size),
+    """Hash of everything that changes the dataset's tokens, chunk boundaries or stored metadata
+    (``metadata``: the planned types of its metadata fields, when some were inferred)."""
+    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size, metadata),
                   "sources": [(s.url, s.size, s.version) for s in shards]})
 
 
-def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> str:
-    """Hash of what changes every chunk's tokens or boundaries, whichever files the dataset has."""
-    return _hash(_settings(dataset, tokenizer_fingerprint, split_size))
+def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int,
+                         metadata: dict[str, str] | None = None) -> str:
+    """Hash of what changes every chunk's tokens, boundaries or stored metadata, whichever files
+    the dataset has."""
+    return _hash(_settings(dataset, tokenizer_fingerprint, split_size, metadata))
 
 
 def shard_fingerprint(shard: Shard) -> str:
@@ -124,8 +135,15 @@ def _unreadable(name: str, missing: list[MissingSource]) -> SourceError:
 
 
 def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordFormat, shards: list[Shard]) -> None:
-    """ConfigError for plain-text sources of a format whose documents are more than one string."""
+    """ConfigError for plain-text sources of a format whose documents are more than one string,
+    or of a dataset with metadata fields (a line of text has no fields)."""
     plain = [readable_url(shard.url) for shard in shards if shard.layout == "text"]
+    if plain and dataset.metadata_fields:
+        raise ConfigError(
+            f"dataset {name!r}: metadata_fields needs JSON Lines or Parquet sources (a line of plain text has "
+            f"no fields), but {len(plain)} source(s) are plain text:\n{_listing(plain)}\n"
+            f"remove datasets.{name}.metadata_fields or those sources"
+        )
     if plain and not record_format.text_only:
         raise ConfigError(
             f"dataset {name!r}: format: {dataset.format} needs JSON Lines or Parquet sources "
@@ -178,8 +196,11 @@ def plan_dataset(
             f"{_listing([readable_url(shard.url) for shard in readable])}\n"
             f"add non-empty sources to datasets.{name}.sources or remove the dataset"
         )
-    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size)
-    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size)
+    metadata = dataset.metadata_fields
+    if any(kind is None for kind in metadata.values()):
+        metadata = infer_metadata_types(name, metadata, readable[0], options)  # chunk 0's file
+    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size, metadata)
+    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size, metadata)
     return DatasetPlan(
         name=name,
         fingerprint=fingerprint,
@@ -189,4 +210,15 @@ def plan_dataset(
         chunks=chunk_table(splits, chunk_folder(name, settings), [shard_fingerprint(s) for s in readable]),
         missing=missing,
         settings_fingerprint=settings,
+        metadata=tuple(metadata.items()),
     )
+
+
+def with_planned_metadata(config: Config, plans: list[DatasetPlan]) -> Config:
+    """``config`` with each planned dataset's metadata fields typed as its plan fixed them (types
+    inferred at planning included): what the build's record formats use."""
+    datasets = {plan.name: config.datasets[plan.name].model_copy(update={"metadata_fields": dict(plan.metadata)})
+                for plan in plans if dict(plan.metadata) != config.datasets[plan.name].metadata_fields}
+    if not datasets:
+        return config
+    return config.model_copy(update={"datasets": {**config.datasets, **datasets}})

@@ -1,0 +1,218 @@
+"""The ``documents`` view: one row per document of the lake's committed chunks, for SQL.
+
+A sandboxed catalog connection (``connect_reader``) cannot read files, so the chunk files are
+fed to it from Python: per dataset, a pyarrow Dataset over its committed chunk files (every page
+checked against its CRC-32, as ``open_chunk`` does) is registered on the connection, with each
+file's dataset, chunk, source and first line as constant columns. DuckDB pushes projections and
+filters into the scan, so a query reads only the columns it needs (never the tokens) and skips
+the files a filter on those constants rules out. The user's SQL can reach these files and no other.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from lakeloader.catalog.location import LakeLocation
+from lakeloader.catalog.sql import query
+from lakeloader.contracts.chunk_file import (
+    META_PREFIX,
+    PART_KINDS_COLUMN,
+    PART_LENGTHS_COLUMN,
+    RECORD_COLUMN,
+    unreadable_chunk,
+)
+from lakeloader.contracts.errors import CatalogError, LakeloaderError
+
+log = logging.getLogger(__name__)
+
+VIEW = "documents"
+# Columns every row of the view has (then tokens_<kind> per part kind and one per metadata field).
+BASE_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
+_MENTION = re.compile(rf"\b{VIEW}\b", re.IGNORECASE)
+_CHUNK_COLUMNS = (RECORD_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN)
+# Per-file constants: (name, type) of the columns each chunk file's rows get from the catalog.
+_FILE_COLUMNS = (("dataset", pa.string()), ("chunk", pa.int64()), ("source", pa.string()), ("line_base", pa.int64()))
+HISTOGRAM_BINS_PER_OCTAVE = 4
+
+
+def mentions_documents(statement: str) -> bool:
+    """Whether ``statement`` may read the documents view (then it is registered first; other
+    queries never open a chunk file)."""
+    return _MENTION.search(statement) is not None
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _filesystem(lake: LakeLocation) -> pafs.FileSystem:
+    if lake.is_local:
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(lake.fs))
+
+
+def _dataset_relation(lake: LakeLocation, filesystem: pafs.FileSystem, chunks: pd.DataFrame) -> ds.Dataset:
+    """A pyarrow Dataset over one dataset's committed chunk files with their per-file constants.
+
+    Its schema is that of the first file: the metadata columns and their types are the same in
+    every chunk of a dataset plan (declared in the config and part of the chunk folder's name)."""
+    paths = [lake.path_of(path) for path in chunks.path]
+    first = chunks.iloc[0]
+    try:
+        with filesystem.open_input_file(paths[0]) as handle:
+            file_schema = pq.read_schema(handle)
+    except (OSError, pa.ArrowException) as exc:
+        raise unreadable_chunk(f"dataset {first.dataset!r}, chunk {first.global_index} ({paths[0]})", exc) from exc
+    fields = [file_schema.field(name) for name in _CHUNK_COLUMNS]
+    fields += [field for field in file_schema if field.name.startswith(META_PREFIX)]
+    schema = pa.schema(fields + [pa.field(name, kind) for name, kind in _FILE_COLUMNS])
+    partitions = []
+    for row in chunks.itertuples(index=False):
+        line_base = None if pd.isna(row.line_base) else int(row.line_base)
+        partitions.append((ds.field("dataset") == row.dataset) & (ds.field("chunk") == int(row.global_index))
+                          & (ds.field("source") == row.source)
+                          & (ds.field("line_base") == pa.scalar(line_base, pa.int64())))
+    scan = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+    return ds.FileSystemDataset.from_paths(
+        paths, schema=schema, format=ds.ParquetFileFormat(default_fragment_scan_options=scan),
+        filesystem=filesystem, partitions=partitions)
+
+
+def _dataset_select(relation: str, fields: list[str], schema: pa.Schema) -> str:
+    columns = [query("documents_kind_tokens").format(kind=kind, name=_quoted(f"tokens_{name}"))
+               for kind, name in enumerate(fields)]
+    columns += [query("documents_metadata").format(column=_quoted(field.name),
+                                                   name=_quoted(field.name.removeprefix(META_PREFIX)))
+                for field in schema if field.name.startswith(META_PREFIX)]
+    return query("documents_of_dataset").format(
+        source=relation, columns="".join(f",\n       {column}" for column in columns))
+
+
+def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> None:
+    """Define the ``documents`` view on ``con`` (a catalog connection of ``lake``) over the lake's
+    committed chunk files: one row per document with ``BASE_COLUMNS``, ``tokens_<kind>`` per part
+    kind of its dataset's format and one column per metadata field (NULL where a dataset lacks it).
+    Chunks committed after the catalog ``con`` reads was published are not in it."""
+    chunks = con.execute(query("document_chunks")).df()
+    filesystem = _filesystem(lake)
+    selects = []
+    for number, (name, group) in enumerate(chunks.groupby("dataset", sort=True)):
+        relation = f"documents_of_dataset_{number}"
+        dataset = _dataset_relation(lake, filesystem, group)
+        con.register(relation, dataset)
+        selects.append(_dataset_select(relation, list(group.fields.iloc[0]), dataset.schema))
+        log.debug("documents view: dataset %r, %d committed chunks", name, len(group))
+    body = "\nUNION ALL BY NAME\n".join(selects) if selects else query("documents_empty")
+    con.execute(query("documents_view").format(selects=body))
+
+
+def scan_failure(exc: duckdb.Error) -> LakeloaderError | None:
+    """The clear error for a failure reading a chunk file through the documents view (a page that
+    fails its checksum, a file that cannot be decoded or is gone); None for any other error."""
+    text = str(exc)
+    if "CRC checksum verification failed" in text or "Couldn't deserialize thrift" in text:
+        return unreadable_chunk("a chunk file read by the documents view (`lakeloader verify CONFIG` names it)", exc)
+    if "No such file" in text or "FileNotFoundError" in text:
+        return CatalogError(f"a chunk file read by the documents view is missing ({text}); "
+                            "`lakeloader verify CONFIG --repair` rebuilds it")
+    return None
+
+
+def view_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The columns of the documents view registered on ``con``."""
+    return [row[0] for row in con.execute(f"DESCRIBE {VIEW}").fetchall()]
+
+
+def check_by(con: duckdb.DuckDBPyConnection, by: str | None) -> list[str]:
+    """The grouping columns of document statistics: dataset, then ``by`` (a column of the view)."""
+    if by is None or by == "dataset":
+        return ["dataset"]
+    columns = view_columns(con)
+    if by not in columns:
+        raise CatalogError(f"--by {by}: the documents view has no column {by!r}; choose one of "
+                           f"{', '.join(columns)} (metadata fields come from datasets.<name>.metadata_fields)")
+    return ["dataset", by]
+
+
+def document_stats(con: duckdb.DuckDBPyConnection, by: str | None = None) -> pd.DataFrame:
+    """Documents, tokens and document-length percentiles (p50, p90, p99, max; in tokens) per
+    dataset, or per dataset and value of ``by``, over the documents view registered on ``con``.
+    pXX is the shortest length that at least XX% of the group's documents do not exceed."""
+    groups = ", ".join(_quoted(name) for name in check_by(con, by))
+    return con.execute(query("document_stats").format(by=groups)).df()
+
+
+def length_histogram(con: duckdb.DuckDBPyConnection, by: str | None = None) -> pd.DataFrame:
+    """Documents per length bin of each dataset (and value of ``by``): bin ``b`` holds lengths in
+    [2^(b/4), 2^((b+1)/4)) tokens; a few hundred rows, whatever the number of documents."""
+    groups = check_by(con, by)
+    value = _quoted(groups[1]) if len(groups) > 1 else "NULL"
+    return con.execute(query("document_length_histogram").format(
+        value=value, per_octave=HISTOGRAM_BINS_PER_OCTAVE)).df()
+
+
+def plot_lengths(histogram: pd.DataFrame, stats: pd.DataFrame, path: str, by: str | None = None,
+                 max_values: int = 8) -> None:
+    """Write a PNG of document lengths to ``path``: one panel per dataset, a log-scaled length
+    axis, the count of documents per bin; with ``by``, one curve per value (the ``max_values``
+    most frequent). Needs matplotlib (drawn with its Agg backend, without pyplot)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError as exc:
+        raise LakeloaderError("plotting document lengths needs matplotlib: pip install matplotlib") from exc
+    datasets = sorted(histogram.dataset.unique())
+    if not datasets:
+        raise CatalogError("the lake has no committed documents to plot: build it first")
+    figure = Figure(figsize=(6.5, 2.8 * len(datasets)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(datasets), 1, squeeze=False)[:, 0]
+    for ax, name in zip(axes, datasets):
+        rows = histogram[histogram.dataset == name]
+        totals = stats[stats.dataset == name]
+        docs, tokens = int(totals.documents.sum()), int(totals.tokens.sum())
+        if by is None:
+            _bars(ax, rows.bin.to_numpy(), rows.documents.to_numpy(), None)
+            p50 = int(totals.p50.iloc[0])
+            ax.axvline(p50, color="black", linestyle="--", linewidth=1, label=f"median {p50:,}")
+            ax.legend(fontsize=8)
+        else:
+            values = rows.groupby("value", dropna=False).documents.sum().sort_values(ascending=False)
+            for value in values.index[:max_values]:
+                selected = rows[rows.value.isna()] if pd.isna(value) else rows[rows.value == value]
+                shown = f"{by} is null" if pd.isna(value) else f"{by} = {value}"
+                _bars(ax, selected.bin.to_numpy(), selected.documents.to_numpy(), shown)
+            more = len(values) - max_values
+            ax.legend(fontsize=8, title=f"{more} more values not shown" if more > 0 else None)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"{name}: {docs:,} documents, {tokens:,} tokens", fontsize=10)
+        ax.set_xlabel("document length (tokens, log scale)")
+        ax.set_ylabel("documents")
+    figure.savefig(path, dpi=110)
+
+
+def _bars(ax: Any, bins: np.ndarray, counts: np.ndarray, label: str | None) -> None:
+    """Documents per log-spaced bin: filled bars alone, or a step curve among several."""
+    if not len(bins):
+        return
+    full = np.arange(bins.min(), bins.max() + 2)   # every bin in the range (empty ones too), then the end
+    dense = np.zeros(len(full) - 1)
+    dense[bins - bins.min()] = counts
+    edges = 2.0 ** (full / HISTOGRAM_BINS_PER_OCTAVE)
+    if label is None:
+        ax.stairs(dense, edges, fill=True, color="tab:blue", alpha=0.8)
+    else:
+        ax.stairs(dense, edges, label=label, linewidth=1.5)
