@@ -135,7 +135,7 @@ def assert_batches_equal(a: Batch | list[Batch], b: Batch | list[Batch], what: s
                             f" ({int((u != v).sum())} elements differ)")
 
 
-def _write_corpus(data: Path, corpus: Mapping[str, Any]) -> None:
+def write_corpus(data: Path, corpus: Mapping[str, Any]) -> None:
     """Write each ``relative path -> content`` of a corpus: texts as JSON Lines (``.jsonl``,
     ``.jsonl.gz``, ``.jsonl.zst``) or Parquet (``.parquet``); a str as the file's raw text."""
     for relative, content in corpus.items():
@@ -160,7 +160,7 @@ class Lakes:
     """Built lakes shared by the test session: one build per distinct corpus and config.
 
     ``corpus`` maps paths relative to the lake's data folder to contents (see
-    :func:`_write_corpus`); ``datasets`` are config datasets whose relative sources name those
+    :func:`write_corpus`); ``datasets`` are config datasets whose relative sources name those
     paths; ``sections`` are further config sections (``build``, ``loader``, ``mixture`` ...) as for
     :func:`write_config`. Identical requests share one build; tests must not change a shared lake
     (:meth:`shared`) and get a private copy of the lake folder (:meth:`copy`) when they do.
@@ -178,7 +178,7 @@ class Lakes:
         request = json.dumps([corpus, datasets, sections], sort_keys=True, default=str)
         folder = self.root / hashlib.sha256(request.encode()).hexdigest()[:16]
         if not (folder / "built").exists():
-            _write_corpus(folder / "data", corpus)
+            write_corpus(folder / "data", corpus)
             build(write_config(folder, _sources_in(folder / "data", datasets), **sections),
                   scheduler=self.scheduler, progress=False)
             self.builds += 1
