@@ -202,6 +202,7 @@ def lakes(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Lake
     return Lakes(tmp_path_factory.mktemp("lakes"), dask_scheduler)
 
 
+SMALL_LOADER = {"seq_len": 64, "batch_size": 8, "shuffle": {"kind": "window", "window_chunks": 2}}
 SMALL_CORPUS_TEXTS: dict[str, Callable[[], list[str]]] = {
     "d.jsonl": lambda: stdlib_texts("json") + stdlib_texts("email", limit=10),
 }
@@ -209,10 +210,11 @@ SMALL_CORPUS_TEXTS: dict[str, Callable[[], list[str]]] = {
 
 def small_lake_request(**overrides: Any) -> dict[str, Any]:
     """The default lake of :func:`built_lake`: one dataset ``d`` of the ``json`` package and ten
-    ``email`` modules in chunks of 16KB; ``overrides`` replace ``corpus``, ``datasets`` or a
-    config section (e.g. ``loader``)."""
+    ``email`` modules in chunks of 16KB, read in window-shuffled examples of 64 tokens;
+    ``overrides`` replace ``corpus``, ``datasets`` or a config section (e.g. ``loader``)."""
     request: dict[str, Any] = {"corpus": {path: texts() for path, texts in SMALL_CORPUS_TEXTS.items()},
-                               "datasets": {"d": {"sources": ["d.jsonl"]}}, "build": {"split_size": "16KB"}}
+                               "datasets": {"d": {"sources": ["d.jsonl"]}}, "build": {"split_size": "16KB"},
+                               "loader": SMALL_LOADER}
     return {**request, **overrides}
 
 

@@ -27,7 +27,7 @@ from lakeloader.feed.loader import Loader
 from lakeloader.index.mixing import Mixer
 from lakeloader.ingest.driver import build
 
-from conftest import REPO, Lakes, stdlib_texts
+from conftest import REPO, Lakes, assert_batches_equal, stdlib_texts
 
 BATCH = 8
 
@@ -67,9 +67,7 @@ def test_loader_state_is_a_json_dict_that_resumes(lake: Path) -> None:
         saved = json.loads(json.dumps(state))  # what a checkpoint stores
         resumed = next(loader.restore(saved))
         expected = loader.batch(5)
-        assert resumed.keys() == expected.keys()
-        for key in expected:
-            assert resumed[key].dtype == expected[key].dtype and np.array_equal(resumed[key], expected[key]), key
+        assert_batches_equal(resumed, expected, "restored at step 5")
         with pytest.raises(LakeloaderError, match="fingerprint"):
             next(loader.restore({"step": 0, "fingerprint": "0" * 32}))
 
@@ -230,7 +228,4 @@ def test_status_lists_and_gc_removes_stale_chunk_folders(lakes: Lakes, tmp_path:
     live = open_lake(config).sql("SELECT chunk_dir FROM dataset_plans")["chunk_dir"]
     assert all(os.listdir(root / folder) for folder in live)
     with Loader(config) as loader:  # the lake reads bitwise the same
-        for step, expected in enumerate(before):
-            got = loader.batch(step)
-            for key in expected:
-                assert np.array_equal(got[key], expected[key]), (step, key)
+        assert_batches_equal([loader.batch(step) for step in range(len(before))], before, "after gc")

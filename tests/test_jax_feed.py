@@ -16,7 +16,7 @@ import pytest
 
 from lakeloader.feed.loader import Loader
 
-from conftest import Lakes, stdlib_texts
+from conftest import Lakes, assert_batches_equal, stdlib_texts
 
 STEPS = [0, 1, 2, 5, 1000]
 
@@ -134,8 +134,6 @@ def test_orbax_checkpoint_restores_the_same_batches(lake_config: Path, tmp_path:
     assert restored.loader == {"step": 3, "fingerprint": feed.fingerprint}
     with JaxFeed(lake_config, mesh, PartitionSpec("data")) as again:
         resumed = [jax.device_get(b) for _, b in zip(range(3), again.restore(restored.loader))]
-    for got, want in zip(resumed, uninterrupted[3:]):
-        for name in want:
-            assert np.array_equal(got[name], want[name])
+    assert_batches_equal(resumed, uninterrupted[3:], "restored from the checkpoint at step 3", steps=range(3, 6))
     with pytest.raises(Exception, match="fingerprint"):
         next(JaxFeed(lake_config, mesh, PartitionSpec("data")).restore({"step": 0, "fingerprint": "0" * 32}))

@@ -27,7 +27,7 @@ from lakeloader.contracts.errors import CatalogError
 from lakeloader.ingest.driver import build
 from lakeloader.read.verify import verify_lake
 
-from conftest import Lakes, assert_batches_equal, global_batches, small_lake_request, stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, assert_batches_equal, global_batches, small_lake_request, stdlib_texts, write_jsonl
 from test_s3 import BUCKET, config_dict, objects, s3_endpoint, storage_options, write_yaml  # noqa: F401
 
 STEPS = range(4)
@@ -48,7 +48,8 @@ def checksums(lake: Lake) -> dict[str, str]:
 @pytest.fixture
 def local_lake(lakes: Lakes, tmp_path: Path) -> tuple[Path, dict[str, bytes], list[dict[str, Any]]]:
     """A built local lake (a private copy): its config, every chunk file's bytes and the first batches."""
-    spec = small_lake_request(loader=LOADER)
+    spec = small_lake_request()   # its loader settings are LOADER
+    assert spec["loader"] == LOADER
     config = lakes.copy(tmp_path, spec.pop("corpus"), spec.pop("datasets"), **spec)
     files = chunk_files(open_lake(config))
     assert len(files) >= 4
