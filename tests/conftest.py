@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
+import shutil
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +108,122 @@ def global_batches(config: Path, processes: int, steps: range) -> list[dict[str,
     return out
 
 
-def assert_batches_equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
-    """The two lists of batches are bitwise equal: same fields, dtypes and values."""
+Batch = dict[str, Any]
+
+
+def assert_batches_equal(a: Batch | list[Batch], b: Batch | list[Batch], what: str = "",
+                         steps: Sequence[int] | None = None) -> None:
+    """``a`` and ``b`` (one batch or a list of batches) are bitwise equal: the same fields, and
+    each field the same dtype, shape and values. A failure names ``what``, the step (``steps[i]``
+    for the i-th batch of a list, else its position) and field of the first difference."""
     import numpy as np
 
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for key in x:
-            assert x[key].dtype == y[key].dtype and np.array_equal(x[key], y[key]), key
+    one = isinstance(a, dict)
+    xs, ys = ([a], [b]) if one else (list(a), list(b))
+    assert len(xs) == len(ys), f"{what}: {len(xs)} batches != {len(ys)}"
+    labels = list(steps) if steps is not None else list(range(len(xs)))
+    for label, x, y in zip(labels, xs, ys):
+        where = f"{what} step {label}".strip() if not one or steps is not None else what
+        assert sorted(x) == sorted(y), f"{where}: fields {sorted(x)} != {sorted(y)}"
+        for key in y:
+            u, v = np.asarray(x[key]), np.asarray(y[key])
+            assert u.dtype == v.dtype, f"{where} field {key!r}: dtype {u.dtype} != {v.dtype}"
+            assert u.shape == v.shape, f"{where} field {key!r}: shape {u.shape} != {v.shape}"
+            if not np.array_equal(u, v):
+                first = tuple(int(i) for i in np.argwhere(u != v)[0]) if u.ndim else ()
+                pytest.fail(f"{where} field {key!r} differs first at index {first}: {u[first]!r} != {v[first]!r}"
+                            f" ({int((u != v).sum())} elements differ)")
+
+
+def write_corpus(data: Path, corpus: Mapping[str, Any]) -> None:
+    """Write each ``relative path -> content`` of a corpus: texts as JSON Lines (``.jsonl``,
+    ``.jsonl.gz``, ``.jsonl.zst``) or Parquet (``.parquet``); a str as the file's raw text."""
+    for relative, content in corpus.items():
+        path = data / relative
+        if isinstance(content, str):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+        elif relative.endswith(".parquet"):
+            write_parquet(path, list(content))
+        else:
+            compression = {".gz": "gzip", ".zst": "zstd"}.get(path.suffix)
+            write_jsonl(path, list(content), compression=compression)
+
+
+def _sources_in(data: Path, datasets: Mapping[str, Any]) -> dict[str, Any]:
+    """``datasets`` with every relative source (file or glob) made a path under ``data``."""
+    return {name: {**spec, "sources": [s if Path(s).is_absolute() else str(data / s) for s in spec["sources"]]}
+            for name, spec in datasets.items()}
+
+
+class Lakes:
+    """Built lakes shared by the test session: one build per distinct corpus and config.
+
+    ``corpus`` maps paths relative to the lake's data folder to contents (see
+    :func:`write_corpus`); ``datasets`` are config datasets whose relative sources name those
+    paths; ``sections`` are further config sections (``build``, ``loader``, ``mixture`` ...) as for
+    :func:`write_config`. Identical requests share one build; tests must not change a shared lake
+    (:meth:`shared`) and get a private copy of the lake folder (:meth:`copy`) when they do.
+    """
+
+    def __init__(self, root: Path, scheduler: str) -> None:
+        self.root = root
+        self.scheduler = scheduler
+        self.builds = 0
+
+    def shared(self, corpus: Mapping[str, Any], datasets: Mapping[str, Any], **sections: Any) -> Path:
+        """Config of the shared built lake (``config.parent`` holds ``data/``, ``lake/``)."""
+        from lakeloader.ingest.driver import build
+
+        request = json.dumps([corpus, datasets, sections], sort_keys=True, default=str)
+        folder = self.root / hashlib.sha256(request.encode()).hexdigest()[:16]
+        if not (folder / "built").exists():
+            write_corpus(folder / "data", corpus)
+            build(write_config(folder, _sources_in(folder / "data", datasets), **sections),
+                  scheduler=self.scheduler, progress=False)
+            self.builds += 1
+            (folder / "built").touch()
+        return folder / "config.yaml"
+
+    def copy(self, dest: Path, corpus: Mapping[str, Any], datasets: Mapping[str, Any], **sections: Any) -> Path:
+        """Config in ``dest`` of a private copy (``dest/lake``) of the built lake: free to change."""
+        shared = self.shared(corpus, datasets, **sections)
+        shutil.copytree(shared.parent / "lake", dest / "lake")
+        config = yaml.safe_load(shared.read_text())
+        config["lake"] = str(dest / "lake")
+        path = dest / "config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return path
+
+
+@pytest.fixture(scope="session")
+def lakes(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Lakes:
+    """The session's cache of built lakes (see :class:`Lakes`)."""
+    return Lakes(tmp_path_factory.mktemp("lakes"), dask_scheduler)
+
+
+SMALL_LOADER = {"seq_len": 64, "batch_size": 8, "shuffle": {"kind": "window", "window_chunks": 2}}
+SMALL_CORPUS_TEXTS: dict[str, Callable[[], list[str]]] = {
+    "d.jsonl": lambda: stdlib_texts("json") + stdlib_texts("email", limit=10),
+}
+
+
+def small_lake_request(**overrides: Any) -> dict[str, Any]:
+    """The default lake of :func:`built_lake`: one dataset ``d`` of the ``json`` package and ten
+    ``email`` modules in chunks of 16KB, read in window-shuffled examples of 64 tokens;
+    ``overrides`` replace ``corpus``, ``datasets`` or a config section (e.g. ``loader``)."""
+    request: dict[str, Any] = {"corpus": {path: texts() for path, texts in SMALL_CORPUS_TEXTS.items()},
+                               "datasets": {"d": {"sources": ["d.jsonl"]}}, "build": {"split_size": "16KB"},
+                               "loader": SMALL_LOADER}
+    return {**request, **overrides}
+
+
+@pytest.fixture
+def built_lake(request: pytest.FixtureRequest, lakes: Lakes, tmp_path: Path) -> Path:
+    """Config (``tmp_path/config.yaml``) of a private copy of a built lake in ``tmp_path/lake``.
+
+    By default the lake of :func:`small_lake_request`; parametrise indirectly with a dict of
+    overrides, e.g. ``@pytest.mark.parametrize("built_lake", [{"loader": {...}}], indirect=True)``.
+    """
+    spec = small_lake_request(**getattr(request, "param", {}))
+    return lakes.copy(tmp_path, spec.pop("corpus"), spec.pop("datasets"), **spec)

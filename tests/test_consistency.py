@@ -27,25 +27,21 @@ from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
 from lakeloader.specs import mixture_spec
 
-from conftest import REPO, stdlib_texts, write_config, write_jsonl
+from conftest import REPO, Lakes, assert_batches_equal, stdlib_texts
 
 BATCH = 8
 
 
-def _make_lake(tmp: Path, scheduler: str, **sections: Any) -> Path:
-    write_jsonl(tmp / "data" / "code.jsonl", stdlib_texts("json"))
-    write_jsonl(tmp / "data" / "mail.jsonl", stdlib_texts("email", limit=12))
-    datasets = {"code": {"sources": [str(tmp / "data" / "code.jsonl")]},
-                "mail": {"sources": [str(tmp / "data" / "mail.jsonl")]}}
-    config = write_config(tmp, datasets, loader={"seq_len": 64, "batch_size": BATCH},
-                          mixture={"weights": {"code": 0.3, "mail": 0.7}}, **sections)
-    build(config, scheduler=scheduler, progress=False)
-    return config
+def _make_lake(lakes: Lakes, tmp: Path) -> Path:
+    """Config in ``tmp`` of a private copy of the built two-dataset lake (``tmp/lake``)."""
+    return lakes.copy(tmp, {"code.jsonl": stdlib_texts("json"), "mail.jsonl": stdlib_texts("email", limit=12)},
+                      {"code": {"sources": ["code.jsonl"]}, "mail": {"sources": ["mail.jsonl"]}},
+                      loader={"seq_len": 64, "batch_size": BATCH}, mixture={"weights": {"code": 0.3, "mail": 0.7}})
 
 
 @pytest.fixture(scope="module")
-def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
-    return _make_lake(tmp_path_factory.mktemp("consistency"), dask_scheduler)
+def lake(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_lake(lakes, tmp_path_factory.mktemp("consistency"))
 
 
 def _variant(config: Path, name: str, **loader: Any) -> Path:
@@ -71,9 +67,7 @@ def test_loader_state_is_a_json_dict_that_resumes(lake: Path) -> None:
         saved = json.loads(json.dumps(state))  # what a checkpoint stores
         resumed = next(loader.restore(saved))
         expected = loader.batch(5)
-        assert resumed.keys() == expected.keys()
-        for key in expected:
-            assert resumed[key].dtype == expected[key].dtype and np.array_equal(resumed[key], expected[key]), key
+        assert_batches_equal(resumed, expected, "restored at step 5")
         with pytest.raises(LakeloaderError, match="fingerprint"):
             next(loader.restore({"step": 0, "fingerprint": "0" * 32}))
 
@@ -192,9 +186,9 @@ def test_snapshots_are_no_larger_than_their_content(lake: Path) -> None:
 
 # -- stale chunk folders -------------------------------------------------------------------------
 
-def test_status_lists_and_gc_removes_stale_chunk_folders(tmp_path: Path, dask_scheduler: str,
+def test_status_lists_and_gc_removes_stale_chunk_folders(lakes: Lakes, tmp_path: Path, dask_scheduler: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    config = _make_lake(tmp_path, dask_scheduler)
+    config = _make_lake(lakes, tmp_path)
     root = tmp_path / "lake"
     old = {p.relative_to(root).as_posix() for p in root.glob("*/*") if p.parent.name in ("code", "mail")}
     assert main(["status", str(config)]) == 0
@@ -234,7 +228,4 @@ def test_status_lists_and_gc_removes_stale_chunk_folders(tmp_path: Path, dask_sc
     live = open_lake(config).sql("SELECT chunk_dir FROM dataset_plans")["chunk_dir"]
     assert all(os.listdir(root / folder) for folder in live)
     with Loader(config) as loader:  # the lake reads bitwise the same
-        for step, expected in enumerate(before):
-            got = loader.batch(step)
-            for key in expected:
-                assert np.array_equal(got[key], expected[key]), (step, key)
+        assert_batches_equal([loader.batch(step) for step in range(len(before))], before, "after gc")

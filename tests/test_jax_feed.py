@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from lakeloader.feed.loader import Loader
-from lakeloader.ingest.driver import build
 
-from conftest import stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, assert_batches_equal, stdlib_texts
 
 STEPS = [0, 1, 2, 5, 1000]
 
@@ -59,19 +58,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def lake_config(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
-    tmp = tmp_path_factory.mktemp("jaxfeed")
-    write_jsonl(tmp / "data" / "code.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=15))
-    (tmp / "data" / "notes.txt").write_text("".join(f"{line}\n" for t in stdlib_texts("json")
-                                                     for line in t.splitlines() if line.strip()))
-    config = write_config(
-        tmp, {"code": {"sources": [str(tmp / "data" / "code.jsonl")]},
-              "notes": {"sources": [str(tmp / "data" / "notes.txt")]}},
+def lake_config(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lakes.copy(
+        tmp_path_factory.mktemp("jaxfeed"),
+        {"code.jsonl": stdlib_texts("json") + stdlib_texts("email", limit=15),
+         "notes.txt": "".join(f"{line}\n" for t in stdlib_texts("json") for line in t.splitlines() if line.strip())},
+        {"code": {"sources": ["code.jsonl"]}, "notes": {"sources": ["notes.txt"]}},
         build={"split_size": "16KB"},
         loader={"seq_len": 32, "batch_size": 16, "shuffle": {"kind": "full"}, "seed": 3},
         mixture={"weights": {"code": 0.7, "notes": 0.3}})
-    build(config, scheduler=dask_scheduler, progress=False)
-    return config
 
 
 def run_workers(config: Path, tmp: Path, processes: int, devices: int) -> list[dict[str, np.ndarray]]:
@@ -139,8 +134,6 @@ def test_orbax_checkpoint_restores_the_same_batches(lake_config: Path, tmp_path:
     assert restored.loader == {"step": 3, "fingerprint": feed.fingerprint}
     with JaxFeed(lake_config, mesh, PartitionSpec("data")) as again:
         resumed = [jax.device_get(b) for _, b in zip(range(3), again.restore(restored.loader))]
-    for got, want in zip(resumed, uninterrupted[3:]):
-        for name in want:
-            assert np.array_equal(got[name], want[name])
+    assert_batches_equal(resumed, uninterrupted[3:], "restored from the checkpoint at step 3", steps=range(3, 6))
     with pytest.raises(Exception, match="fingerprint"):
         next(JaxFeed(lake_config, mesh, PartitionSpec("data")).restore({"step": 0, "fingerprint": "0" * 32}))

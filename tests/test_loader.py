@@ -31,7 +31,7 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.feed.loader import Loader, LoaderState
 from lakeloader.ingest.driver import build
 
-from conftest import DEMO_TOKENIZER, stdlib_texts, write_config, write_jsonl, write_parquet
+from conftest import DEMO_TOKENIZER, assert_batches_equal, stdlib_texts, write_config, write_jsonl, write_parquet
 
 SEQ_LEN = 32
 BATCH = 8
@@ -162,16 +162,6 @@ def naive_row(stream: Stream, start: int, length: int = SEQ_LEN) -> dict[str, np
 
 def stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
-
-
-def assert_batches_equal(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], what: str = "") -> None:
-    assert sorted(actual) == sorted(expected), what
-    for name in expected:
-        assert actual[name].dtype == expected[name].dtype, f"{what} {name}: {actual[name].dtype} != {expected[name].dtype}"
-        assert actual[name].shape == expected[name].shape, f"{what} {name}: {actual[name].shape}"
-        if not np.array_equal(actual[name], expected[name]):
-            bad = np.argwhere(actual[name] != expected[name])[:5].tolist()
-            pytest.fail(f"{what} {name} differs at {bad}")
 
 
 def global_batch(loaders: list[Loader], step: int) -> dict[str, np.ndarray]:

@@ -5,39 +5,52 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
 
-from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, assert_batches_equal, global_batches, stdlib_texts, write_config, write_corpus
 
 STEPS = 12
 
 
+def mixed_request(shuffle: dict, **loader: object) -> dict[str, Any]:
+    """Corpus, datasets and config sections of the two-dataset mixed lake."""
+    return {
+        "corpus": {"code.jsonl": stdlib_texts("json") + stdlib_texts("email", limit=10),
+                   "more.jsonl": stdlib_texts("email", limit=25)[10:],
+                   "notes.txt": "".join(f"{line}\n" for t in stdlib_texts("json")
+                                        for line in t.splitlines() if line.strip())},
+        "datasets": {"code": {"sources": ["*.jsonl"]}, "notes": {"sources": ["notes.txt"]}},
+        "build": {"split_size": "8KB"},
+        "loader": {"seq_len": 32, "batch_size": 16, "shuffle": shuffle, "seed": 7, **loader},
+        "mixture": {"weights": {"code": 0.8, "notes": 0.2}},
+    }
+
+
 def mixed_config(tmp_path: Path, shuffle: dict, **loader: object) -> Path:
-    data = tmp_path / "data"
-    write_jsonl(data / "code.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=10))
-    write_jsonl(data / "more.jsonl", stdlib_texts("email", limit=25)[10:])
-    (data / "notes.txt").write_text("".join(f"{line}\n" for t in stdlib_texts("json")
-                                            for line in t.splitlines() if line.strip()))
-    return write_config(
-        tmp_path,
-        {"code": {"sources": [str(data / "*.jsonl")]}, "notes": {"sources": [str(data / "notes.txt")]}},
-        build={"split_size": "8KB"},
-        loader={"seq_len": 32, "batch_size": 16, "shuffle": shuffle, "seed": 7, **loader},
-        mixture={"weights": {"code": 0.8, "notes": 0.2}},
-    )
+    """The mixed lake's data and config in ``tmp_path``, not built."""
+    request = mixed_request(shuffle, **loader)
+    write_corpus(tmp_path / "data", request.pop("corpus"))
+    datasets = {name: {"sources": [str(tmp_path / "data" / s) for s in spec["sources"]]}
+                for name, spec in request.pop("datasets").items()}
+    return write_config(tmp_path, datasets, **request)
+
+
+def mixed_lake(lakes: Lakes, shuffle: dict, **sections: Any) -> Path:
+    """Config of the shared built mixed lake (``sections`` replace config sections; read only)."""
+    request = {**mixed_request(shuffle), **sections}
+    return lakes.shared(request.pop("corpus"), request.pop("datasets"), **request)
 
 
 @pytest.mark.parametrize("kind", ["none", "window", "block", "full"])
-def test_same_batches_for_any_process_count_and_resume(tmp_path: Path, dask_scheduler: str, kind: str) -> None:
-    config = mixed_config(tmp_path, {"kind": kind, "window_chunks": 2, "block_size": 8, "window_blocks": 3})
-    build(config, scheduler=dask_scheduler, progress=False)
+def test_same_batches_for_any_process_count_and_resume(lakes: Lakes, kind: str) -> None:
+    config = mixed_lake(lakes, {"kind": kind, "window_chunks": 2, "block_size": 8, "window_blocks": 3})
     reference = global_batches(config, 1, range(STEPS))
     for processes in (2, 4, 8):
         assert_batches_equal(global_batches(config, processes, range(STEPS)), reference)
@@ -46,14 +59,12 @@ def test_same_batches_for_any_process_count_and_resume(tmp_path: Path, dask_sche
         got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start)))]
         assert_batches_equal(got, reference[start:])
     if kind != "none":  # shuffled: the order differs from the stored order
-        plain = mixed_config(tmp_path / "plain", {"kind": "none"})
-        build(plain, scheduler=dask_scheduler, progress=False)
+        plain = mixed_lake(lakes, {"kind": "none"})
         assert not np.array_equal(global_batches(plain, 1, range(STEPS))[0]["input_ids"], reference[0]["input_ids"])
 
 
-def test_shuffle_changes_every_epoch(tmp_path: Path, dask_scheduler: str) -> None:
-    config = mixed_config(tmp_path, {"kind": "full"})
-    build(config, scheduler=dask_scheduler, progress=False)
+def test_shuffle_changes_every_epoch(lakes: Lakes) -> None:
+    config = mixed_lake(lakes, {"kind": "full"})
     examples = Loader(config).datasets[1]
     per_epoch = examples.train_count()
     first = [examples.train_window(j).example for j in range(per_epoch)]
@@ -99,15 +110,11 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
     assert_batches_equal(during, global_batches(config, 1, range(STEPS)))
 
 
-def test_resume_across_a_stage_boundary(tmp_path: Path, dask_scheduler: str) -> None:
-    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2})
-    staged = write_config(
-        tmp_path, yaml.safe_load(config.read_text())["datasets"],
-        build={"split_size": "8KB"},
-        loader={"seq_len": 32, "batch_size": 16, "shuffle": {"kind": "window", "window_chunks": 2}, "seed": 7},
+def test_resume_across_a_stage_boundary(lakes: Lakes) -> None:
+    staged = mixed_lake(
+        lakes, {"kind": "window", "window_chunks": 2},
         mixture={"stages": [{"start_step": 0, "weights": {"code": 0.9, "notes": 0.1}},
                             {"start_step": 5, "weights": {"code": 0.2, "notes": 0.8}}]})
-    build(staged, scheduler=dask_scheduler, progress=False)
     reference = global_batches(staged, 1, range(STEPS))
     assert_batches_equal(global_batches(staged, 4, range(STEPS)), reference)
     loader = Loader(staged)
@@ -120,14 +127,10 @@ def test_resume_across_a_stage_boundary(tmp_path: Path, dask_scheduler: str) -> 
 
 
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
-def test_stop_strategies_end_the_stream_exactly(tmp_path: Path, dask_scheduler: str, stop: str) -> None:
+def test_stop_strategies_end_the_stream_exactly(lakes: Lakes, stop: str) -> None:
     from lakeloader.index.mixture import stop_step
 
-    config = mixed_config(tmp_path, {"kind": "none"})
-    raw = yaml.safe_load(config.read_text())
-    raw["mixture"]["stop"] = stop
-    config.write_text(yaml.safe_dump(raw))
-    build(config, scheduler=dask_scheduler, progress=False)
+    config = mixed_lake(lakes, {"kind": "none"}, mixture={**mixed_request({})["mixture"], "stop": stop})
     loader = Loader(config)
     sizes = [d.train_count() for d in loader.datasets]
     expected = stop_step(list(loader.mixer.stages), 16, sizes, stop)

@@ -23,7 +23,7 @@ from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles, RowGroup, RowGroupCache
 from lakeloader.read.disk_cache import DiskCache
 
-from conftest import stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, stdlib_texts, write_config
 
 SEQ_LEN = 32
 BATCH = 4
@@ -31,15 +31,11 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"   # first bytes of a zstd frame: where a page's
 
 
 @pytest.fixture(scope="module")
-def lake_root(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+def lake_root(lakes: Lakes) -> Path:
     """A built lake of one dataset ``d`` with chunks of a few row groups each (never modified)."""
-    root = tmp_path_factory.mktemp("checksums")
     texts = stdlib_texts("json") + stdlib_texts("email", limit=3)
-    write_jsonl(root / "d.jsonl", [p for text in texts for p in text.split("\n\n") if p.strip()])
-    config = write_config(root, {"d": {"sources": [str(root / "d.jsonl")]}},
-                          build={"split_size": "8KB", "row_group_tokens": 400})
-    build(config, scheduler=dask_scheduler, progress=False)
-    return root
+    return lakes.shared({"d.jsonl": [p for text in texts for p in text.split("\n\n") if p.strip()]},
+                        {"d": {"sources": ["d.jsonl"]}}, build={"split_size": "8KB", "row_group_tokens": 400}).parent
 
 
 def copy_lake(root: Path, out: Path, **loader: object) -> Path:

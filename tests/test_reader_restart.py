@@ -11,11 +11,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lakeloader.feed.loader import Loader
-from lakeloader.ingest.driver import build
-
-from conftest import stdlib_texts, write_config, write_jsonl
 
 READER = """
 import json, os, sys, time
@@ -49,12 +47,10 @@ for batch in loader.iter_from(state):
 """
 
 
-def test_killed_reader_resumes_from_its_saved_step(tmp_path: Path, dask_scheduler: str) -> None:
-    write_jsonl(tmp_path / "d.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=10))
-    config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "d.jsonl")]}},
-                          build={"split_size": "16KB"},
-                          loader={"seq_len": 32, "batch_size": 8, "shuffle": {"kind": "full"}, "seed": 5})
-    build(config, scheduler=dask_scheduler, progress=False)
+@pytest.mark.parametrize("built_lake", [{"loader": {"seq_len": 32, "batch_size": 8, "shuffle": {"kind": "full"},
+                                                   "seed": 5}}], indirect=True)
+def test_killed_reader_resumes_from_its_saved_step(built_lake: Path, tmp_path: Path) -> None:
+    config = built_lake
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, "-c", READER, str(config), str(out)]

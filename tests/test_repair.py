@@ -27,7 +27,7 @@ from lakeloader.contracts.errors import CatalogError
 from lakeloader.ingest.driver import build
 from lakeloader.read.verify import verify_lake
 
-from conftest import assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, assert_batches_equal, global_batches, small_lake_request, stdlib_texts, write_jsonl
 from test_s3 import BUCKET, config_dict, objects, s3_endpoint, storage_options, write_yaml  # noqa: F401
 
 STEPS = range(4)
@@ -46,12 +46,11 @@ def checksums(lake: Lake) -> dict[str, str]:
 
 
 @pytest.fixture
-def local_lake(tmp_path: Path, dask_scheduler: str) -> tuple[Path, dict[str, bytes], list[dict[str, Any]]]:
-    """A built local lake: its config, every chunk file's bytes and the first batches."""
-    write_jsonl(tmp_path / "d.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=10))
-    config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "d.jsonl")]}},
-                          build={"split_size": "16KB"}, loader=LOADER)
-    build(config, scheduler=dask_scheduler, progress=False)
+def local_lake(lakes: Lakes, tmp_path: Path) -> tuple[Path, dict[str, bytes], list[dict[str, Any]]]:
+    """A built local lake (a private copy): its config, every chunk file's bytes and the first batches."""
+    spec = small_lake_request()   # its loader settings are LOADER
+    assert spec["loader"] == LOADER
+    config = lakes.copy(tmp_path, spec.pop("corpus"), spec.pop("datasets"), **spec)
     files = chunk_files(open_lake(config))
     assert len(files) >= 4
     return config, files, global_batches(config, 1, STEPS)

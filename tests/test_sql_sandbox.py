@@ -18,24 +18,20 @@ from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
 from lakeloader.contracts.errors import CatalogError
-from lakeloader.ingest.driver import build
 
-from conftest import global_batches, stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, global_batches, stdlib_texts
 
 SECRET = "a colleague's private note 0451"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+def built(lakes: Lakes) -> Path:
     """A small built lake (two datasets, a mixture), never changed by the tests: they copy it."""
-    tmp = tmp_path_factory.mktemp("sandbox")
-    datasets = {}
-    for name in ("json", "email"):
-        write_jsonl(tmp / "data" / f"{name}.jsonl", stdlib_texts(name))
-        datasets[name] = {"sources": [str(tmp / "data" / f"{name}.jsonl")]}
-    config = write_config(tmp, datasets, loader={"seq_len": 32, "batch_size": 4, "prefetch": 0},
+    names = ("json", "email")
+    config = lakes.shared({f"{name}.jsonl": stdlib_texts(name) for name in names},
+                          {name: {"sources": [f"{name}.jsonl"]} for name in names},
+                          loader={"seq_len": 32, "batch_size": 4, "prefetch": 0},
                           mixture={"weights": {"json": 0.5, "email": 0.5}})
-    build(config, scheduler=dask_scheduler, progress=False)
     return config
 
 

@@ -17,28 +17,24 @@ import numpy as np
 import pytest
 
 from lakeloader.feed.loader import Loader
-from lakeloader.ingest.driver import build
 
-from conftest import REPO, stdlib_texts, write_config, write_jsonl
+from conftest import REPO, Lakes, stdlib_texts
 
 SCRIPT = REPO / "examples" / "train_tiny_lm.py"
 STEPS, STOP, EVERY = 60, 40, 20
 
 
 @pytest.fixture(scope="module")
-def lake_config(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
-    tmp = tmp_path_factory.mktemp("tinylm")
-    write_jsonl(tmp / "data" / "code.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=20))
-    (tmp / "data" / "notes.txt").write_text("".join(f"{line}\n" for t in stdlib_texts("email", limit=20)
-                                                     for line in t.splitlines() if line.strip()))
-    config = write_config(
-        tmp, {"code": {"sources": [str(tmp / "data" / "code.jsonl")]},
-              "notes": {"sources": [str(tmp / "data" / "notes.txt")]}},
+def lake_config(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lakes.copy(
+        tmp_path_factory.mktemp("tinylm"),
+        {"code.jsonl": stdlib_texts("json") + stdlib_texts("email", limit=20),
+         "notes.txt": "".join(f"{line}\n" for t in stdlib_texts("email", limit=20)
+                              for line in t.splitlines() if line.strip())},
+        {"code": {"sources": ["code.jsonl"]}, "notes": {"sources": ["notes.txt"]}},
         build={"split_size": "32KB"},
         loader={"seq_len": 64, "batch_size": 8, "shuffle": {"kind": "full"}, "seed": 1},
         mixture={"weights": {"code": 0.8, "notes": 0.2}})
-    build(config, scheduler=dask_scheduler, progress=False)
-    return config
 
 
 def train(config: Path, out: Path, *args: str) -> tuple[dict[str, Any], str]:

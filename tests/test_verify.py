@@ -8,17 +8,13 @@ import pytest
 
 from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import main
-from lakeloader.ingest.driver import build
 from lakeloader.read.verify import verify_lake
 
-from conftest import stdlib_texts, write_config, write_jsonl
 
 
-def test_verify_finds_missing_corrupt_and_truncated_chunks(tmp_path: Path, dask_scheduler: str,
+def test_verify_finds_missing_corrupt_and_truncated_chunks(built_lake: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    write_jsonl(tmp_path / "d.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=10))
-    config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "d.jsonl")]}}, build={"split_size": "16KB"})
-    build(config, scheduler=dask_scheduler, progress=False)
+    config = built_lake
     assert (verify_lake(config, progress=False).status == "ok").all()
     assert main(["verify", str(config), "--no-progress"]) == 0
 
