@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import yaml
 
-# The classes under test (one place, to re-point when feed/examples.py is split).
-from lakeloader.feed.examples import DatasetExamples, PackedExamples
-from lakeloader.catalog import store
-from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.store import LiveCatalog
+
+# The classes under test.
+from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.loader import Loader
+from lakeloader.feed.packed_examples import PackedExamples
 from lakeloader.ingest.driver import build
 
 from conftest import Lakes, small_lake_request, stdlib_texts, write_config, write_jsonl
@@ -154,18 +155,18 @@ def test_train_examples_while_the_catalog_grows(tmp_path: Path) -> None:
     configs = {kind: reader_config(config, tmp_path / kind, shuffle=SHUFFLES[kind], wait_timeout=120)
                for kind in ("none", "window")}
     errors: list[BaseException] = []
+    live = LiveCatalog()
 
     def run() -> None:
         try:
-            build(config, workers=1, progress=False)
+            build(config, workers=1, progress=False, live=live)
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
     builder = threading.Thread(target=run)
     builder.start()
-    lake = Lake(str(tmp_path / "lake"))
     deadline = time.monotonic() + 60
-    while store.active_writer(lake.writer_catalog_path) is None and builder.is_alive():
+    while not live.is_open and builder.is_alive():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     during: dict[str, DatasetExamples] = {}
