@@ -43,7 +43,7 @@ from lakeloader.plan.planner import plan_dataset
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
 from lakeloader.storage import with_retries, write_atomically, write_failure
-from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
+from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,7 @@ def _tasks(pending: pd.DataFrame, config: Config, lake: Lake, tokenizer_url: str
             ),
             chunk_url=lake.url_of(row.path),
             tokenizer_url=tokenizer_url,
+            encoder=row.encoder,
             row_group_tokens=config.build.row_group_tokens,
             io_retry_deadline=config.io_retry_deadline,
             packing=(packing[row.dataset],) if row.dataset in packing else (),
@@ -360,9 +361,10 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     fingerprint = tokenizer_fingerprint(tokenizer)
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    encoder = encoder_name(resolve_backend(tokenizer, config.tokenizer_backend, config.tokenizer))
     names = list(config.datasets)
     for name in names:
-        plan = plan_dataset(name, config, fingerprint)
+        plan = plan_dataset(name, config, fingerprint, encoder=encoder)
         new = writer.register_plan(
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
             vocab_size=vocab_size, split_size=config.build.split_size,
@@ -392,7 +394,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     dashboard = None
     build_id = writer.start_build(
         workers=0, scheduler=scheduler or "local", dashboard="",
-        version=VERSION,
+        version=VERSION, encoder=encoder,
     )
     status, error = "failed", None
     try:

@@ -38,6 +38,7 @@ class DatasetPlan:
     chunks: pd.DataFrame  # one row per chunk in global order: see chunk_table()
     missing: list[MissingSource]
     settings_fingerprint: str = ""   # settings_fingerprint(): names the chunk folder
+    encoder: str = ""   # what encodes the documents, with its version (tokenizer.encoder_name)
 
     @property
     def chunk_dir(self) -> str:
@@ -47,14 +48,17 @@ class DatasetPlan:
 
 def chunk_folder(name: str, fingerprint: str) -> str:
     """Folder of a dataset's chunk files: named by the fingerprint of its settings, so chunks of
-    other tokenizers, formats or split sizes never mix."""
+    other tokenizers, encoders, formats or split sizes never mix."""
     return f"{name}/{fingerprint[:16]}"
 
 
-def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> dict[str, Any]:
+def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int, encoder: str) -> dict[str, Any]:
+    # The encoder's name and version are in: two encoders' ids never mix in one dataset, and
+    # upgrading the encoder (or switching tokenizer_backend) re-tokenizes the dataset.
     return {
         "chunk_format": CHUNK_FORMAT_VERSION,
         "tokenizer": tokenizer_fingerprint,
+        "encoder": encoder,
         "format": dataset.format,
         "fields": dataset.build_fields,
         "split_size": split_size,
@@ -66,16 +70,18 @@ def _hash(payload: Any) -> str:
 
 
 def dataset_fingerprint(
-    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int
+    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int, encoder: str = ""
 ) -> str:
-    """Hash of everything that changes the dataset's tokens or chunk boundaries."""
-    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size),
+    """Hash of everything that changes the dataset's tokens or chunk boundaries (``encoder``: the
+    encoder's name and version)."""
+    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size, encoder),
                   "sources": [(s.url, s.size, s.version) for s in shards]})
 
 
-def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int) -> str:
+def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int,
+                         encoder: str = "") -> str:
     """Hash of what changes every chunk's tokens or boundaries, whichever files the dataset has."""
-    return _hash(_settings(dataset, tokenizer_fingerprint, split_size))
+    return _hash(_settings(dataset, tokenizer_fingerprint, split_size, encoder))
 
 
 def shard_fingerprint(shard: Shard) -> str:
@@ -136,9 +142,11 @@ def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordForma
 
 
 def plan_dataset(
-    name: str, config: Config, tokenizer_fingerprint: str, storage_options: dict[str, Any] | None = None
+    name: str, config: Config, tokenizer_fingerprint: str, storage_options: dict[str, Any] | None = None,
+    encoder: str = "",
 ) -> DatasetPlan:
-    """Plan dataset ``name`` of ``config``.
+    """Plan dataset ``name`` of ``config`` for the tokenizer with ``tokenizer_fingerprint`` encoded
+    by ``encoder`` (name and version, see :func:`lakeloader.tokenizer.encoder_name`).
 
     Missing or unreadable sources (Parquet files whose footer cannot be read or whose text
     column holds no strings included) raise :class:`SourceError` before any work starts, unless
@@ -178,8 +186,8 @@ def plan_dataset(
             f"{_listing([readable_url(shard.url) for shard in readable])}\n"
             f"add non-empty sources to datasets.{name}.sources or remove the dataset"
         )
-    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size)
-    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size)
+    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size, encoder)
+    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size, encoder)
     return DatasetPlan(
         name=name,
         fingerprint=fingerprint,
@@ -189,4 +197,5 @@ def plan_dataset(
         chunks=chunk_table(splits, chunk_folder(name, settings), [shard_fingerprint(s) for s in readable]),
         missing=missing,
         settings_fingerprint=settings,
+        encoder=encoder,
     )
