@@ -32,6 +32,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/build_throughput.py
+	$(BIN)/python benchmarks/tokenizer_backends.py
 	$(BIN)/python benchmarks/loader_throughput.py
 	$(BIN)/python benchmarks/jax_feed.py
 	$(BIN)/python benchmarks/build_scaling.py

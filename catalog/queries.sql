@@ -24,7 +24,7 @@ DELETE FROM dataset_plans WHERE name = $name;
 -- name: insert_dataset_plan
 INSERT INTO dataset_plans VALUES (
     $name, $fingerprint, $format, $fields, $chunk_dir, $tokenizer_path, $token_type,
-    $vocab_size, $split_size, $on_error, now()::TIMESTAMP);
+    $vocab_size, $split_size, $on_error, now()::TIMESTAMP, $encoder);
 
 -- name: set_on_error
 UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
@@ -34,9 +34,11 @@ UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
 -- them and their catalog record (size and checksum, null until committed) to check files against.
 SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
        c.split_kind, c.split_start, c.split_stop, c.first_row,
-       s.source, s.layout, s.compression, s.source_raw, c.num_bytes, c.checksum
+       s.source, s.layout, s.compression, s.source_raw, c.num_bytes, c.checksum,
+       coalesce(d.encoder, '') AS encoder
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
+JOIN dataset_plans d ON d.name = c.dataset
 WHERE (c.status = 'committed') = $committed AND list_contains($datasets, c.dataset)
 ORDER BY c.global_index, list_position($datasets, c.dataset);
 
@@ -74,8 +76,8 @@ INSERT INTO rejects VALUES (
     $build_id, now()::TIMESTAMP);
 
 -- name: start_build
-INSERT INTO builds (started_at, status, workers, scheduler, dashboard, host, pid, version)
-VALUES (now()::TIMESTAMP, 'running', $workers, $scheduler, $dashboard, $host, $pid, $version)
+INSERT INTO builds (started_at, status, workers, scheduler, dashboard, host, pid, version, encoder)
+VALUES (now()::TIMESTAMP, 'running', $workers, $scheduler, $dashboard, $host, $pid, $version, $encoder)
 RETURNING build_id;
 
 -- name: set_build_cluster

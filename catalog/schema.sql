@@ -9,7 +9,7 @@ CREATE TABLE IF NOT EXISTS lake_meta (
 -- One row per dataset: the plan currently in force (a changed config replaces it).
 CREATE TABLE IF NOT EXISTS dataset_plans (
     name           VARCHAR PRIMARY KEY,
-    fingerprint    VARCHAR NOT NULL,       -- hash of sources, tokenizer, format, fields, split size
+    fingerprint    VARCHAR NOT NULL,       -- hash of sources, tokenizer, encoder, format, fields, split size
     format         VARCHAR NOT NULL,       -- text | chat | supervised | fim | interleaved
     fields         VARCHAR[] NOT NULL,     -- part kinds: text | roles (chat) | prompt, response | text, image
     chunk_dir      VARCHAR NOT NULL,       -- folder of the chunk files, relative to the lake root
@@ -18,8 +18,12 @@ CREATE TABLE IF NOT EXISTS dataset_plans (
     vocab_size     INTEGER NOT NULL,
     split_size     BIGINT NOT NULL,
     on_error       VARCHAR NOT NULL,       -- raise | skip
-    planned_at     TIMESTAMP NOT NULL
+    planned_at     TIMESTAMP NOT NULL,
+    encoder        VARCHAR                 -- what encoded the chunks, with its version: "fastokens 0.3.5",
+                                           -- "tokenizers 0.23.3" (part of the fingerprint)
 );
+-- Catalogs created before the encoder was recorded (NULL: tokenizers, version unknown).
+ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS encoder VARCHAR;
 
 -- One row per input file of a dataset, in shard order.
 CREATE TABLE IF NOT EXISTS shard_plans (
@@ -142,8 +146,11 @@ CREATE TABLE IF NOT EXISTS builds (
     retries        BIGINT DEFAULT 0,
     seconds        DOUBLE,
     tokens_per_s   DOUBLE,
-    error          VARCHAR
+    error          VARCHAR,
+    encoder        VARCHAR                 -- what encoded the documents, with its version
 );
+-- Catalogs created before the encoder was recorded.
+ALTER TABLE builds ADD COLUMN IF NOT EXISTS encoder VARCHAR;
 
 -- Mixture schedules registered by builds (lakeloader.index.mixture), queryable with the
 -- mixture_plan and mixture_proportions macros of views.sql. mixture_id hashes the datasets,

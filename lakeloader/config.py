@@ -375,6 +375,11 @@ class Config(_Strict):
 
     lake: str = Field(description="Local folder or fsspec URL of the lake (s3://bucket/prefix).")
     tokenizer: str = Field(description="A tokenizers JSON file, or a Hugging Face hub name.")
+    tokenizer_backend: Literal["auto", "hf", "fastokens"] = Field(default="auto", description=(
+        "What encodes the documents: hf (Hugging Face tokenizers, the reference), fastokens (faster, "
+        "same ids; an error if it cannot load the tokenizer or fails the self-check against hf), "
+        "auto (fastokens when it can, else hf). The encoder and its version are part of the "
+        "dataset's fingerprint: changing either re-tokenizes the dataset."))
     datasets: dict[str, DatasetConfig] = Field(min_length=1, description=(
         "The datasets by name (letters, digits, _ . -; it names folders in the lake)."))
     storage_options: dict[str, Any] = Field(default_factory=dict, description=(

@@ -1,10 +1,18 @@
-"""Loading the HF tokenizer and encoding documents exactly as whole-document encoding would."""
+"""Loading the HF tokenizer and encoding documents exactly as whole-document encoding would.
+
+Two encoders give the ids: ``hf`` (Hugging Face ``tokenizers``, the reference) and
+``fastokens`` (a faster Rust encoder reading the same ``tokenizer.json``). :func:`resolve_backend`
+picks one at planning from the config's ``tokenizer_backend`` after a self-check against the
+reference; workers check one document of every chunk against the reference again.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
+import random
 import os
 import socket
 import sys
@@ -12,9 +20,10 @@ import urllib.parse
 import urllib.request
 
 import numpy as np
+import tokenizers
 from tokenizers import Tokenizer
 
-from lakeloader.contracts.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError, LakeloaderError
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +32,15 @@ log = logging.getLogger(__name__)
 MAX_PIECE_CHARS = 64 * 1024
 _CHECK_MARGIN = 256
 HUB_CONNECT_TIMEOUT = 5.0   # seconds to reach the Hugging Face hub before using the local cache only
+
+BACKENDS = ("auto", "hf", "fastokens")   # values of the config key tokenizer_backend
+# Workers encode one document of each chunk of at most this many characters with the reference too.
+VERIFY_SAMPLE_CHARS = 16 * 1024
+
+
+class EncoderMismatchError(LakeloaderError):
+    """The fast encoder gave other ids than the reference, or a worker's encoder is not the one
+    the dataset was planned with. Raised inside Dask tasks: the message is its only argument."""
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -103,20 +121,149 @@ def cached_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_file(path)
 
 
-class DocumentEncoder:
-    """Batched encoding of documents without special tokens.
+def encoder_name(backend: str) -> str:
+    """Name and version of the package that encodes for ``backend`` (``hf`` or ``fastokens``),
+    as recorded in dataset plans and builds: ``tokenizers 0.23.3``, ``fastokens 0.3.5``."""
+    if backend == "hf":
+        return f"tokenizers {tokenizers.__version__}"
+    if backend == "fastokens":
+        return f"fastokens {importlib.metadata.version('fastokens')}"
+    raise ValueError(f"unknown tokenizer backend {backend!r}; expected one of {BACKENDS[1:]}")
 
-    Documents longer than :data:`MAX_PIECE_CHARS` are cut at points where the tokenizer's
-    pre-tokenizer starts a new pre-token, encoded as pieces in one batch and merged back; the
-    result equals encoding the whole document. Tokenizers for which such cuts are not exact
-    (a normalizer, a prefix space added to every input) encode long documents whole.
+
+def backend_of(name: str) -> str:
+    """The backend (``hf`` or ``fastokens``) of an :func:`encoder_name`; ``hf`` for an empty name
+    (plans made before the encoder was recorded)."""
+    return "fastokens" if name.startswith("fastokens ") else "hf"
+
+
+def _fast_tokenizer(tokenizer: Tokenizer) -> object:
+    """``tokenizer`` loaded by fastokens (ImportError or ValueError when it cannot be)."""
+    import fastokens
+
+    return fastokens.Tokenizer.from_json_str(tokenizer.to_str())
+
+
+def _self_check_texts(tokenizer: Tokenizer) -> list[tuple[str, str]]:
+    """Named texts on which a fast encoder must agree with the reference: whitespace runs,
+    unicode (combining marks, emoji, CJK, right-to-left, text that normalization would change),
+    added and special tokens inside text, vocabulary pieces, empty strings, and a document over
+    the long-document cut."""
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    step = max(1, vocab_size // 3000)
+    pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in range(0, vocab_size, step)]
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()][:500]
+    rng = random.Random(16)
+    pool = ("abcxyzABC0189 _-.,;:!?'\"()[]{}<>/\\|@#$%^&*=+~`\t\n\r \u00a0\u3000\u200b\u200d\ufeff"
+            "\u0301\u0308\u0327\u05b0\u0651éñüßøÅ\u212bﬁ²½Ωπ漢字かなカナ한국어שלוםمرحبا"
+            "नमस्ते😀👍🏽👨‍👩‍👧🇫🇷\x00\x01\x7f")
+    code = "def f(x):\n    return x  \n\n\n    # comment\r\n\tif x:\n\t\tpass\n"
+    unit = code + "Ünïcödé text, 漢字 and 👍🏽 emoji.\n" + "    " * 7 + "\n"
+    long_document = unit * (MAX_PIECE_CHARS // len(unit) + 2)
+    return [
+        ("empty", ""),
+        ("one space", " "),
+        ("newline", "\n"),
+        ("whitespace mix", "   \n\n\t\t  x \r\n \u00a0 \u3000 end  "),
+        ("long space run", " " * 5000 + "x" + " " * 3000),
+        ("long newline run", "\n" * 3000 + "x\n\n"),
+        ("long tab run", "\t" * 2000 + "y"),
+        ("code", code * 20),
+        ("numbers", "1234567890 3.14159 1,000,000 0x1F 1e-10 ٣٤٥ ½"),
+        ("combining marks", "Cafe\u0301 nai\u0308ve A\u030a \u212b Å e\u0301\u0301\u0301 \u0301 a\u0327"),
+        ("Hangul", "한국어 \u1100\u1161\u11a8 \uac00"),
+        ("compatibility", "ﬁﬂ ① ² ｆｕｌｌ ㎏ ™"),
+        ("emoji", "👍🏽 👨‍👩‍👧‍👦 🇫🇷🇩🇪 😀😀😀 ❤️ \U0001f9d1\u200d\U0001f4bb"),
+        ("CJK", "漢字かなカナ、中文字符。日本語のテキスト"),
+        ("right-to-left", "שלום עולם مرحبا بالعالم \u202eabc\u202c"),
+        ("Devanagari", "नमस्ते दुनिया"),
+        ("control characters", "a\x00b\x01c\x7fd\x1b[0m\u200be\ufefff"),
+        ("added tokens in text", " ".join(f"x{t}y {t}{t} {t}" for t in added) + " plain"),
+        ("added tokens alone", "".join(added)),
+        ("vocabulary pieces", " ".join(pieces)),
+        ("vocabulary pieces joined", "".join(pieces)),
+        ("random characters", "".join(rng.choice(pool) for _ in range(8000))),
+        ("document over the long-document cut", long_document),
+    ]
+
+
+def fast_backend_problem(tokenizer: Tokenizer) -> str | None:
+    """Why fastokens cannot encode for ``tokenizer`` exactly (it is not installed, refuses the
+    tokenizer, or gives other ids than the reference on a self-check sample), or None."""
+    return _fast_backend_problem(tokenizer.to_str())
+
+
+@functools.lru_cache(maxsize=8)
+def _fast_backend_problem(tokenizer_json: str) -> str | None:
+    # Once per tokenizer and process: a build's planning runs it, and so does every later build.
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    try:
+        fast = DocumentEncoder(tokenizer, backend="fastokens")
+    except ImportError as exc:
+        return f"fastokens is not installed ({exc})"
+    except ValueError as exc:
+        return f"fastokens cannot load this tokenizer ({exc})"
+    named = _self_check_texts(tokenizer)
+    texts = [text for _, text in named]
+    fast_ids, fast_lengths = fast.encode(texts, verify=False)
+    reference = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    bounds = np.concatenate([[0], np.cumsum(fast_lengths)])
+    for i, ((name, _), encoding) in enumerate(zip(named, reference)):
+        mismatch = _first_difference(encoding.ids, fast_ids[bounds[i]:bounds[i + 1]])
+        if mismatch:
+            return f"{fast.name} disagrees with {encoder_name('hf')} on the self-check sample {name!r} ({mismatch})"
+    return None
+
+
+def _first_difference(expected: list[int], got: np.ndarray) -> str | None:
+    """Where ids ``got`` first differ from ``expected``, in words; None when equal."""
+    got_list = got.tolist()
+    if got_list == expected:
+        return None
+    at = next((k for k, (a, b) in enumerate(zip(expected, got_list)) if a != b), min(len(expected), len(got_list)))
+    return (f"{len(expected)} reference ids, {len(got_list)} fast ids; first difference at token {at}: "
+            f"{expected[at:at + 3]} vs {got_list[at:at + 3]}")
+
+
+def resolve_backend(tokenizer: Tokenizer, backend: str, spec: str) -> str:
+    """The backend that encodes for ``tokenizer`` (``spec``: the config's ``tokenizer``) under the
+    config's ``tokenizer_backend``: ``hf`` as asked; ``fastokens`` when it loads the tokenizer and
+    passes the self-check, else a ConfigError naming the key; ``auto``: fastokens when it passes,
+    else ``hf`` with one log line saying why."""
+    if backend == "hf":
+        return "hf"
+    problem = fast_backend_problem(tokenizer)
+    if problem is None:
+        return "fastokens"
+    if backend == "fastokens":
+        raise ConfigError(
+            f"tokenizer_backend: fastokens cannot be used for tokenizer {spec!r}: {problem}; "
+            "set tokenizer_backend: auto (falls back to hf) or hf"
+        )
+    log.info("tokenizer_backend auto: encoding with %s, not fastokens: %s", encoder_name("hf"), problem)
+    return "hf"
+
+
+class DocumentEncoder:
+    """Batched encoding of documents without special tokens, exactly as whole-document encoding.
+
+    ``backend`` ``hf`` encodes with the ``tokenizers`` tokenizer: documents longer than
+    :data:`MAX_PIECE_CHARS` are cut at points where the tokenizer's pre-tokenizer starts a new
+    pre-token, encoded as pieces in one batch and merged back; the result equals encoding the
+    whole document. Tokenizers for which such cuts are not exact (a normalizer, a prefix space
+    added to every input) encode long documents whole. ``backend`` ``fastokens`` encodes whole
+    documents with fastokens (ImportError or ValueError when it cannot load the tokenizer) and
+    checks one document of every batch against ``tokenizers``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_piece_chars: int = MAX_PIECE_CHARS) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_piece_chars: int = MAX_PIECE_CHARS, backend: str = "hf") -> None:
         self.tokenizer = tokenizer
         self.max_piece_chars = max_piece_chars
         self.dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-        self.splits_long_documents = self._cuts_are_exact()
+        self.backend = backend
+        self.name = encoder_name(backend)
+        self._fast = _fast_tokenizer(tokenizer) if backend == "fastokens" else None
+        self.splits_long_documents = backend == "hf" and self._cuts_are_exact()
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -171,8 +318,17 @@ class DocumentEncoder:
                 position = found
         return None
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids of ``texts`` concatenated, and each text's token count (no special tokens)."""
+    def encode(self, texts: list[str], verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of ``texts`` concatenated, and each text's token count (no special tokens).
+
+        With the fastokens backend and ``verify``, one text of the batch (the longest of at most
+        :data:`VERIFY_SAMPLE_CHARS` characters) is encoded by ``tokenizers`` too; other ids raise
+        :class:`EncoderMismatchError`."""
+        if self._fast is not None:
+            ids, lengths = self._encode_fast(texts)
+            if verify:
+                self._verify_sample(texts, ids, lengths)
+            return ids, lengths
         pieces: list[str] = []
         owner: list[int] = []
         for i, text in enumerate(texts):
@@ -193,3 +349,23 @@ class DocumentEncoder:
             position += length
         lengths = np.bincount(np.asarray(owner, dtype=np.int64), weights=piece_lengths, minlength=len(texts))
         return ids, lengths.astype(np.int64)
+
+    def _encode_fast(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        flat, offsets = self._fast.encode_batch_flat(texts, add_special_tokens=False)  # type: ignore[attr-defined]
+        ids = np.frombuffer(flat, dtype="<u4")
+        bounds = np.frombuffer(offsets, dtype="<u8")
+        return (ids if self.dtype == np.uint32 else ids.astype(self.dtype)), np.diff(bounds).astype(np.int64)
+
+    def _verify_sample(self, texts: list[str], ids: np.ndarray, lengths: np.ndarray) -> None:
+        candidates = [i for i, text in enumerate(texts) if len(text) <= VERIFY_SAMPLE_CHARS]
+        if not candidates:
+            return
+        pick = max(candidates, key=lambda i: len(texts[i]))
+        start = int(lengths[:pick].sum())
+        mismatch = _first_difference(self._ids(texts[pick]), ids[start:start + int(lengths[pick])])
+        if mismatch:
+            raise EncoderMismatchError(
+                f"{self.name} gave other ids than {encoder_name('hf')} for text {pick} of the batch "
+                f"({len(texts[pick])} characters, starting {texts[pick][:40]!r}): {mismatch}; the chunk "
+                "was not written. Set tokenizer_backend: hf and build again, and report the text to fastokens"
+            )

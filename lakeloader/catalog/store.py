@@ -295,6 +295,7 @@ class CatalogWriter:
                 "fields": list(plan.fields), "chunk_dir": plan.chunk_dir,
                 "tokenizer_path": tokenizer_path, "token_type": token_type,
                 "vocab_size": vocab_size, "split_size": split_size, "on_error": on_error,
+                "encoder": plan.encoder,
             })
             splits = plan.chunks.groupby("shard_index").size()
             shard_rows = pd.DataFrame({
@@ -428,12 +429,14 @@ class CatalogWriter:
                     })
         return committed
 
-    def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str) -> int:
-        """Record a new build run (marking runs left 'running' by a crash as interrupted)."""
+    def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str, encoder: str = "") -> int:
+        """Record a new build run (marking runs left 'running' by a crash as interrupted);
+        ``encoder``: what encodes its documents, with its version."""
         self._run("interrupt_stale_builds")
         row = self._run("start_build", {
             "workers": workers, "scheduler": scheduler, "dashboard": dashboard,
             "host": socket.gethostname(), "pid": os.getpid(), "version": version,
+            "encoder": encoder or None,
         }).fetchone()
         return int(row[0])
 

@@ -35,7 +35,7 @@ from lakeloader.contracts.specs import PackingSpec
 from lakeloader.index.chunk_packing import plan_stats
 from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.storage import is_transient, with_retries, write_atomically, write_failure
-from lakeloader.tokenizer import DocumentEncoder
+from lakeloader.tokenizer import DocumentEncoder, EncoderMismatchError, backend_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +50,30 @@ class ChunkTask:
     row_group_tokens: int
     io_retry_deadline: float = 0.0   # seconds of retrying transient storage errors
     packing: tuple[PackingSpec, ...] = ()   # plans whose per-chunk counts the catalog keeps
+    encoder: str = ""       # the dataset plan's encoder with its version ("": tokenizers, any version)
 
 
 @functools.lru_cache(maxsize=4)
-def _encoder(tokenizer_url: str, options: str) -> DocumentEncoder:
+def _encoder(tokenizer_url: str, options: str, encoder: str) -> DocumentEncoder:
+    """The encoder the dataset was planned with (``encoder``), loaded once per worker process;
+    EncoderMismatchError when this worker's differs (another version installed, say)."""
     fs, path = url_to_fs(tokenizer_url, **json.loads(options))
-    return DocumentEncoder(Tokenizer.from_str(fs.cat_file(path).decode()))
+    tokenizer = Tokenizer.from_str(fs.cat_file(path).decode())
+    try:
+        loaded = DocumentEncoder(tokenizer, backend=backend_of(encoder))
+    except (ImportError, ValueError) as exc:
+        raise EncoderMismatchError(
+            f"worker {os.uname().nodename}:{os.getpid()} cannot load the encoder {encoder!r} the dataset "
+            f"was planned with ({exc}); install it on every worker (pip install {encoder.replace(' ', '==')})"
+        ) from exc
+    if encoder and loaded.name != encoder:
+        raise EncoderMismatchError(
+            f"worker {os.uname().nodename}:{os.getpid()} has {loaded.name} but the dataset was planned with "
+            f"{encoder}: ids of two encoders never mix in one dataset; install "
+            f"{encoder.replace(' ', '==')} on every worker, or build again from a machine with {loaded.name} "
+            "(which re-plans the dataset)"
+        )
+    return loaded
 
 
 def row_group_bounds(lengths: np.ndarray, target_tokens: int) -> np.ndarray:
@@ -164,10 +182,14 @@ def build_chunk(task: ChunkTask) -> ChunkResult:
 def _build_chunk(task: ChunkTask) -> ChunkResult:
     started = time.perf_counter()
     options = task.source.storage_options
-    encoder = _encoder(task.tokenizer_url, json.dumps(options, sort_keys=True))
+    encoder = _encoder(task.tokenizer_url, json.dumps(options, sort_keys=True), task.encoder)
     record_format = task.source.record_format
     documents = read_split(task.source)
-    encoded = encode_parts(encoder, documents.documents)
+    try:
+        encoded = encode_parts(encoder, documents.documents)
+    except EncoderMismatchError as exc:
+        raise EncoderMismatchError(
+            f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.name}): {exc}") from exc
     lengths = encoded.parts.content_lengths
     bounds = row_group_bounds(lengths, task.row_group_tokens)
     table = chunk_table(documents.records, encoded, record_format.format == "interleaved", documents.metadata)

@@ -31,7 +31,7 @@ from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
 from lakeloader.plan.planner import plan_dataset, with_planned_metadata
 from lakeloader.specs import mixture_spec, packing_specs, plan_keys, token_weights
 from lakeloader.storage import write_atomically, write_failure
-from lakeloader.tokenizer import load_tokenizer, token_dtype, tokenizer_fingerprint
+from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     and the packing; choose the tasks; run them as one recorded build run; then register a mixture
     weighted in tokens, which needs the complete lake."""
     tokenizer = load_tokenizer(config.tokenizer)
-    tokenizer_path, config = _register_plans(config, lake, writer, tokenizer)
+    encoder = encoder_name(resolve_backend(tokenizer, config.tokenizer_backend, config.tokenizer))
+    tokenizer_path, config = _register_plans(config, lake, writer, tokenizer, encoder)
     names = list(config.datasets)
     weighs_tokens = token_weights(config)
     if not weighs_tokens and (config.mixture is not None or len(names) == 1):
@@ -136,7 +137,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     started = time.perf_counter()
     build_id = writer.start_build(
         workers=0, scheduler=scheduler or "local", dashboard="",
-        version=VERSION,
+        version=VERSION, encoder=encoder,
     )
     run = BuildRun(config, lake, writer, build_id, lake.url_of(tokenizer_path), workers or config.build.workers,
                    scheduler, dashboard, progress)
@@ -152,16 +153,17 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
                        totals.rejects, seconds, dashboard)
 
 
-def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer: Tokenizer) -> tuple[str, Config]:
+def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer: Tokenizer,
+                    encoder: str) -> tuple[str, Config]:
     """Publish the tokenizer into the lake and register each dataset's plan (its chunks of the
-    global order, stored before anything is tokenized); returns the tokenizer's lake-relative path
-    and the config with the metadata field types the plans fixed."""
+    global order, stored before anything is tokenized; ``encoder``: the resolved encoder's name and
+    version); returns the tokenizer's lake-relative path and the config with the metadata field types the plans fixed."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     plans = []
     for name in config.datasets:
-        plan = plan_dataset(name, config, fingerprint)
+        plan = plan_dataset(name, config, fingerprint, encoder=encoder)
         plans.append(plan)
         new = writer.register_plan(
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),

@@ -76,6 +76,7 @@ class TaskBatch:
                 ),
                 chunk_url=lake.url_of(row.path),
                 tokenizer_url=tokenizer_url,
+            encoder=row.encoder,
                 row_group_tokens=config.build.row_group_tokens,
                 io_retry_deadline=config.io_retry_deadline,
                 packing=(self.packing[row.dataset],) if row.dataset in self.packing else (),

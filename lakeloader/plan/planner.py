@@ -40,6 +40,7 @@ class DatasetPlan:
     missing: list[MissingSource]
     settings_fingerprint: str = ""   # settings_fingerprint(): names the chunk folder
     metadata: tuple[tuple[str, str], ...] = ()   # each metadata field and its type (listed, or inferred)
+    encoder: str = ""   # what encodes the documents, with its version (tokenizer.encoder_name)
 
     @property
     def chunk_dir(self) -> str:
@@ -49,15 +50,18 @@ class DatasetPlan:
 
 def chunk_folder(name: str, fingerprint: str) -> str:
     """Folder of a dataset's chunk files: named by the fingerprint of its settings, so chunks of
-    other tokenizers, formats or split sizes never mix."""
+    other tokenizers, encoders, formats or split sizes never mix."""
     return f"{name}/{fingerprint[:16]}"
 
 
-def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int,
+def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int, encoder: str,
               metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    # The encoder's name and version are in: two encoders' ids never mix in one dataset, and
+    # upgrading the encoder (or switching tokenizer_backend) re-tokenizes the dataset.
     settings = {
         "chunk_format": CHUNK_FORMAT_VERSION,
         "tokenizer": tokenizer_fingerprint,
+        "encoder": encoder,
         "format": dataset.format,
         "fields": dataset.build_fields,
         "split_size": split_size,
@@ -73,20 +77,21 @@ def _hash(payload: Any) -> str:
 
 
 def dataset_fingerprint(
-    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int,
+    dataset: DatasetConfig, shards: list[Shard], tokenizer_fingerprint: str, split_size: int, encoder: str = "",
     metadata: dict[str, str] | None = None,
 ) -> str:
     """Hash of everything that changes the dataset's tokens, chunk boundaries or stored metadata
-    (``metadata``: the planned types of its metadata fields, when some were inferred)."""
-    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size, metadata),
+    (``encoder``: the encoder's name and version; ``metadata``: the planned types of its metadata
+    fields, when some were inferred)."""
+    return _hash({**_settings(dataset, tokenizer_fingerprint, split_size, encoder, metadata),
                   "sources": [(s.url, s.size, s.version) for s in shards]})
 
 
 def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: int,
-                         metadata: dict[str, str] | None = None) -> str:
+                         encoder: str = "", metadata: dict[str, str] | None = None) -> str:
     """Hash of what changes every chunk's tokens, boundaries or stored metadata, whichever files
     the dataset has."""
-    return _hash(_settings(dataset, tokenizer_fingerprint, split_size, metadata))
+    return _hash(_settings(dataset, tokenizer_fingerprint, split_size, encoder, metadata))
 
 
 def shard_fingerprint(shard: Shard) -> str:
@@ -154,9 +159,11 @@ def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordForma
 
 
 def plan_dataset(
-    name: str, config: Config, tokenizer_fingerprint: str, storage_options: dict[str, Any] | None = None
+    name: str, config: Config, tokenizer_fingerprint: str, storage_options: dict[str, Any] | None = None,
+    encoder: str = "",
 ) -> DatasetPlan:
-    """Plan dataset ``name`` of ``config``.
+    """Plan dataset ``name`` of ``config`` for the tokenizer with ``tokenizer_fingerprint`` encoded
+    by ``encoder`` (name and version, see :func:`lakeloader.tokenizer.encoder_name`).
 
     Missing or unreadable sources (Parquet files whose footer cannot be read or whose text
     column holds no strings included) raise :class:`SourceError` before any work starts, unless
@@ -199,8 +206,8 @@ def plan_dataset(
     metadata = dataset.metadata_fields
     if any(kind is None for kind in metadata.values()):
         metadata = infer_metadata_types(name, metadata, readable[0], options)  # chunk 0's file
-    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size, metadata)
-    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size, metadata)
+    fingerprint = dataset_fingerprint(dataset, readable, tokenizer_fingerprint, split_size, encoder, metadata)
+    settings = settings_fingerprint(dataset, tokenizer_fingerprint, split_size, encoder, metadata)
     return DatasetPlan(
         name=name,
         fingerprint=fingerprint,
@@ -211,6 +218,7 @@ def plan_dataset(
         missing=missing,
         settings_fingerprint=settings,
         metadata=tuple(metadata.items()),
+        encoder=encoder,
     )
 
 
