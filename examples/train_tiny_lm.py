@@ -17,7 +17,9 @@ optimizer state are replicated and the gradient all-reduce is inserted by XLA.
 
 Packed rows hold several documents: attention is causal *within* a document (``segment_ids``)
 and rotary position embeddings use the per-document ``positions``; the loss is cross entropy
-weighted by ``loss_mask``.
+weighted by ``loss_mask``. The loss is also logged per dataset of the mixture, from the batch's
+``dataset_ids`` (each row's dataset position in the mixture) and the per-row sums the loss is
+made of: no extra pass.
 
 Every ``--checkpoint-every`` steps (and at the last step) an Orbax ``CheckpointManager`` saves
 the train state (parameters + optimizer state) and the loader state ``{step, fingerprint}``.
@@ -47,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lakeloader.config import load_config
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.jax import JaxFeed
+from lakeloader.specs import dataset_names
 from lakeloader.tokenizer import load_tokenizer
 
 log = logging.getLogger("train_tiny_lm")
@@ -59,7 +62,7 @@ NUM_LAYERS = 2
 D_FF = 4 * D_MODEL
 ROPE_BASE = 10_000.0
 
-FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions", "dataset_ids")
 
 # -- model ---------------------------------------------------------------------------------------
 
@@ -134,13 +137,19 @@ def forward(params: dict[str, Any], input_ids: jax.Array, segment_ids: jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def row_cross_entropy(h: jax.Array, embed: jax.Array, targets: jax.Array, weights: jax.Array,
+                      chunk: int) -> jax.Array:
+    """Per row, ``sum(weights * cross_entropy(h @ embed.T, targets))`` [B], computed ``chunk``
+    positions of every row at a time, never holding the whole [B, L, V] logits (on CPU,
+    streaming those through memory costs more than the matmuls); the backward pass recomputes
+    each chunk's logits. h: [B, L, D], embed: [V, D], targets/weights: [B, L]."""
+    return _ce_forward(h, embed, targets, weights, chunk)[0]
+
+
 def chunked_cross_entropy(h: jax.Array, embed: jax.Array, targets: jax.Array, weights: jax.Array,
                           chunk: int) -> jax.Array:
-    """``sum(weights * cross_entropy(h @ embed.T, targets))`` computed ``chunk`` positions of
-    every row at a time, never holding the whole [B, L, V] logits (on CPU, streaming those
-    through memory costs more than the matmuls); the backward pass recomputes each chunk's
-    logits. h: [B, L, D], embed: [V, D], targets/weights: [B, L]."""
-    return _ce_forward(h, embed, targets, weights, chunk)[0]
+    """``sum(weights * cross_entropy(h @ embed.T, targets))``: the sum of :func:`row_cross_entropy`."""
+    return jnp.sum(row_cross_entropy(h, embed, targets, weights, chunk))
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -156,9 +165,9 @@ def _ce_forward(h, embed, targets, weights, chunk):
         top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
         lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
         target = jnp.take_along_axis(logits, tb[..., None], -1)[..., 0]
-        return total + jnp.sum(wb * (lse - target)), lse
+        return total + jnp.sum(wb * (lse - target), axis=-1), lse
 
-    total, lse = jax.lax.scan(body, jnp.zeros((), h.dtype),
+    total, lse = jax.lax.scan(body, jnp.zeros(h.shape[:1], h.dtype),
                               (_chunks(h, chunk), _chunks(targets, chunk), _chunks(weights, chunk)))
     return total, (h, embed, targets, weights, lse)
 
@@ -169,7 +178,7 @@ def _ce_backward(chunk, residuals, grad):
     def body(d_embed_t, xs):
         hb, tb, wb, lb = xs
         probs = jnp.exp(hb @ embed.T - lb[..., None])
-        d_logits = (probs - jax.nn.one_hot(tb, embed.shape[0], dtype=probs.dtype)) * (grad * wb)[..., None]
+        d_logits = (probs - jax.nn.one_hot(tb, embed.shape[0], dtype=probs.dtype)) * (grad[:, None] * wb)[..., None]
         # d_embed^T = h^T @ d_logits keeps both products in plain (untransposed) layouts.
         flat_h, flat_d = hb.reshape(-1, hb.shape[-1]), d_logits.reshape(-1, embed.shape[0])
         return d_embed_t + flat_h.T @ flat_d, d_logits @ embed
@@ -180,15 +189,22 @@ def _ce_backward(chunk, residuals, grad):
     return d_h, d_embed_t.T, None, None
 
 
-chunked_cross_entropy.defvjp(_ce_forward, _ce_backward)
+row_cross_entropy.defvjp(_ce_forward, _ce_backward)
 
 
-def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array], chunk: int) -> jax.Array:
-    """Mean cross entropy over the tokens with ``loss_mask`` set."""
+def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array], chunk: int,
+            num_datasets: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Mean cross entropy over the tokens with ``loss_mask`` set, and per dataset of the mixture
+    (by the batch's ``dataset_ids``) the summed cross entropy and the number of loss tokens: the
+    per-row sums the loss is made of, grouped, so logging loss per dataset costs nothing more."""
     h = hidden_states(params, batch["input_ids"], batch["segment_ids"], batch["positions"])
     mask = batch["loss_mask"]
-    weights = mask / jnp.maximum(jnp.sum(mask), 1.0)
-    return chunked_cross_entropy(h, params["embed"], batch["targets"], weights, chunk)
+    total = jnp.maximum(jnp.sum(mask), 1.0)
+    rows = row_cross_entropy(h, params["embed"], batch["targets"], mask / total, chunk)
+    ids = batch["dataset_ids"]   # -1 (eval padding) falls outside the segments and is dropped
+    sums = jax.ops.segment_sum(jax.lax.stop_gradient(rows) * total, ids, num_datasets)
+    tokens = jax.ops.segment_sum(jnp.sum(mask, axis=1), ids, num_datasets)
+    return jnp.sum(rows), (sums, tokens)
 
 
 def loss_chunk(seq_len: int, rows_per_device: int, tokens: int = 256) -> int:
@@ -239,7 +255,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--losses-out", type=Path, default=None,
-                        help='write {"loss": {step: loss}, "input_ids_sha256": {step: digest}} of the steps run')
+                        help='write {"loss": {step: loss}, "input_ids_sha256": {step: digest}, '
+                             '"dataset_loss": {step: {dataset: [summed cross entropy, loss tokens]}}} of the steps run')
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
@@ -260,20 +277,22 @@ def main() -> None:
         vocab_size = vocab_size_of(feed)
         optimizer = make_optimizer(args.learning_rate, args.warmup_steps)
         chunk = loss_chunk(loader.seq_len, loader.batch_size // mesh.size)
+        names = dataset_names(feed.config)   # batch["dataset_ids"] are positions in this list
 
         def init(key: jax.Array) -> dict[str, Any]:
             params = init_params(key, vocab_size)
             return {"params": params, "opt_state": optimizer.init(params)}
 
-        def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array]:
-            loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, chunk)
+        def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], jax.Array, Any]:
+            (loss, per_dataset), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state["params"], batch, chunk, len(names))
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-            return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+            return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss, per_dataset
 
         # Fixed shardings in and out: a fresh and a restored state run the very same program.
         state = jax.jit(init, out_shardings=replicated)(jax.random.key(args.seed))
         step_fn = jax.jit(train_step, in_shardings=(replicated, feed.sharding),
-                          out_shardings=(replicated, replicated))
+                          out_shardings=(replicated, replicated, replicated))
         num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
         log.info("model: %d layers, d_model %d, %d heads, vocab %d: %.2fM parameters; %d x %s devices; "
                  "batch %d x %d; fingerprint %s", NUM_LAYERS, D_MODEL, NUM_HEADS, vocab_size, num_params / 1e6,
@@ -310,6 +329,7 @@ def main() -> None:
             log.info("checkpoint %d saved", step)
 
         losses: dict[int, jax.Array] = {}
+        per_dataset: dict[int, Any] = {}   # step -> (summed cross entropy, loss tokens) per dataset
         digests: dict[int, str] = {}
         pending: list[int] = []
         compiled_at = None
@@ -319,7 +339,7 @@ def main() -> None:
             for step, batch in zip(range(start, args.steps), batches):
                 if args.losses_out is not None:
                     digests[step] = batch_digest(batch["input_ids"])
-                state, loss = step_fn(state, {name: batch[name] for name in FIELDS})
+                state, loss, per_dataset[step] = step_fn(state, {name: batch[name] for name in FIELDS})
                 losses[step] = loss
                 pending.append(step)
                 if compiled_at is None:
@@ -327,13 +347,19 @@ def main() -> None:
                     compiled_at = time.perf_counter()
                 done = step + 1
                 if done % args.log_every == 0 or done == args.steps:
-                    values = jax.device_get([losses[s] for s in pending])
-                    for s, value in zip(pending, values):
+                    values = jax.device_get([(losses[s], per_dataset[s]) for s in pending])
+                    for s, (value, (sums, tokens)) in zip(pending, values):
                         losses[s] = float(value)
+                        per_dataset[s] = (np.asarray(sums, np.float64), np.asarray(tokens, np.float64))
                     pending = []
-                    window = [losses[s] for s in range(max(start, done - args.log_every), done)]
-                    log.info("step %d/%d: loss %.4f (mean of the last %d steps: %.4f)", done, args.steps,
-                             losses[step], len(window), float(np.mean(window)))
+                    steps_logged = range(max(start, done - args.log_every), done)
+                    window = [losses[s] for s in steps_logged]
+                    sums = np.sum([per_dataset[s][0] for s in steps_logged], axis=0)
+                    tokens = np.sum([per_dataset[s][1] for s in steps_logged], axis=0)
+                    by_dataset = ", ".join(f"{name} {sums[i] / tokens[i]:.4f}" if tokens[i] else f"{name} -"
+                                           for i, name in enumerate(names))
+                    log.info("step %d/%d: loss %.4f (mean of the last %d steps: %.4f; per dataset: %s)", done,
+                             args.steps, losses[step], len(window), float(np.mean(window)), by_dataset)
                 if manager is not None and (done % args.checkpoint_every == 0 or done == args.steps):
                     save(done)
         finally:
@@ -346,9 +372,13 @@ def main() -> None:
     ran = sorted(losses)
     for s in pending:
         losses[s] = float(losses[s])
+        per_dataset[s] = tuple(np.asarray(x, np.float64) for x in jax.device_get(per_dataset[s]))
     if args.losses_out is not None and jax.process_index() == 0:
+        dataset_loss = {str(s): {name: [float(per_dataset[s][0][i]), float(per_dataset[s][1][i])]
+                                 for i, name in enumerate(names)} for s in ran}
         args.losses_out.write_text(json.dumps({"loss": {str(s): losses[s] for s in ran},
-                                               "input_ids_sha256": {str(s): digests[s] for s in ran}}, indent=1))
+                                               "input_ids_sha256": {str(s): digests[s] for s in ran},
+                                               "dataset_loss": dataset_loss}, indent=1))
     if ran:
         first_loss = float(np.mean([losses[s] for s in ran[:10]]))
         last_loss = float(np.mean([losses[s] for s in ran[-10:]]))

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.selection import where_problem
 from lakeloader.contracts.specs import WeightError, check_weights
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
@@ -152,8 +153,15 @@ _METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class DatasetConfig(_Strict):
     """One dataset: where its documents come from and how to read and render them."""
 
-    sources: list[str] = Field(min_length=1, description=(
-        "Globs or URLs of input files (.jsonl[.gz|.zst], .txt[.gz|.zst], .parquet); one string is a list of one."))
+    sources: list[str] = Field(default_factory=list, description=(
+        "Globs or URLs of input files (.jsonl[.gz|.zst], .txt[.gz|.zst], .parquet); one string is a list of "
+        "one. Required unless the dataset is defined by a filter (from, where)."))
+    from_: str | None = Field(default=None, alias="from", description=(
+        "A dataset defined by a filter: the dataset of this config whose documents it selects (with "
+        "where; no sources or format keys). Not supported yet: refused with a config error."))
+    where: str | None = Field(default=None, description=(
+        "With from: a SQL predicate over the source dataset's metadata fields and num_tokens, e.g. "
+        "\"lang = 'en' AND num_tokens < 8192\" (one pure expression: no subquery)."))
     format: Literal["text", "chat", "supervised", "fim", "interleaved"] = Field(
         default="text", description="How records are read and rendered (the section of the same name configures it).")
     text_field: str = Field(default="text", description="Record field holding the text.")
@@ -197,6 +205,23 @@ class DatasetConfig(_Strict):
     @classmethod
     def _one_source_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _sources_or_filter(self) -> DatasetConfig:
+        if self.from_ is None:
+            if self.where is not None:
+                raise KeyValueError(("where",), "where filters the dataset named by from: add from: <dataset>")
+            if not self.sources:
+                raise KeyValueError(("sources",), "a dataset needs sources (globs or URLs of input files), "
+                                    "or from and where to select documents of another dataset")
+            return self
+        if self.where is None:
+            raise KeyValueError(("where",), f"a dataset defined by a filter of {self.from_!r} needs where: <SQL predicate>")
+        others = sorted(set(self.model_fields_set) - {"from_", "where"})
+        if others:
+            raise KeyValueError((others[0],), "a dataset defined by a filter (from, where) takes its documents, "
+                                "format and fields from its source dataset; remove this key")
+        return self
 
     @model_validator(mode="after")
     def _sections_match_format(self) -> DatasetConfig:
@@ -424,6 +449,31 @@ class Config(_Strict):
                     "(its files sit beside the dataset folders): rename the dataset"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _filters_name_datasets(self) -> Config:
+        for name, dataset in self.datasets.items():
+            if dataset.from_ is None:
+                continue
+            source = self.datasets.get(dataset.from_)
+            if source is None:
+                raise KeyValueError(("datasets", name, "from"),
+                                    f"no dataset {dataset.from_!r} in this config; datasets are {sorted(self.datasets)}")
+            if source.from_ is not None:
+                raise KeyValueError(("datasets", name, "from"),
+                                    f"dataset {dataset.from_!r} is itself defined by a filter: filter its source "
+                                    f"{source.from_!r} with both predicates joined by AND")
+            problem = where_problem(dataset.where or "", source.metadata_fields)
+            if problem is not None:
+                raise KeyValueError(("datasets", name, "where"), problem)
+        # Checked above so that a wrong filter says what is wrong; the build and the readers of
+        # filtered datasets are not there yet.
+        for name, dataset in self.datasets.items():
+            if dataset.from_ is not None:
+                raise KeyValueError(("datasets", name, "where"),
+                                    "datasets defined by a filter (from, where) are not supported yet: "
+                                    "give the selected documents their own sources for now")
+        return self
 
     @model_validator(mode="after")
     def _mixture_names_datasets(self) -> Config:

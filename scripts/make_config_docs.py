@@ -122,7 +122,7 @@ def sections(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, ty
     for name, field in model.model_fields.items():
         if field.exclude:
             continue
-        key = f"{prefix}{name}"
+        key = f"{prefix}{field.alias or name}"   # the YAML key (``from`` is field ``from_``)
         cells = (f"`{key}`", type_name(field.annotation), default_text(field), allowed_text(field),
                  field.description or "")
         rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")

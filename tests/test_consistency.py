@@ -145,7 +145,7 @@ def test_batches_streams_with_bounded_memory(lake: Path, tmp_path: Path,
     assert peak < steps * per_batch / 3, f"peak {peak / 1e6:.0f} MB for {steps * per_batch / 1e6:.0f} MB of batches"
     assert "batches: 100%" in capsys.readouterr().err  # the progress bar, on stderr
     with np.load(tmp_path / "many.npz") as data, Loader(wide) as loader:
-        assert list(data.keys()) == ["input_ids", "targets", "loss_mask", "segment_ids", "positions"]
+        assert list(data.keys()) == ["input_ids", "targets", "loss_mask", "segment_ids", "positions", "dataset_ids"]
         for step in (0, 17, steps - 1):
             for key, values in loader.batch(step).items():
                 assert data[key].shape == (steps, *values.shape) and data[key].dtype == values.dtype

@@ -54,7 +54,7 @@ def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> dict[
 def empty_like(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
     """Arrays shaped as ``batch``'s before anything is written: padding tokens, zeros elsewhere."""
     return {k: np.full_like(v, pad_id) if k in ("input_ids", "targets") else np.zeros_like(v)
-            for k, v in batch.items() if k != "example_mask"}
+            for k, v in batch.items() if k not in ("example_mask", "dataset_ids")}
 
 
 @pytest.mark.parametrize("packing,mode", [("concat", "train"), ("concat", "eval"), ("pack", "train"), ("pack", "eval")])
@@ -73,7 +73,7 @@ def test_every_example_fills_its_own_row_as_the_batch_does(lake: dict[str, Path]
                     example.fill(row_of(one_by_one, number))
             together = empty_like(batch, loader.pad_id)
             fill_batch(together, found.examples)
-            expected = {k: v for k, v in batch.items() if k != "example_mask"}
+            expected = {k: v for k, v in batch.items() if k not in ("example_mask", "dataset_ids")}
             assert_batches_equal([one_by_one, together], [expected, expected])
             if mode == "eval":
                 mask = np.array([e is not None for e in found.examples], np.float32)

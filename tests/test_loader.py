@@ -135,16 +135,16 @@ def global_stream(documents: list[list[list[int]]]) -> Stream:
     return stream
 
 
-def naive_row(stream: Stream, start: int, length: int = SEQ_LEN) -> dict[str, np.ndarray]:
+def naive_row(stream: Stream, start: int, length: int = SEQ_LEN, dataset_id: int = 0) -> dict[str, np.ndarray]:
     """One batch row from stream tokens [start, start+length] (clipped at the stream's end; the
-    rest is padding with EOS and zero masks)."""
+    rest is padding with EOS and zero masks) of the mixture's dataset ``dataset_id``."""
     window = stream.tokens[start:start + length + 1]
     docs = stream.docs[start:start + length + 1]
     n = len(window) - 1
     row = {
         "input_ids": np.full(length, eos_id(), np.int32), "targets": np.full(length, eos_id(), np.int32),
         "loss_mask": np.zeros(length, np.float32), "segment_ids": np.zeros(length, np.int32),
-        "positions": np.zeros(length, np.int32),
+        "positions": np.zeros(length, np.int32), "dataset_ids": np.int32(dataset_id),
     }
     segment = position = 0
     for t in range(n):
@@ -353,13 +353,13 @@ def test_state_of_other_config_is_a_clear_error(lake: Path) -> None:
 
 def eval_reference(streams: list[Stream], batch_size: int) -> tuple[list[dict[str, np.ndarray]], int]:
     """Global eval batches: each dataset's examples [jL, jL+L] clipped, datasets in config order,
-    then padding rows (EOS, zero masks, example_mask 0) up to a whole batch."""
+    then padding rows (EOS, zero masks, example_mask 0, dataset_ids -1) up to a whole batch."""
     rows = []
-    for stream in streams:
+    for number, stream in enumerate(streams):
         for j in range(math.ceil((len(stream.tokens) - 1) / SEQ_LEN)):
-            rows.append({**naive_row(stream, j * SEQ_LEN), "example_mask": np.float32(1.0)})
+            rows.append({**naive_row(stream, j * SEQ_LEN, dataset_id=number), "example_mask": np.float32(1.0)})
     examples = len(rows)
-    padding = {**naive_row(Stream(), 0), "example_mask": np.float32(0.0)}
+    padding = {**naive_row(Stream(), 0, dataset_id=-1), "example_mask": np.float32(0.0)}
     rows += [padding] * (-len(rows) % batch_size)
     batches = [stack(rows[b:b + batch_size]) for b in range(0, len(rows), batch_size)]
     return batches, examples

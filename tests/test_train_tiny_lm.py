@@ -70,6 +70,21 @@ def test_the_loss_falls(uninterrupted: dict[str, Any]) -> None:
     assert last < first - 1.5, (first, last, losses)
 
 
+def test_the_loss_is_logged_per_dataset_from_dataset_ids(uninterrupted: dict[str, Any], lake_config: Path) -> None:
+    with Loader(lake_config) as loader:
+        for step in (0, 1, 37, STEPS - 1):
+            batch = loader.batch(step)
+            per_dataset = uninterrupted["dataset_loss"][str(step)]
+            assert list(per_dataset) == ["code", "notes"]
+            tokens = [batch["loss_mask"][batch["dataset_ids"] == i].sum() for i in range(2)]
+            assert [t for _, t in per_dataset.values()] == tokens, step
+            # The per-dataset sums make up the step's loss (the mean over all loss tokens).
+            summed = sum(s for s, _ in per_dataset.values()) / sum(tokens)
+            np.testing.assert_allclose(summed, uninterrupted["loss"][str(step)], rtol=1e-5)
+    seen = {name for step in uninterrupted["dataset_loss"].values() for name, (_, t) in step.items() if t}
+    assert seen == {"code", "notes"}
+
+
 def test_the_example_trains_on_the_loaders_batches(uninterrupted: dict[str, Any], lake_config: Path) -> None:
     with Loader(lake_config) as loader:
         for step in (0, 1, 37, STEPS - 1):

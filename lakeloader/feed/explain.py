@@ -47,9 +47,10 @@ def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
     ``view`` is the catalog the examples were read from."""
     rows = []
     cache: dict[tuple[str, int], tuple[np.ndarray, dict[str, object]]] = {}
-    for global_row, example in zip(found.rows.tolist(), found.examples):
+    for global_row, dataset_id, example in zip(found.rows.tolist(), found.dataset_ids.tolist(), found.examples):
         if example is None:
-            rows.append({"step": found.step, "row": global_row, "dataset": None, "segment": 0})
+            rows.append({"step": found.step, "row": global_row, "dataset": None, "dataset_id": dataset_id,
+                         "segment": 0})
             continue
         for segment in example.segments():
             key = (example.dataset, segment.chunk)
@@ -57,7 +58,8 @@ def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
                 cache[key] = _records(view, *key)
             records, source = cache[key]
             rows.append({
-                "step": found.step, "row": global_row, "dataset": example.dataset, "epoch": example.epoch,
+                "step": found.step, "row": global_row, "dataset": example.dataset,
+                "dataset_id": dataset_id, "epoch": example.epoch,
                 "example": example.example, "segment": segment.number,
                 "shard": int(found.shards[example.dataset][segment.chunk]), "chunk": segment.chunk,
                 "chunk_path": source["path"], "document": segment.document, "source": source["source"],

@@ -191,7 +191,8 @@ class Loader:
 
     # -- batches ---------------------------------------------------------------------------------
 
-    def _windows(self, step: int) -> list[Example | None]:
+    def _windows(self, step: int) -> tuple[np.ndarray, list[Example | None]]:
+        """Each local row's dataset number (-1: past an eval pass) and example of batch ``step``."""
         positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
             owners, indices = self.mixer.eval_assign(positions, [d.eval_count() for d in self.datasets])
@@ -207,7 +208,7 @@ class Loader:
                 found = examples.train_windows(indices[rows])
             for row, window in zip(rows.tolist(), found):
                 windows[row] = window
-        return windows
+        return owners, windows
 
     def check_step(self, step: int) -> None:
         """Raise :class:`StepRangeError` naming the valid steps unless batch ``step`` exists."""
@@ -227,8 +228,9 @@ class Loader:
         """This process's rows of global batch ``step``: arrays of shape [rows, seq_len]."""
         self.check_step(step)
         arrays = self._empty_batch()
-        examples = self._windows(step)
+        owners, examples = self._windows(step)
         fill_batch(arrays, examples)
+        arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
         return arrays
@@ -310,8 +312,9 @@ class Loader:
         past the end of an evaluation pass) with each row's global row number and each dataset's
         chunk-to-shard map: what :meth:`batch` writes, before it is written."""
         self.check_step(step)
-        return StepExamples(step, self.row_indices.copy(), self._windows(step),
-                            {d.name: d.chunks.shard_index for d in self.datasets})
+        owners, windows = self._windows(step)
+        return StepExamples(step, self.row_indices.copy(), windows,
+                            {d.name: d.chunks.shard_index for d in self.datasets}, owners.astype(np.int32))
 
     def explain(self, step: int) -> pd.DataFrame:
         """For every row of batch ``step`` on this process: which dataset, epoch, chunk, shard,

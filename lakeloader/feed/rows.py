@@ -88,3 +88,4 @@ class StepExamples:
     rows: np.ndarray                    # global row number (within the batch) of each local row
     examples: list[Example | None]      # each local row's example; None: past an evaluation pass
     shards: dict[str, np.ndarray]       # per dataset: shard index of each committed chunk
+    dataset_ids: np.ndarray             # each local row's dataset position (-1: padding), as in batches

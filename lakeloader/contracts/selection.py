@@ -1,0 +1,77 @@
+"""The predicate of a dataset defined by a filter (``from: web, where: "lang = 'en'"``): a pure SQL
+expression over the source dataset's metadata fields and ``num_tokens``, checked with DuckDB
+against an empty relation of those columns before any work."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from lakeloader.contracts.errors import ConfigError
+
+# The columns a predicate may name besides the metadata fields.
+PREDICATE_COLUMNS = {"num_tokens": pa.int64()}
+METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
+# The predicate is parsed and bound as the WHERE clause of this statement over an empty relation.
+# These two statements stay here (not in catalog/queries.sql): the config validates with them and
+# sits below the catalog layer; neither touches a catalog.
+_CANDIDATE = "candidate"
+_WRAPPED = "SELECT 1 FROM candidate WHERE ({where})"
+_SERIALIZE = "SELECT json_serialize_sql($statement)"
+
+
+def _nodes(value: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(value, dict):
+        yield value
+        for item in value.values():
+            yield from _nodes(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _nodes(item)
+
+
+def where_problem(where: str, metadata: Mapping[str, str | None]) -> str | None:
+    """What is wrong with ``where`` as a filter (None: nothing): it must be one pure SQL expression
+    (no subquery, no statement around it) that DuckDB binds against an empty relation of
+    ``metadata`` (field -> string | int | float | bool; an untyped field binds as a string) and
+    ``num_tokens``."""
+    columns = {**{field: METADATA_ARROW_TYPES.get(kind or "string", pa.string()) for field, kind in metadata.items()},
+               **PREDICATE_COLUMNS}
+    known = ", ".join(columns)
+    if not where.strip():
+        return f"the predicate is empty: give a SQL predicate over {known}, e.g. \"num_tokens < 8192\""
+    statement = _WRAPPED.format(where=where)
+    con = duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
+    try:
+        parsed = json.loads(con.execute(_SERIALIZE, {"statement": statement}).fetchall()[0][0])
+        if parsed.get("error"):
+            return f"not a SQL predicate ({parsed.get('error_message')}); write an expression over {known}"
+        statements = parsed["statements"]
+        node = statements[0]["node"] if len(statements) == 1 else {}
+        pure = (node.get("type") == "SELECT_NODE" and not node.get("modifiers") and not node.get("group_expressions")
+                and node.get("having") is None and node.get("qualify") is None and node.get("sample") is None
+                and not node.get("cte_map", {}).get("map")
+                and node.get("from_table", {}).get("table_name") == _CANDIDATE
+                and not any(n.get("class") == "SUBQUERY" for n in _nodes(node.get("where_clause"))))
+        if not pure:
+            return (f"not one pure expression: a filter is a predicate over {known} (no subquery, no "
+                    "statement, no table), e.g. \"lang = 'en' AND num_tokens < 8192\"")
+        con.register(_CANDIDATE, pa.table({name: pa.array([], kind) for name, kind in columns.items()}))
+        con.execute(statement).fetchall()
+    except duckdb.Error as exc:
+        return (f"does not bind to the source dataset's columns ({known}): {str(exc).splitlines()[0]}; "
+                "fix the predicate or add the field to the source dataset's metadata_fields")
+    finally:
+        con.close()
+    return None
+
+
+def check_where(key: str, where: str, metadata: Mapping[str, str | None]) -> None:
+    """ConfigError naming ``key`` (``datasets.<name>.where``) when :func:`where_problem` finds one."""
+    problem = where_problem(where, metadata)
+    if problem is not None:
+        raise ConfigError(f"{key} = {where!r}: {problem}")
