@@ -18,6 +18,8 @@ import pytest
 import yaml
 import zstandard
 
+from lakeloader.ingest.driver import build
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TOKENIZER = Path(os.environ.get("LAKELOADER_TEST_TOKENIZER", REPO / "demo" / "tokenizer.json"))
 
@@ -173,8 +175,6 @@ class Lakes:
 
     def shared(self, corpus: Mapping[str, Any], datasets: Mapping[str, Any], **sections: Any) -> Path:
         """Config of the shared built lake (``config.parent`` holds ``data/``, ``lake/``)."""
-        from lakeloader.ingest.driver import build
-
         request = json.dumps([corpus, datasets, sections], sort_keys=True, default=str)
         folder = self.root / hashlib.sha256(request.encode()).hexdigest()[:16]
         if not (folder / "built").exists():
@@ -227,3 +227,23 @@ def built_lake(request: pytest.FixtureRequest, lakes: Lakes, tmp_path: Path) -> 
     """
     spec = small_lake_request(**getattr(request, "param", {}))
     return lakes.copy(tmp_path, spec.pop("corpus"), spec.pop("datasets"), **spec)
+
+
+@pytest.fixture(scope="session")
+def two_dataset_lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> dict[str, Path]:
+    """A small lake of two datasets in a 0.6/0.4 mixture, built once per session, and a loader
+    config per packing ("pack", "concat": both read the same lake; the build registers pack).
+    Tests must not change it."""
+    root = tmp_path_factory.mktemp("two_datasets")
+    write_jsonl(root / "data" / "a.jsonl", stdlib_texts("json"))
+    write_jsonl(root / "data" / "b.jsonl", stdlib_texts("zoneinfo"))
+    datasets = {"a": {"sources": [str(root / "data" / "a.jsonl")]}, "b": {"sources": [str(root / "data" / "b.jsonl")]}}
+    configs = {}
+    for packing in ("pack", "concat"):
+        path = write_config(root, datasets, build={"split_size": "8KB", "row_group_tokens": 500},
+                            loader={"seq_len": 32, "batch_size": 8, "packing": packing,
+                                    "shuffle": {"kind": "window", "window_chunks": 2}},
+                            mixture={"weights": {"a": 0.6, "b": 0.4}})
+        configs[packing] = path.rename(root / f"{packing}.yaml")
+    build(configs["pack"], scheduler=dask_scheduler, progress=False)
+    return configs

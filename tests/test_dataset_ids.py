@@ -14,10 +14,7 @@ from jax.sharding import Mesh
 from lakeloader.cli import main
 from lakeloader.feed.jax import JaxFeed
 from lakeloader.feed.loader import Loader
-from lakeloader.ingest.driver import build
 from lakeloader.specs import dataset_names
-
-from conftest import stdlib_texts, write_config, write_jsonl
 
 SEQ_LEN = 32
 BATCH = 8
@@ -25,21 +22,9 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> dict[str, Path]:
-    """Two datasets in a 0.6/0.4 mixture; a config per packing (both read the same lake)."""
-    root = tmp_path_factory.mktemp("dataset_ids")
-    write_jsonl(root / "data" / "a.jsonl", stdlib_texts("json"))
-    write_jsonl(root / "data" / "b.jsonl", stdlib_texts("zoneinfo"))
-    datasets = {"a": {"sources": [str(root / "data" / "a.jsonl")]}, "b": {"sources": [str(root / "data" / "b.jsonl")]}}
-    configs = {}
-    for packing in ("pack", "concat"):
-        path = write_config(root, datasets, build={"split_size": "8KB", "row_group_tokens": 500},
-                            loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "packing": packing,
-                                    "shuffle": {"kind": "window", "window_chunks": 2}},
-                            mixture={"weights": {"a": 0.6, "b": 0.4}})
-        configs[packing] = path.rename(root / f"{packing}.yaml")
-    build(configs["pack"], scheduler=dask_scheduler, progress=False)
-    return configs
+def lake(two_dataset_lake: dict[str, Path]) -> dict[str, Path]:
+    """Two datasets in a 0.6/0.4 mixture; a config per packing (seq_len 32, batch 8)."""
+    return two_dataset_lake
 
 
 @pytest.mark.parametrize("packing", ["concat", "pack"])

@@ -23,32 +23,19 @@ from lakeloader.feed.explain import explain
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExample
 from lakeloader.feed.rows import fill_batch, row_of
-from lakeloader.ingest.driver import build
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.lru import LRU
 
-from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+from conftest import assert_batches_equal
 
 SEQ_LEN = 32
 BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> dict[str, Path]:
-    """A small lake of two datasets and a loader config per packing (the build registers pack)."""
-    root = tmp_path_factory.mktemp("layering")
-    write_jsonl(root / "data" / "a.jsonl", stdlib_texts("json"))
-    write_jsonl(root / "data" / "b.jsonl", stdlib_texts("zoneinfo"))
-    datasets = {"a": {"sources": [str(root / "data" / "a.jsonl")]}, "b": {"sources": [str(root / "data" / "b.jsonl")]}}
-    configs = {}
-    for packing in ("pack", "concat"):
-        path = write_config(root, datasets, build={"split_size": "8KB", "row_group_tokens": 500},
-                            loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "packing": packing,
-                                    "shuffle": {"kind": "window", "window_chunks": 2}},
-                            mixture={"weights": {"a": 0.6, "b": 0.4}})
-        configs[packing] = path.rename(root / f"{packing}.yaml")
-    build(configs["pack"], scheduler=dask_scheduler, progress=False)
-    return configs
+def lake(two_dataset_lake: dict[str, Path]) -> dict[str, Path]:
+    """Two datasets in a 0.6/0.4 mixture; a config per packing (seq_len 32, batch 8)."""
+    return two_dataset_lake
 
 
 def empty_like(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
