@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import sysconfig
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 import yaml
 import zstandard
 
+from lakeloader.catalog.store import LiveCatalog
 from lakeloader.ingest.driver import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,3 +250,25 @@ def two_dataset_lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: s
         configs[packing] = path.rename(root / f"{packing}.yaml")
     build(configs["pack"], scheduler=dask_scheduler, progress=False)
     return configs
+
+
+def start_build_thread(config: Path, timeout: float = 60, **options: Any
+                       ) -> tuple[threading.Thread, LiveCatalog, list[BaseException]]:
+    """Start ``build(config, live=..., **options)`` in a thread and return once the build holds its
+    catalog (or has ended): the thread, the build's live-catalog handle for readers in this process,
+    and the list the build's exception goes to (for the test to assert on)."""
+    live, errors = LiveCatalog(), []
+
+    def run() -> None:
+        try:
+            build(config, live=live, **options)
+        except BaseException as exc:  # surfaced by the test's assertion
+            errors.append(exc)
+
+    builder = threading.Thread(target=run)
+    builder.start()
+    deadline = time.monotonic() + timeout
+    while not live.is_open and builder.is_alive():
+        assert time.monotonic() < deadline, "the build did not open its catalog"
+        time.sleep(0.01)
+    return builder, live, errors

@@ -8,7 +8,6 @@ example (concat: every stream target; pack: every stored document token) exactly
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,15 +16,12 @@ import numpy as np
 import pytest
 import yaml
 
-from lakeloader.catalog.store import LiveCatalog
-
 # The classes under test.
 from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExamples
-from lakeloader.ingest.driver import build
 
-from conftest import Lakes, small_lake_request, stdlib_texts, write_config, write_jsonl
+from conftest import Lakes, small_lake_request, start_build_thread, stdlib_texts, write_config, write_jsonl
 
 SEQ_LEN = 32
 SHUFFLES = {
@@ -154,21 +150,7 @@ def test_train_examples_while_the_catalog_grows(tmp_path: Path) -> None:
                           loader={"seq_len": SEQ_LEN, "batch_size": 8, "prefetch": 0, "wait_timeout": 120})
     configs = {kind: reader_config(config, tmp_path / kind, shuffle=SHUFFLES[kind], wait_timeout=120)
                for kind in ("none", "window")}
-    errors: list[BaseException] = []
-    live = LiveCatalog()
-
-    def run() -> None:
-        try:
-            build(config, workers=1, progress=False, live=live)
-        except BaseException as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    builder = threading.Thread(target=run)
-    builder.start()
-    deadline = time.monotonic() + 60
-    while not live.is_open and builder.is_alive():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    builder, _, errors = start_build_thread(config, workers=1, progress=False)
     during: dict[str, DatasetExamples] = {}
     while len(during) < len(configs) and builder.is_alive():
         try:

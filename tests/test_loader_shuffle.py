@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -10,11 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lakeloader.catalog.store import LiveCatalog
 from lakeloader.feed.loader import Loader
-from lakeloader.ingest.driver import build
 
-from conftest import Lakes, assert_batches_equal, global_batches, stdlib_texts, write_config, write_corpus
+from conftest import (
+    Lakes,
+    assert_batches_equal,
+    global_batches,
+    start_build_thread,
+    stdlib_texts,
+    write_config,
+    write_corpus,
+)
 
 STEPS = 12
 
@@ -80,21 +85,7 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
     chunks (and, for pack, their example counts) are still being committed; they equal the
     batches read after the build."""
     config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120, packing=packing)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            build(config, workers=1, progress=False, live=live)
-        except BaseException as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    live = LiveCatalog()   # the build's live catalog, for the reader in this process
-    builder = threading.Thread(target=run)
-    builder.start()
-    deadline = time.monotonic() + 60
-    while not live.is_open and builder.is_alive():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    builder, live, errors = start_build_thread(config, workers=1, progress=False)
     during_loader = None
     while during_loader is None and builder.is_alive():
         try:
