@@ -69,7 +69,7 @@ def shm_segments(pid: int) -> list[str]:
 def test_workers_give_the_batches_of_one_process(lake: Path, packing: str, shuffle: str) -> None:
     reference = one_process(config_of(lake, f"{packing}-{shuffle}-0", packing=packing, shuffle=shuffle),
                             range(STEPS))
-    for workers in (1, 2) if shuffle == "full" else (2,):
+    for workers in (1, 2) if (packing, shuffle) == ("pack", "full") else (2,):
         config = config_of(lake, f"{packing}-{shuffle}-{workers}", packing=packing, shuffle=shuffle,
                            workers=workers, prefetch=3)
         got = from_workers(config, 0, STEPS)
@@ -82,7 +82,7 @@ def test_workers_give_the_batches_of_one_process(lake: Path, packing: str, shuff
 def test_resume_with_workers_equals_the_tail(lake: Path) -> None:
     reference = one_process(config_of(lake, "resume-0", shuffle="full"), range(STEPS))
     config = config_of(lake, "resume-2", shuffle="full", workers=2, prefetch=1)
-    for start in (1, 4, 7):
+    for start in (3, 7):
         assert_batches_equal(from_workers(config, start, STEPS - start), reference[start:])
     assert not shm_segments(os.getpid())
 
