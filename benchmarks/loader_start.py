@@ -38,7 +38,7 @@ def lake_config(size: str, verify: str, kind: str) -> Path:
     path.write_text(yaml.safe_dump({
         "lake": str(OUT / f"start-{size}-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
-        "build": {"split_size": "8MB"},
+        "build": {"split_size": "8MB" if size == "bench" else "1MB"},   # demo: ~10 chunks, not 2
         "loader": {"seq_len": SEQ, "batch_size": BATCH, "verify": verify, "prefetch": 0,
                    "shuffle": {"kind": kind, "window_chunks": 4, "block_size": 64, "window_blocks": 8}},
     }))

@@ -42,10 +42,17 @@ def test_added_tokens_none_unless_certain(head: str) -> None:
 def test_loader_opens_without_building_the_tokenizer(tmp_path: Path, dask_scheduler: str) -> None:
     write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
     config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "data" / "a.jsonl")]}},
-                          loader={"seq_len": 32, "batch_size": 4, "shuffle": "full"})
+                          build={"split_size": "8KB"}, loader={"seq_len": 32, "batch_size": 16, "shuffle": "full"})
     build(config, scheduler=dask_scheduler, progress=False)
     with Loader(config) as loader:
-        assert loader.batch(5)["input_ids"].shape == (4, 32)
+        queries: list[str] = []
+        named = loader.view.named
+        loader.view.named = lambda name, params=None: queries.append(name) or named(name, params)  # type: ignore[method-assign]
+        batch = loader.batch(5)
+        chunks = {p.chunk for e in loader.examples(5).examples for p in e.pieces}
+        assert len(chunks) > 2 and batch["input_ids"].shape == (16, 32)
+        # the row groups of every chunk the batch needs come from one catalog query
+        assert len([q for q in queries if q.startswith("reader_row_groups")]) == 1, queries
         assert "full" not in loader.tokenizer.__dict__
         eos = Tokenizer.from_file(str(DEMO_TOKENIZER)).token_to_id("<|endoftext|>")
         assert loader.pad_id == eos and loader.templates["d"].doc_suffix.tolist() == [eos]
