@@ -165,3 +165,17 @@ def test_no_worker_or_segment_outlives_the_parent(lake: Path, tmp_path: Path, ho
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_jax_feed_with_workers_gives_the_same_arrays(lake: Path) -> None:
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from lakeloader.feed.jax import JaxFeed
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    reference = one_process(config_of(lake, "jax-0", shuffle="full"), range(4))
+    with JaxFeed(config_of(lake, "jax-2", shuffle="full", workers=2), mesh, PartitionSpec("data")) as feed:
+        got = [{k: np.asarray(v) for k, v in b.items()} for b in itertools.islice(feed.restore(feed.state(0)), 4)]
+    assert_batches_equal(got, reference)
+    assert not shm_segments(os.getpid())
