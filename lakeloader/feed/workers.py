@@ -14,7 +14,9 @@ Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collecti
 sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
 segment they created. Workers ignore SIGINT (Ctrl-C reaches the consumer, which closes them)
 and notice a dead parent (the pipe closes, or ``os.getppid`` changes: a watchdog thread polls it
-even while a batch is being built) and then unlink their segments and exit. Segment names start
+even while a batch is being built) and then unlink their segments and exit. Workers are spawned
+(no fork of a process running threads), so a script using them runs its loop under
+``if __name__ == "__main__":``, as any multiprocessing program. Segment names start
 with the pool's ``prefix`` (``lakeloader_<pid>_<random>``), so leaks can be found in /dev/shm.
 """
 
@@ -238,8 +240,11 @@ class WorkerPool:
         try:
             return conn.recv()
         except EOFError:
-            raise WorkerError(f"loader worker {worker} (pid {process.pid}) closed its pipe unexpectedly "
-                              f"(exit code {process.exitcode})") from None
+            raise WorkerError(
+                f"loader worker {worker} (pid {process.pid}) ended before its first batch or closed its "
+                f"pipe (exit code {process.exitcode}; its error, if any, is on stderr above). Workers are "
+                "spawned processes: a script that iterates a loader with loader.workers > 0 must do so "
+                "under `if __name__ == \"__main__\":` (as any multiprocessing program)") from None
 
     def batch(self, step: int) -> Batch:
         """Batch ``step`` (the next one in order) as fresh arrays owned by the caller."""
