@@ -1,12 +1,13 @@
 """Batches built by worker processes into shared memory (``loader.workers: N``), handed out in step order.
 
 Protocol. Worker ``k`` of ``N`` opens its own loader over the same config (``make_loader``, a
-picklable callable) and builds steps ``start + k``, ``start + k + N``, ... (stopping before
-``total``) into a ring of ``ring`` shared-memory slots of its own. For each step it sends the
+picklable callable) and builds the blocks of :data:`BLOCK` consecutive steps numbered ``k``,
+``k + N``, ... from ``start`` (stopping before ``total``; consecutive steps share decoded row
+groups) into a ring of shared-memory slots of its own (a block and the read-ahead). For each step it sends the
 consumer one message over its pipe: ``("batch", step, slot, layout, objects)`` (the numeric
 fields' dtype, shape and offset in the slot, and the few object arrays, pickled), or
-``("error", step, exception)`` after which it builds nothing more. The consumer reads worker
-``(step - start) % N``'s next message for each step, so batches come out in step order and are
+``("error", step, exception)`` after which it builds nothing more. The consumer reads the next
+message of the worker owning each step (:func:`owner`), so batches come out in step order and are
 exactly the batches of one process; it copies the fields out of the slot into fresh arrays (a
 batch the caller keeps is never overwritten) and sends ``("release", slot)`` back.
 
@@ -32,7 +33,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,7 +46,13 @@ log = logging.getLogger(__name__)
 ALIGN = 64
 WATCH_SECONDS = 0.2
 JOIN_SECONDS = 5.0
+BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
 Layout = list[tuple[str, str, tuple[int, ...], int]]   # (field, dtype, shape, offset in the slot)
+
+
+def owner(offset: int, workers: int) -> int:
+    """The worker that builds step ``start + offset``: blocks of :data:`BLOCK` steps in turn."""
+    return (offset // BLOCK) % workers
 
 
 class BatchSource(Protocol):
@@ -58,14 +65,6 @@ class BatchSource(Protocol):
 
 class WorkerError(LakeloaderError):
     """A worker failed with an exception that could not be sent to the consumer as it was."""
-
-
-def _untracked(name: str) -> shared_memory.SharedMemory:
-    """Attach segment ``name`` without registering it with the resource tracker (its creator
-    unlinks it; on Python < 3.13 attaching registers it as if this process owned it)."""
-    segment = shared_memory.SharedMemory(name=name)
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    return segment
 
 
 def _unlink(name: str) -> None:
@@ -159,7 +158,7 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
     threading.Thread(target=watchdog, name="lakeloader-worker-watchdog", daemon=True).start()
     free = list(range(ring))
     loader: BatchSource | None = None
-    step = start + worker
+    step = start + worker * BLOCK
     failed = False
 
     def handle(message: tuple[Any, ...]) -> bool:
@@ -188,7 +187,7 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                 log.debug("worker %d failed at step %d", worker, step, exc_info=True)
                 conn.send(("error", step, _sendable(exc)))
                 failed = True
-            step += workers
+            step += 1 if (step - start + 1) % BLOCK else (workers - 1) * BLOCK + 1
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return   # the consumer is gone (closed its end or died)
     finally:
@@ -248,7 +247,7 @@ class WorkerPool:
 
     def batch(self, step: int) -> Batch:
         """Batch ``step`` (the next one in order) as fresh arrays owned by the caller."""
-        worker = (step - self.start) % self.workers
+        worker = owner(step - self.start, self.workers)
         message = self._receive(worker)
         if message[0] == "error":
             raise message[2]
@@ -260,7 +259,9 @@ class WorkerPool:
         if segment is None:
             for old in [n for n in self._attached if n.rsplit("_", 1)[0] == name.rsplit("_", 1)[0]]:
                 self._attached.pop(old).close()   # a regrown slot's old segment
-            segment = self._attached[name] = _untracked(name)
+            # Attaching registers the name with the resource tracker that spawned workers share
+            # with this process: a no-op, the worker's unlink unregisters it.
+            segment = self._attached[name] = shared_memory.SharedMemory(name=name)
         batch: Batch = {}
         for field, dtype, shape, offset in layout:
             count = int(np.prod(shape))
@@ -304,7 +305,7 @@ def worker_batches(make_loader: Callable[[], BatchSource], workers: int, start: 
                    prefetch: int) -> Iterator[Batch]:
     """Batches ``start, start + 1, ...`` (before ``total``) built by ``workers`` processes, about
     ``prefetch`` ahead in all (at least one per worker); the workers stop when this closes."""
-    ring = max(1, -(-max(prefetch, 1) // workers)) + 1
+    ring = BLOCK + max(1, -(-prefetch // workers))
     pool = WorkerPool(make_loader, workers, start, total, ring)
     try:
         step = start
