@@ -28,17 +28,19 @@ STEPS = (10, 100_000)
 ROUNDS = 3
 
 
-def lake_config(size: str, verify: str, kind: str) -> Path:
+def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 20) -> Path:
     """The config of the benchmark lake (built once) with shuffle ``kind``."""
     from lakeloader.demo.corpus import prepare_corpus
     from lakeloader.ingest.driver import build
 
     corpus = prepare_corpus(OUT / f"{size}-corpus", size=size)   # type: ignore[arg-type]
-    path = OUT / f"start-{size}-{verify}-{kind}.yaml"
+    name = f"{size}" if row_group_tokens == 1 << 20 else f"{size}-rg{row_group_tokens}"
+    path = OUT / f"start-{name}-{verify}-{kind}.yaml"
     path.write_text(yaml.safe_dump({
-        "lake": str(OUT / f"start-{size}-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
+        "lake": str(OUT / f"start-{name}-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
-        "build": {"split_size": "8MB" if size == "bench" else "1MB"},   # demo: ~10 chunks, not 2
+        "build": {"split_size": "8MB" if size == "bench" else "1MB",   # demo: ~10 chunks, not 2
+                  "row_group_tokens": row_group_tokens},
         "loader": {"seq_len": SEQ, "batch_size": BATCH, "verify": verify, "prefetch": 0,
                    "shuffle": {"kind": kind, "window_chunks": 4, "block_size": 64, "window_blocks": 8}},
     }))
@@ -65,13 +67,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=("bench", "demo"), default="bench")
     parser.add_argument("--verify", choices=("checksum", "size"), default="checksum")
+    parser.add_argument("--row-group-tokens", type=int, default=1 << 20,
+                        help="build.row_group_tokens of the lake (a first batch decodes whole row groups)")
     parser.add_argument("--measure", nargs=2, metavar=("CONFIG", "STEP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         measure(args.measure[0], int(args.measure[1]))
         return
-    configs = {kind: lake_config(args.size, args.verify, kind) for kind in KINDS}
-    figures: dict[str, object] = {"size": args.size, "verify": args.verify, "batch": BATCH, "seq_len": SEQ}
+    configs = {kind: lake_config(args.size, args.verify, kind, args.row_group_tokens) for kind in KINDS}
+    figures: dict[str, object] = {"size": args.size, "verify": args.verify, "row_group_tokens": args.row_group_tokens,
+                                  "batch": BATCH, "seq_len": SEQ}
     for kind in KINDS:
         for step in STEPS:
             runs = []
