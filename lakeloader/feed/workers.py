@@ -31,6 +31,7 @@ import pickle
 import secrets
 import signal
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
@@ -181,12 +182,13 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                     loader = make_loader()
                 batch = loader.batch(step)
                 slot = free.pop(0)
-                name, layout, objects = slots.write(slot, batch)
-                conn.send(("batch", step, slot, name, layout, objects))
+                message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch))
             except Exception as exc:  # handed to the consumer, which raises it at this step
-                log.debug("worker %d failed at step %d", worker, step, exc_info=True)
-                conn.send(("error", step, _sendable(exc)))
+                exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) building step {step}:\n"
+                             + "".join(traceback.format_exception(exc)))
+                message = ("error", step, _sendable(exc))
                 failed = True
+            conn.send(message)
             step += 1 if (step - start + 1) % BLOCK else (workers - 1) * BLOCK + 1
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return   # the consumer is gone (closed its end or died)
