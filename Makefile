@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/build_throughput.py
 	$(BIN)/python benchmarks/tokenizer_backends.py
 	$(BIN)/python benchmarks/loader_throughput.py
+	$(BIN)/python benchmarks/loader_start.py
 	$(BIN)/python benchmarks/jax_feed.py
 	$(BIN)/python benchmarks/build_scaling.py
 	$(BIN)/python benchmarks/integrity_overhead.py

@@ -172,6 +172,12 @@ ORDER BY e.global_index;
 SELECT row_group, first_doc, num_docs, first_token, num_tokens, num_parts
 FROM row_groups WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
 
+-- name: reader_row_groups_of
+-- reader_row_groups of several chunks at once (the chunks a batch's rows lie in).
+SELECT global_index, row_group, first_doc, num_docs, first_token, num_tokens, num_parts
+FROM row_groups WHERE dataset = $name AND list_contains($global_indexes, global_index)
+ORDER BY global_index, row_group;
+
 -- name: chunk_records
 -- First line (1-based, text/JSONL) or row (0-based, Parquet) of a chunk's split in its source file.
 SELECT c.path, c.split_index, s.source, s.layout, c.split_kind, c.first_row,

@@ -330,6 +330,8 @@ class LoaderConfig(_Strict):
     ideal_readers: int = Field(default=8, ge=1, description="R* of the strided ordering.")
     wait_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for an uncommitted chunk.")
     prefetch: int = Field(default=2, ge=0, description="Batches read ahead in background threads.")
+    workers: int = Field(default=0, ge=0, le=256, description=(
+        "Worker processes building batches into shared memory (0: in this process); same batches."))
     verify: Literal["checksum", "size"] = Field(default="checksum", description=(
         "How each chunk file is checked once before use (page checksums are checked on every read)."))
     cache_bytes: int = Field(default=512 * 2**20, description="Bytes of decoded row groups kept in memory (a size).")

@@ -11,13 +11,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import logging
-import random
 import os
+import random
+import re
 import socket
 import sys
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tokenizers
@@ -119,6 +123,66 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def cached_tokenizer(path: str) -> Tokenizer:
     """Tokenizer from a local JSON file, loaded once per process (Dask workers reuse it)."""
     return Tokenizer.from_file(path)
+
+
+HEAD_BYTES = 1 << 18   # the added tokens come before the vocabulary in a tokenizers JSON
+_ADDED_TOKENS = re.compile(r'"added_tokens"\s*:\s*')
+
+
+def added_tokens(head: str) -> dict[str, int] | None:
+    """Content -> id of the ``added_tokens`` (special tokens among them) of a tokenizers JSON,
+    from its first characters ``head`` alone; None when they are not all in ``head`` (or the key
+    is not one of the top-level object's): then only the full tokenizer knows."""
+    found = _ADDED_TOKENS.search(head)
+    if found is None:
+        return None
+    try:
+        json.loads(head[: found.start()].rstrip().rstrip(",") + "}")   # only top-level keys before it
+        tokens, _ = json.JSONDecoder().raw_decode(head, found.end())
+        return {str(token["content"]): int(token["id"]) for token in tokens}
+    except (ValueError, TypeError, KeyError):
+        return None   # not the layout expected: the full tokenizer answers instead
+
+
+class LazyTokenizer:
+    """A lake's tokenizer that answers the ids of its added (special) tokens from the JSON's
+    ``added_tokens`` without building the tokenizer (parsing a large vocabulary takes most of a
+    second); anything else (another token's id, encoding text, the vocabulary size, ...) loads the
+    full :class:`tokenizers.Tokenizer` once and asks it. Ids are the same either way: the
+    tokenizer looks added tokens up before its model's vocabulary."""
+
+    def __init__(self, specials: dict[str, int] | None, load: Callable[[], Tokenizer]) -> None:
+        self._specials = specials or {}
+        self._load = load
+
+    @functools.cached_property
+    def full(self) -> Tokenizer:
+        """The full tokenizer (loaded on first use)."""
+        return self._load()
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of ``token`` (None if the tokenizer has no such token)."""
+        if token in self._specials:
+            return self._specials[token]
+        return self.full.token_to_id(token)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "full":
+            raise AttributeError(name)
+        return getattr(self.full, name)
+
+
+@functools.lru_cache(maxsize=4)
+def lazy_tokenizer_file(path: str, size: int, mtime_ns: int) -> LazyTokenizer:
+    """:class:`LazyTokenizer` of a local JSON file (once per process and file version)."""
+    with open(path, "rb") as handle:
+        head = handle.read(HEAD_BYTES).decode("utf-8", errors="replace")
+    return LazyTokenizer(added_tokens(head), lambda: cached_tokenizer(path))
+
+
+def lazy_tokenizer_text(text: str) -> LazyTokenizer:
+    """:class:`LazyTokenizer` of a tokenizers JSON document (a remote lake's copy)."""
+    return LazyTokenizer(added_tokens(text[:HEAD_BYTES]), lambda: Tokenizer.from_str(text))
 
 
 def encoder_name(backend: str) -> str:

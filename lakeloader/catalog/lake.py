@@ -11,7 +11,6 @@ from typing import Any
 
 import duckdb
 import pandas as pd
-from tokenizers import Tokenizer
 
 from lakeloader.catalog.documents import (
     document_stats,
@@ -29,7 +28,7 @@ from lakeloader.catalog.store import LiveCatalog, connect_reader
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError
 from lakeloader.storage import with_retries
-from lakeloader.tokenizer import cached_tokenizer
+from lakeloader.tokenizer import LazyTokenizer, lazy_tokenizer_file, lazy_tokenizer_text
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +55,17 @@ class Lake(LakeLocation):
         return with_retries(lambda: open_snapshot(self)[0], deadline=self.io_retry_deadline,
                             what=f"reading the published catalog of {self.describe()}")
 
-    def tokenizer(self, con: Any, datasets: Sequence[str]) -> Tokenizer:
+    def tokenizer(self, con: Any, datasets: Sequence[str]) -> LazyTokenizer:
         """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
-        or view)."""
+        or view): its special tokens' ids are read without building it, the rest on first use."""
         path = con.execute(query("tokenizer_path"), {"datasets": list(datasets)}).fetchone()
         if path is None:
             raise CatalogError(f"the lake {self.url} has none of the datasets {list(datasets)}: build them first")
         if self.is_local:
-            return cached_tokenizer(self.path_of(path[0]))
-        return Tokenizer.from_str(self.fs.cat_file(self.path_of(path[0])).decode())
+            local = self.path_of(path[0])
+            stat = os.stat(local)
+            return lazy_tokenizer_file(local, stat.st_size, stat.st_mtime_ns)
+        return lazy_tokenizer_text(self.fs.cat_file(self.path_of(path[0])).decode())
 
     def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
         """Run one read-only query (``ALLOWED_SQL``) against the catalog and return the result as

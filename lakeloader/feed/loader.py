@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
 from lakeloader.feed.rows import Batch, Example, StepExamples, fill_batch
+from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
@@ -161,7 +163,7 @@ class Loader:
             "datasets": {d.name: d.fingerprint for d in self.datasets},
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
             "loader": loader.model_dump(
-                exclude={"wait_timeout", "prefetch", "verify", "cache_bytes", "disk_cache_bytes"}),
+                exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes"}),
             "templates": {name: t.fingerprint for name, t in self.templates.items()},
             "pad": self.pad_id,
             "mode": self.mode,
@@ -276,7 +278,10 @@ class Loader:
         return int(start)
 
     def iter_from(self, start: int | LoaderState | dict[str, Any] = 0) -> Iterator[Batch]:
-        """Batches from ``start`` (a step or a saved state) on, read ahead in background threads."""
+        """Batches from ``start`` (a step or a saved state) on, read ahead in background threads,
+        or built by ``loader.workers`` worker processes (the same batches; each a fresh array
+        the caller may keep). The workers stop when the iterator is closed or collected, or
+        when :meth:`close` is called."""
         iterator = self._iterate(self._start(start))
         self._iterators.add(iterator)
         return iterator
@@ -284,6 +289,14 @@ class Loader:
     def _iterate(self, step: int) -> Iterator[Batch]:
         total = self.num_batches()
         ahead = self.config.loader.prefetch
+        if self.config.loader.workers:
+            # Each worker opens its own loader over the same config and rows; a build's live
+            # catalog handle stays here: workers read the published snapshot, as other processes do.
+            make_loader = functools.partial(Loader, self.config, process_index=self.process_index,
+                                            process_count=self.process_count, mode=self.mode,
+                                            rows=self.row_indices.tolist())
+            yield from worker_batches(make_loader, self.config.loader.workers, step, total, ahead)
+            return
         if ahead == 0:
             while total is None or step < total:
                 yield self.batch(step)

@@ -141,6 +141,7 @@ class PackedExamples(DatasetExamples):
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
         chunks = locate(self.offsets, examples).tolist()
+        self.reader.prefetch_groups(self.chunks, chunks)
         return [self._example(e, k, c) for e, k, c in zip(epochs.tolist(), examples.tolist(), chunks)]
 
     def _example(self, epoch: int, k: int, chunk: int | None = None) -> PackedExample:

@@ -176,6 +176,15 @@ class CatalogView:
         """First doc/token and counts of each row group of one committed chunk."""
         return self.named("reader_row_groups", {"name": name, "global_index": global_index}).fetchnumpy()
 
+    def row_groups_of(self, name: str, global_indexes: list[int]) -> dict[int, dict[str, np.ndarray]]:
+        """:meth:`row_groups` of several committed chunks, from one query."""
+        rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}).fetchnumpy()
+        index = np.asarray(rows["global_index"], np.int64)
+        bounds = np.searchsorted(index, np.asarray(global_indexes, np.int64), side="left").tolist()
+        ends = np.searchsorted(index, np.asarray(global_indexes, np.int64), side="right").tolist()
+        return {chunk: {k: np.asarray(v)[a:b] for k, v in rows.items() if k != "global_index"}
+                for chunk, a, b in zip(global_indexes, bounds, ends)}
+
     def wait_for(self, name: str, chunk: int, timeout: float, plan_key: str | None = None) -> DatasetChunks:
         """Block until chunk ``chunk`` of ``name`` is committed or the dataset is complete."""
         deadline = time.monotonic() + timeout

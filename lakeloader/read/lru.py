@@ -41,6 +41,10 @@ class LRU(Generic[K, V]):
         with self._lock:
             return len(self._items)
 
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._items
+
     def get(self, key: K, compute: Callable[[], V]) -> V:
         """The value cached under ``key``, computed by ``compute()`` (once) if missing."""
         with self._lock:

@@ -51,8 +51,20 @@ class StreamReader:
         """(stream offsets of the row groups within the chunk, first document of each)."""
         return self._row_groups.get((chunks.fingerprint, chunk), lambda: self._groups(chunks, chunk))
 
-    def _groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        groups = self.view.row_groups(chunks.name, chunk)
+    def prefetch_groups(self, chunks: DatasetChunks, wanted: Sequence[int] | np.ndarray) -> None:
+        """:meth:`groups` of the chunks ``wanted`` that are not cached yet, from one catalog
+        query (a shuffled batch's rows can lie in as many chunks as it has rows)."""
+        missing = sorted(c for c in {int(c) for c in wanted} if (chunks.fingerprint, c) not in self._row_groups)
+        if len(missing) < 2:
+            return
+        found = self.view.row_groups_of(chunks.name, missing)
+        for chunk in missing:
+            self._row_groups.get((chunks.fingerprint, chunk), lambda c=chunk: self._groups(chunks, c, found[c]))
+
+    def _groups(self, chunks: DatasetChunks, chunk: int,
+                groups: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if groups is None:
+            groups = self.view.row_groups(chunks.name, chunk)
         first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
         num_docs = groups["num_docs"].astype(np.int64)
         fim_docs = np.zeros(len(first_doc), np.int64)
@@ -130,6 +142,7 @@ class StreamReader:
         found: list[list[Piece] | None] = [None] * len(starts)
         position = locate(sequence_offsets, starts)
         inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
+        self.prefetch_groups(chunks, np.asarray(sequence)[np.unique(position[position < len(sequence)])])
         for p in np.unique(position[inside]).tolist():
             rows = np.flatnonzero(inside & (position == p))
             chunk = int(sequence[p])

@@ -1,0 +1,318 @@
+"""Batches built by worker processes into shared memory (``loader.workers: N``), handed out in step order.
+
+Protocol. Worker ``k`` of ``N`` opens its own loader over the same config (``make_loader``, a
+picklable callable) and builds the blocks of :data:`BLOCK` consecutive steps numbered ``k``,
+``k + N``, ... from ``start`` (stopping before ``total``; consecutive steps share decoded row
+groups) into a ring of shared-memory slots of its own (a block and the read-ahead). For each step it sends the
+consumer one message over its pipe: ``("batch", step, slot, layout, objects)`` (the numeric
+fields' dtype, shape and offset in the slot, and the few object arrays, pickled), or
+``("error", step, exception)`` after which it builds nothing more. The consumer reads the next
+message of the worker owning each step (:func:`owner`), so batches come out in step order and are
+exactly the batches of one process; it copies the fields out of the slot into fresh arrays (a
+batch the caller keeps is never overwritten) and sends ``("release", slot)`` back.
+
+Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collection and at exit)
+sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
+segment they created. Workers ignore SIGINT (Ctrl-C reaches the consumer, which closes them)
+and notice a dead parent (the pipe closes, or ``os.getppid`` changes: a watchdog thread polls it
+even while a batch is being built) and then unlink their segments and exit. Workers are spawned
+(no fork of a process running threads), so a script using them runs its loop under
+``if __name__ == "__main__":``, as any multiprocessing program. Segment names start
+with the pool's ``prefix`` (``lakeloader_<pid>_<random>``), so leaks can be found in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import signal
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
+from typing import Any, Protocol
+
+import numpy as np
+
+from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.feed.rows import Batch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+WATCH_SECONDS = 0.2
+JOIN_SECONDS = 5.0
+BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
+Layout = list[tuple[str, str, tuple[int, ...], int]]   # (field, dtype, shape, offset in the slot)
+
+
+def owner(offset: int, workers: int) -> int:
+    """The worker that builds step ``start + offset``: blocks of :data:`BLOCK` steps in turn."""
+    return (offset // BLOCK) % workers
+
+
+class BatchSource(Protocol):
+    """What a worker builds batches with (a :class:`~lakeloader.feed.loader.Loader`)."""
+
+    def batch(self, step: int) -> Batch: ...
+
+    def close(self) -> None: ...
+
+
+class WorkerError(LakeloaderError):
+    """A worker failed with an exception that could not be sent to the consumer as it was."""
+
+
+def _unlink(name: str) -> None:
+    """Remove segment ``name`` if it still exists (its worker may have removed it already)."""
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return  # already removed by its worker: nothing left to clean
+    segment.close()
+    segment.unlink()
+
+
+class _Slots:
+    """A worker's ring of shared-memory slots (grown when a batch does not fit)."""
+
+    def __init__(self, prefix: str, worker: int, ring: int) -> None:
+        self.prefix, self.worker = prefix, worker
+        self.segments: list[shared_memory.SharedMemory | None] = [None] * ring
+        self.generation = 0
+        self.lock = threading.Lock()
+
+    def write(self, slot: int, batch: Batch) -> tuple[str, Layout, dict[str, np.ndarray]]:
+        """Copy ``batch``'s numeric fields into ``slot``: (segment name, layout, object fields)."""
+        layout: Layout = []
+        objects: dict[str, np.ndarray] = {}
+        size = 0
+        for name, values in batch.items():
+            if values.dtype == object:
+                objects[name] = values
+                continue
+            layout.append((name, values.dtype.str, values.shape, size))
+            size += -(-values.nbytes // ALIGN) * ALIGN
+        with self.lock:
+            segment = self.segments[slot]
+            if segment is None or segment.size < max(size, 1):
+                if segment is not None:
+                    segment.close()
+                    segment.unlink()
+                self.generation += 1
+                name = f"{self.prefix}_{self.worker}_{slot}_{self.generation}"
+                segment = self.segments[slot] = shared_memory.SharedMemory(name, create=True, size=max(size, 1))
+        for (name, dtype, shape, offset), values in zip(layout, (batch[f] for f, *_ in layout)):
+            target = np.ndarray(shape, np.dtype(dtype), buffer=segment.buf, offset=offset)
+            target[...] = values
+            del target
+        return segment.name, layout, objects
+
+    def unlink_all(self) -> None:
+        """Remove every segment of the ring (idempotent; called by the worker and its watchdog)."""
+        with self.lock:
+            for number, segment in enumerate(self.segments):
+                if segment is None:
+                    continue
+                self.segments[number] = None
+                try:
+                    segment.unlink()
+                except FileNotFoundError:
+                    pass  # the consumer's cleanup removed it first
+                try:
+                    segment.close()
+                except BufferError:
+                    pass  # a write in flight still maps it; the mapping ends with the process
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling with its type and message, else a WorkerError saying so."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+        if type(copy) is type(exc) and str(copy) == str(exc):
+            return exc
+    except Exception:  # noqa: BLE001 - any pickling failure means: send a description instead
+        pass
+    return WorkerError(f"{type(exc).__name__}: {exc}")
+
+
+def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: int, start: int,
+                 total: int | None, ring: int, prefix: str, conn: multiprocessing.connection.Connection,
+                 parent: int) -> None:
+    """Body of worker ``worker``: build its steps into its ring until stopped, the end, an
+    error or the parent's death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the consumer's to handle
+    slots = _Slots(prefix, worker, ring)
+    done = threading.Event()
+
+    def watchdog() -> None:
+        while not done.wait(WATCH_SECONDS):
+            if os.getppid() != parent:
+                slots.unlink_all()
+                os._exit(0)
+
+    threading.Thread(target=watchdog, name="lakeloader-worker-watchdog", daemon=True).start()
+    free = list(range(ring))
+    loader: BatchSource | None = None
+    step = start + worker * BLOCK
+    failed = False
+
+    def handle(message: tuple[Any, ...]) -> bool:
+        """Apply one message from the consumer; False on stop."""
+        if message[0] == "release":
+            free.append(message[1])
+            return True
+        return False
+
+    try:
+        while True:
+            # Read what the consumer sent; block only when there is nothing to build now.
+            idle = failed or not free or (total is not None and step >= total)
+            if idle or conn.poll():
+                if not handle(conn.recv()):
+                    return
+                continue
+            try:
+                if loader is None:
+                    loader = make_loader()
+                batch = loader.batch(step)
+                slot = free.pop(0)
+                message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch))
+            except Exception as exc:  # handed to the consumer, which raises it at this step
+                exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) building step {step}:\n"
+                             + "".join(traceback.format_exception(exc)))
+                message = ("error", step, _sendable(exc))
+                failed = True
+            conn.send(message)
+            step += 1 if (step - start + 1) % BLOCK else (workers - 1) * BLOCK + 1
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return   # the consumer is gone (closed its end or died)
+    finally:
+        done.set()
+        slots.unlink_all()
+        if loader is not None:
+            loader.close()
+
+
+class WorkerPool:
+    """``workers`` processes building batches from ``start`` on (see the module docstring)."""
+
+    def __init__(self, make_loader: Callable[[], BatchSource], workers: int, start: int, total: int | None,
+                 ring: int) -> None:
+        self.workers, self.start, self.total = workers, start, total
+        self.prefix = f"lakeloader_{os.getpid()}_{secrets.token_hex(4)}"
+        context = multiprocessing.get_context("spawn")   # no fork of a process running threads
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._attached: dict[str, shared_memory.SharedMemory] = {}
+        self._names: set[str] = set()
+        for worker in range(workers):
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=_worker_main, name=f"lakeloader-worker-{worker}", daemon=True,
+                args=(make_loader, worker, workers, start, total, ring, self.prefix, theirs, os.getpid()))
+            process.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._processes.append(process)
+        self._finalizer = weakref.finalize(self, WorkerPool._shutdown, self._conns, self._processes,
+                                           self._attached, self._names)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers."""
+        return [p.pid for p in self._processes if p.pid is not None]
+
+    def _receive(self, worker: int) -> tuple[Any, ...]:
+        conn, process = self._conns[worker], self._processes[worker]
+        while not conn.poll(WATCH_SECONDS):
+            if not process.is_alive():
+                if conn.poll():
+                    break
+                raise WorkerError(
+                    f"loader worker {worker} (pid {process.pid}) died with exit code {process.exitcode} "
+                    "without reporting an error (killed? out of memory?); lower loader.workers or the "
+                    "batch size, or run with loader.workers: 0 to see the error in this process")
+        try:
+            return conn.recv()
+        except EOFError:
+            raise WorkerError(
+                f"loader worker {worker} (pid {process.pid}) ended before its first batch or closed its "
+                f"pipe (exit code {process.exitcode}; its error, if any, is on stderr above). Workers are "
+                "spawned processes: a script that iterates a loader with loader.workers > 0 must do so "
+                "under `if __name__ == \"__main__\":` (as any multiprocessing program)") from None
+
+    def batch(self, step: int) -> Batch:
+        """Batch ``step`` (the next one in order) as fresh arrays owned by the caller."""
+        worker = owner(step - self.start, self.workers)
+        message = self._receive(worker)
+        if message[0] == "error":
+            raise message[2]
+        _, got, slot, name, layout, objects = message
+        if got != step:
+            raise AssertionError(f"worker {worker} sent step {got}, expected {step}")
+        self._names.add(name)
+        segment = self._attached.get(name)
+        if segment is None:
+            for old in [n for n in self._attached if n.rsplit("_", 1)[0] == name.rsplit("_", 1)[0]]:
+                self._attached.pop(old).close()   # a regrown slot's old segment
+            # Attaching registers the name with the resource tracker that spawned workers share
+            # with this process: a no-op, the worker's unlink unregisters it.
+            segment = self._attached[name] = shared_memory.SharedMemory(name=name)
+        batch: Batch = {}
+        for field, dtype, shape, offset in layout:
+            count = int(np.prod(shape))
+            batch[field] = np.frombuffer(segment.buf, np.dtype(dtype), count, offset).reshape(shape).copy()
+        batch.update(objects)
+        self._conns[worker].send(("release", slot))
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers and remove every shared-memory segment (idempotent)."""
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown(conns: list[multiprocessing.connection.Connection],
+                  processes: list[multiprocessing.process.BaseProcess],
+                  attached: dict[str, shared_memory.SharedMemory], names: set[str]) -> None:
+        for conn in conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                pass  # that worker has exited already
+        for process in processes:
+            process.join(JOIN_SECONDS)
+            if process.is_alive():
+                log.warning("loader worker pid %s did not stop in %gs; terminating it", process.pid, JOIN_SECONDS)
+                process.terminate()
+                process.join(JOIN_SECONDS)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in conns:
+            conn.close()
+        for segment in attached.values():
+            segment.close()
+        attached.clear()
+        for name in names:
+            _unlink(name)   # a worker that was killed could not remove its own
+
+
+def worker_batches(make_loader: Callable[[], BatchSource], workers: int, start: int, total: int | None,
+                   prefetch: int) -> Iterator[Batch]:
+    """Batches ``start, start + 1, ...`` (before ``total``) built by ``workers`` processes, about
+    ``prefetch`` ahead in all (at least one per worker); the workers stop when this closes."""
+    ring = BLOCK + max(1, -(-prefetch // workers))
+    pool = WorkerPool(make_loader, workers, start, total, ring)
+    try:
+        step = start
+        while total is None or step < total:
+            yield pool.batch(step)
+            step += 1
+    finally:
+        pool.close()

@@ -1,0 +1,181 @@
+"""``loader.workers: N``: batches built by worker processes into shared memory are bitwise the
+batches of one process (concat and pack, shuffled or not, from any resume step), errors reach the
+consumer, and no worker or shared-memory segment outlives the loader, even a SIGKILLed one."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.feed.loader import Loader
+from lakeloader.ingest.driver import build
+
+from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """A small lake of several chunks, built with the pack plan registered."""
+    root = tmp_path_factory.mktemp("workers")
+    write_jsonl(root / "data" / "a.jsonl", stdlib_texts("json") + stdlib_texts("email", limit=12))
+    config = write_config(root, {"d": {"sources": [str(root / "data" / "*.jsonl")]}},
+                          build={"split_size": "8KB", "row_group_tokens": 500},
+                          loader={"seq_len": 32, "batch_size": 8, "packing": "pack"})
+    build(config, scheduler=dask_scheduler, progress=False)
+    return root
+
+
+def config_of(lake: Path, name: str, **loader: Any) -> Path:
+    base = yaml.safe_load((lake / "config.yaml").read_text())
+    base["loader"] = {"seq_len": 32, "batch_size": 8, "seed": 3, **loader}
+    path = lake / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(base, sort_keys=False))
+    return path
+
+
+def one_process(config: Path, steps: range) -> list[dict[str, np.ndarray]]:
+    with Loader(config) as loader:
+        return [loader.batch(step) for step in steps]
+
+
+def from_workers(config: Path, start: int, count: int) -> list[dict[str, np.ndarray]]:
+    with Loader(config) as loader:
+        iterator = loader.iter_from(loader.state(start))
+        batches = list(itertools.islice(iterator, count))
+        iterator.close()
+    return batches
+
+
+def shm_segments(pid: int) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"lakeloader_{pid}_")]
+
+
+@pytest.mark.parametrize(("packing", "shuffle"), [("concat", "none"), ("concat", "full"), ("pack", "none"),
+                                                  ("pack", "full")])
+def test_workers_give_the_batches_of_one_process(lake: Path, packing: str, shuffle: str) -> None:
+    reference = one_process(config_of(lake, f"{packing}-{shuffle}-0", packing=packing, shuffle=shuffle),
+                            range(STEPS))
+    for workers in (1, 2) if (packing, shuffle) == ("pack", "full") else (2,):
+        config = config_of(lake, f"{packing}-{shuffle}-{workers}", packing=packing, shuffle=shuffle,
+                           workers=workers, prefetch=3)
+        got = from_workers(config, 0, STEPS)
+        assert_batches_equal(got, reference)
+        got[0]["input_ids"][:] = -1   # batches are the caller's own arrays: later ones unaffected
+        assert not (got[1]["input_ids"] == -1).all()
+    assert not shm_segments(os.getpid())
+
+
+def test_resume_with_workers_equals_the_tail(lake: Path) -> None:
+    reference = one_process(config_of(lake, "resume-0", shuffle="full"), range(STEPS))
+    config = config_of(lake, "resume-2", shuffle="full", workers=2, prefetch=1)
+    for start in (3, 7):
+        assert_batches_equal(from_workers(config, start, STEPS - start), reference[start:])
+    assert not shm_segments(os.getpid())
+
+
+def test_a_workers_error_is_raised_by_the_consumer(lake: Path, tmp_path: Path) -> None:
+    config = config_of(lake, "error", shuffle="none", workers=2)
+    loader = Loader(config)
+    chunks = loader.datasets[0].chunks
+    step = next(s for s in range(2, 40) if {p.chunk for e in loader.examples(s).examples for p in e.pieces} -
+                {p.chunk for s0 in range(2) for e in loader.examples(s0).examples for p in e.pieces})
+    needed = {p.chunk for e in loader.examples(step).examples for p in e.pieces}
+    early = {p.chunk for s0 in range(step) for e in loader.examples(s0).examples for p in e.pieces}
+    victim = sorted(needed - early)[0]
+    path = lake / "lake" / chunks.paths[victim]
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original[:-10])    # cut short: a ChunkIntegrityError naming the chunk
+        with pytest.raises(ChunkIntegrityError, match=chunks.paths[victim]):
+            batches = []
+            for batch in loader.iter_from(0):
+                batches.append(batch)
+        assert len(batches) == step   # every earlier batch came first, in order
+    finally:
+        path.write_bytes(original)
+        loader.close()
+    assert not shm_segments(os.getpid())
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from lakeloader.feed.loader import Loader
+    if __name__ == "__main__":
+        loader = Loader(sys.argv[1])
+        iterator = iter(loader)
+        next(iterator)
+        print("ready", flush=True)
+        for batch in iterator:
+            time.sleep(0.05)
+""")
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_no_worker_or_segment_outlives_the_parent(lake: Path, tmp_path: Path, how: str) -> None:
+    config = config_of(lake, f"kill-{how}", shuffle="full", workers=2)
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), str(config)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready", parent.stderr.read()
+        workers = children(parent.pid)
+        assert len(workers) >= 2 and shm_segments(parent.pid)
+        parent.send_signal(getattr(signal, how))
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (shm_segments(parent.pid) or any(alive(p) for p in workers)):
+            time.sleep(0.1)
+        assert not shm_segments(parent.pid)
+        assert not [p for p in workers if alive(p)]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_jax_feed_with_workers_gives_the_same_arrays(lake: Path) -> None:
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from lakeloader.feed.jax import JaxFeed
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    reference = one_process(config_of(lake, "jax-0", shuffle="full"), range(4))
+    with JaxFeed(config_of(lake, "jax-2", shuffle="full", workers=2), mesh, PartitionSpec("data")) as feed:
+        got = [{k: np.asarray(v) for k, v in b.items()} for b in itertools.islice(feed.restore(feed.state(0)), 4)]
+    assert_batches_equal(got, reference)
+    assert not shm_segments(os.getpid())
