@@ -24,10 +24,10 @@ from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeError
-from lakeloader.feed.concat_examples import DatasetExamples
+from lakeloader.feed.concat_examples import DatasetExamples, Window
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
-from lakeloader.feed.rows import Batch, Example, StepExamples, fill_batch
+from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, StepExamples, fill_batch
 from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
@@ -224,19 +224,24 @@ class Loader:
         raise StepRangeError(f"step {step} does not exist: valid are {valid}")
 
     def batch(self, step: int) -> Batch:
-        """This process's rows of global batch ``step``: arrays of shape [rows, seq_len]."""
+        """This process's rows of global batch ``step``: arrays of shape [rows, seq_len], fresh
+        for every call (the caller may keep and change them; nothing is reused behind it)."""
         self.check_step(step)
-        arrays = self._empty_batch()
         examples = self._windows(step)
+        length = self.config.loader.seq_len
+        arrays = self._empty_batch(whole=all(isinstance(e, Window) and e.covers_row(length) for e in examples))
         fill_batch(arrays, examples)
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
         return arrays
 
-    def _empty_batch(self) -> Batch:
+    def _empty_batch(self, whole: bool = False) -> Batch:
+        """The batch's arrays, padding in every row; ``whole``: every row field is about to be
+        written in full (concat windows in training), so those are left unset."""
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
-        arrays: Batch = {
+        arrays: Batch = {name: np.empty(shape, np.float32 if name == "loss_mask" else np.int32)
+                         for name in ROW_FIELDS} if whole else {
             "input_ids": np.full(shape, self.pad_id, np.int32), "targets": np.full(shape, self.pad_id, np.int32),
             "loss_mask": np.zeros(shape, np.float32), "segment_ids": np.zeros(shape, np.int32),
             "positions": np.zeros(shape, np.int32),

@@ -161,7 +161,7 @@ class PackedExamples(DatasetExamples):
         rendered = self.reader.rendered_group(self.chunks, chunk, group)
         begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
         tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
-        trainable = rendered.trainable[begin + start : min(begin + stop + 1, end)]
+        trainable = rendered.trainable_at(begin + start, min(begin + stop + 1, end))
         template = self.reader.template
         images: list[tuple[int, str]] = []
         split = -1

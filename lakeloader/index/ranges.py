@@ -71,3 +71,21 @@ def segments(doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     number = number.reshape(keys.shape)
     segment_ids = number - number[:, :1] + 1
     return segment_ids.reshape(shape), positions.reshape(shape)
+
+
+def cut_segments(rows: int, length: int, cut_rows: np.ndarray, cut_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`segments` of ``rows`` windows of ``length`` tokens given where documents start
+    instead of a key per token: a document starts at offset ``cut_at[i]`` of row ``cut_rows[i]``
+    (any order; repeats, offsets 0 and offsets past the row are allowed and change nothing), and
+    every row starts one. Cost: a few passes over the output, whatever the number of documents."""
+    cut_rows, cut_at = np.asarray(cut_rows, np.int64), np.asarray(cut_at, np.int64)
+    inside = (cut_at > 0) & (cut_at < length)
+    row_starts = np.arange(rows, dtype=np.int64) * length
+    starts = np.unique(np.concatenate([row_starts, cut_rows[inside] * length + cut_at[inside]]))
+    runs = np.diff(np.append(starts, rows * length))
+    # A start's segment number: its rank among the starts of its row, from 1.
+    number = np.arange(len(starts)) - np.searchsorted(starts, starts // length * length) + 1
+    segment_ids = np.repeat(number.astype(np.int32), runs)
+    positions = np.arange(rows * length, dtype=np.int32)
+    positions -= np.repeat(starts.astype(np.int32), runs)
+    return segment_ids.reshape(rows, length), positions.reshape(rows, length)

@@ -1,4 +1,10 @@
-"""Token windows of a dataset's stream: chunk row groups rendered (special tokens, templates)."""
+"""Token windows of a dataset's stream: chunk row groups rendered (special tokens, templates).
+
+Each row group is rendered once into a compact form kept in the reader's byte-bounded cache
+(``loader.cache_bytes``): its tokens in the stored dtype (uint16 when the vocabulary fits), a
+target flag per token only when some token is not a target, and its documents' boundaries as
+offsets (no per-token document key). Windows are slices of it.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,30 @@ from lakeloader.index.ranges import cumulative, locate
 from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.read.lru import LRU
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedGroup:
+    """One row group's documents rendered, compactly (what the cache keeps)."""
+
+    tokens: np.ndarray              # the stored dtype when every rendered id fits it, else int32
+    trainable: np.ndarray | None    # bool per token; None: every token is a training target
+    doc_starts: np.ndarray          # int64 [docs + 1]: offset of each document, then the end
+
+    def trainable_at(self, a: int, b: int) -> np.ndarray:
+        """Target flags of tokens ``[a, b)``."""
+        return np.ones(len(self.tokens[a:b]), bool) if self.trainable is None else self.trainable[a:b]
+
+
+def compact(rendered: Rendered, stored: np.dtype) -> RenderedGroup:
+    """``rendered`` in the stored token dtype ``stored`` (if every id fits), without per-token
+    document keys, and without target flags when all are set."""
+    tokens = rendered.tokens
+    if stored.kind == "u" and stored.itemsize < tokens.dtype.itemsize and (
+            not len(tokens) or int(tokens.max()) <= np.iinfo(stored).max):
+        tokens = tokens.astype(stored)
+    trainable = None if rendered.trainable.all() else rendered.trainable
+    return RenderedGroup(tokens, trainable, rendered.doc_starts)
 
 
 @dataclasses.dataclass
@@ -23,8 +52,28 @@ class Piece:
     chunk: int          # global index of the chunk
     start: int          # first stream offset within the chunk
     tokens: np.ndarray
-    docs: np.ndarray    # document index within the chunk of every token
-    trainable: np.ndarray   # bool: whether each token is a training target
+    trainable: np.ndarray | None    # bool: whether each token is a training target (None: all)
+    first_doc: int      # document index within the chunk of the piece's first token
+    doc_offsets: np.ndarray  # int64: offsets within the piece where documents first_doc+1, ... start
+
+    @property
+    def docs(self) -> np.ndarray:
+        """Document index within the chunk of every token (computed; not kept)."""
+        return self.first_doc + np.searchsorted(self.doc_offsets, np.arange(len(self.tokens)), side="right")
+
+    def flags(self) -> np.ndarray:
+        """Target flag of every token."""
+        return np.ones(len(self.tokens), bool) if self.trainable is None else self.trainable
+
+
+def _piece(position: int, chunk: int, start: int, rendered: RenderedGroup, first_doc: int, a: int, b: int) -> Piece:
+    """Piece of tokens ``[a, b)`` of a rendered row group whose first document is ``first_doc``."""
+    starts = rendered.doc_starts
+    lo = int(np.searchsorted(starts, a, side="right"))
+    hi = int(np.searchsorted(starts, b, side="left"))
+    trainable = None if rendered.trainable is None else rendered.trainable[a:b]
+    return Piece(position, chunk, start, rendered.tokens[a:b], trainable, first_doc + lo - 1,
+                 starts[lo:max(lo, hi)] - a)
 
 
 class StreamReader:
@@ -35,7 +84,6 @@ class StreamReader:
         self.view = view
         self.files = files
         self.template = template
-        self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (from catalog counts only)."""
@@ -49,7 +97,8 @@ class StreamReader:
 
     def groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream offsets of the row groups within the chunk, first document of each)."""
-        return self._row_groups.get((chunks.fingerprint, chunk), lambda: self._groups(chunks, chunk))
+        key = ("groups", chunks.fingerprint, chunk, self.template.fingerprint)
+        return self.files.cache.get(key, lambda: self._groups(chunks, chunk))
 
     def _groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         groups = self.view.row_groups(chunks.name, chunk)
@@ -65,42 +114,44 @@ class StreamReader:
                                  part_matrix(groups["num_parts"], len(self.template.kind_names)), fim_docs)
         return cumulative(lengths), first_doc
 
-    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
-        """One row group's documents rendered (cached apart from the stored row group, which is
-        read only when the rendering is not cached)."""
+    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
+        """One row group's documents rendered, compactly (cached; the stored row group is read
+        for it and not kept)."""
         key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
         return self.files.cache.get(key, lambda: self._render_group(chunks, chunk, group))
 
-    def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
-        stored = self.files.row_group(chunks, chunk, group)
+    def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
+        stored = self.files.read_row_group(chunks, chunk, group)
         parts = stored.parts
         first_doc = int(self.groups(chunks, chunk)[1][group])
         fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
-        return render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
-                      parts.num_docs, fim)
+        return compact(render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
+                              parts.num_docs, fim), stored.values.dtype)
 
     def chunk_range(self, chunks: DatasetChunks, chunk: int, start: int, stop: int,
                     position: int = 0) -> Piece:
-        """Stream tokens ``[start, stop)`` of chunk ``chunk`` with each token's document."""
+        """Stream tokens ``[start, stop)`` of chunk ``chunk`` with where its documents start."""
         offsets, first_docs = self.groups(chunks, chunk)
         group = int(np.searchsorted(offsets, start, side="right")) - 1 if stop > start else len(first_docs)
-        tokens, docs, trainable = [], [], []
+        pieces = []
         while group < len(first_docs) and offsets[group] < stop:
             rendered = self.rendered_group(chunks, chunk, group)
             a = max(start - int(offsets[group]), 0)
             b = min(stop - int(offsets[group]), len(rendered.tokens))
-            tokens.append(rendered.tokens[a:b])
-            trainable.append(rendered.trainable[a:b])
-            docs.append(rendered.docs[a:b] + first_docs[group])
+            pieces.append(_piece(position, chunk, start, rendered, int(first_docs[group]), a, b))
             group += 1
-        if len(tokens) == 1:   # the common case: views of one cached row group
-            return Piece(position, chunk, start, tokens[0], docs[0], trainable[0])
-        return Piece(
-            position=position, chunk=chunk, start=start,
-            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
-            docs=np.concatenate(docs) if docs else np.zeros(0, np.int64),
-            trainable=np.concatenate(trainable) if trainable else np.zeros(0, bool),
-        )
+        if len(pieces) == 1:   # the common case: views of one cached row group
+            return pieces[0]
+        if not pieces:
+            return Piece(position, chunk, start, np.zeros(0, np.int32), None, 0, np.zeros(0, np.int64))
+        # Row groups hold whole documents: each later group starts a document where it starts.
+        at = np.cumsum([0] + [len(p.tokens) for p in pieces])
+        doc_offsets = [np.concatenate([[at[i]] * (p.first_doc - pieces[i - 1].first_doc - len(pieces[i - 1].doc_offsets))
+                                       if i else [], p.doc_offsets + at[i]]).astype(np.int64)
+                       for i, p in enumerate(pieces)]
+        trainable = None if all(p.trainable is None for p in pieces) else np.concatenate([p.flags() for p in pieces])
+        return Piece(position, chunk, start, np.concatenate([p.tokens for p in pieces]), trainable,
+                     pieces[0].first_doc, np.concatenate(doc_offsets))
 
     def window(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                start: int, length: int) -> list[Piece]:
@@ -137,11 +188,20 @@ class StreamReader:
             offsets, first_docs = self.groups(chunks, chunk)
             group = locate(offsets, local)
             whole = group == locate(offsets, local + length - 1)
-            for row, start, g in zip(rows[whole].tolist(), local[whole].tolist(), group[whole].tolist()):
+            for g in np.unique(group[whole]).tolist():
+                mine = np.flatnonzero(whole & (group == g))
                 rendered = self.rendered_group(chunks, chunk, g)
-                a = start - int(offsets[g])
-                found[row] = [Piece(p, chunk, start, rendered.tokens[a : a + length],
-                                    rendered.docs[a : a + length] + first_docs[g], rendered.trainable[a : a + length])]
+                a = local[mine] - offsets[g]
+                # Documents overlapping each window: [lo - 1, hi) of the row group's.
+                lo = np.searchsorted(rendered.doc_starts, a, side="right")
+                hi = np.maximum(np.searchsorted(rendered.doc_starts, a + length, side="left"), lo)
+                first = lo - 1 + int(first_docs[g])
+                tokens, trainable, doc_starts = rendered.tokens, rendered.trainable, rendered.doc_starts
+                for row, start, x, y, z, f in zip(rows[mine].tolist(), local[mine].tolist(), a.tolist(), lo.tolist(),
+                                                  hi.tolist(), first.tolist()):
+                    found[row] = [Piece(p, chunk, start, tokens[x : x + length],
+                                        None if trainable is None else trainable[x : x + length], f,
+                                        doc_starts[y:z] - x)]
         for row in range(len(starts)):
             if found[row] is None:
                 found[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
