@@ -24,6 +24,7 @@ from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.chunk_file import table_parts
 from lakeloader.feed.concat_examples import Window
 from lakeloader.feed.loader import Loader
+from lakeloader.feed.rows import ArrayPool
 from lakeloader.index.ranges import cut_segments, segments
 from lakeloader.index.render import render
 from lakeloader.ingest.driver import build
@@ -219,7 +220,24 @@ def test_segments_from_document_starts_equal_segments_from_keys(rows: int, n: in
     cut_rows = np.repeat(np.arange(rows), [len(c) for c in cuts])
     cut_at = np.array([x for c in cuts for x in c], np.int64)
     order = data.draw(st.permutations(range(len(cut_at))))   # any order
-    segment_ids, positions = cut_segments(rows, n, cut_rows[list(order)], cut_at[list(order)])
+    segment_ids, positions = np.full((rows, n), 7, np.int32), np.full((rows, n), 7, np.int32)
+    cut_segments(cut_rows[list(order)], cut_at[list(order)], segment_ids, positions, np.full((rows, n), 5, np.int32))
     expected_ids, expected_positions = segments(keys)
     assert segment_ids.dtype == positions.dtype == np.int32
     assert np.array_equal(segment_ids, expected_ids) and np.array_equal(positions, expected_positions)
+
+
+def test_the_array_pool_reuses_only_what_nobody_holds() -> None:
+    pool = ArrayPool()
+    first = pool.empty((4, 8), np.int32)
+    second = pool.empty((4, 8), np.int32)
+    assert not np.shares_memory(first, second)   # both held
+    address = first.ctypes.data
+    view = first[1:]
+    del first
+    assert pool.empty((4, 8), np.int32).ctypes.data != address   # a view still holds it
+    del view
+    batch = {"x": pool.empty((4, 8), np.int32)}   # the freed one, now held by a dict
+    assert batch["x"].ctypes.data == address
+    assert pool.empty((4, 8), np.int32).ctypes.data not in (address, second.ctypes.data)
+    assert pool.full((2, 3), 5, np.float32).tolist() == [[5.0] * 3] * 2

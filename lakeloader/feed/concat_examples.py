@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,10 +39,6 @@ class Window(Example):
             at += n
         return at, np.concatenate(cuts) if cuts else np.zeros(0, np.int64)
 
-    def covers_row(self, length: int) -> bool:
-        """Whether the window writes every token of a row of ``length`` (training: always)."""
-        return sum(len(piece.tokens) for piece in self.pieces) == length + 1
-
     def fill(self, row: Row) -> None:
         """Write the window into a batch row: inputs its first L tokens, targets its last L."""
         fill_windows({name: getattr(row, name)[None] for name in ROW_FIELDS}, [0], [self])
@@ -71,6 +68,19 @@ class Window(Example):
         return found
 
 
+_scratch = threading.local()
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """A work array of this thread, reused from batch to batch (never handed out, so nobody can
+    see it reused; fresh arrays of a batch's size cost page faults on every batch)."""
+    found = getattr(_scratch, name, None)
+    if found is None or found.shape != shape or found.dtype != dtype:
+        found = np.empty(shape, dtype)
+        setattr(_scratch, name, found)
+    return found
+
+
 def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
     """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
     first L tokens, targets the last L; segments and masks are computed for all rows together
@@ -79,14 +89,18 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
         return
     length = batch["input_ids"].shape[1]
     n = len(windows)
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
     pieces = [w.pieces[0] for w in windows if len(w.pieces) == 1]
     if len(pieces) == n and all(len(p.tokens) == length + 1 for p in pieces):
-        # The common case, each window one piece: stack the views of the cached row groups.
-        tokens = np.stack([p.tokens for p in pieces])
+        # The common case, each window one piece: the views of the cached row groups stacked.
+        dtype = np.result_type(*{p.tokens.dtype for p in pieces})
+        tokens = np.stack([p.tokens for p in pieces], out=_buffer(f"tokens_{dtype}", (n, length + 1), dtype))
         cut_at = [p.doc_offsets for p in pieces]
         trainable = None
         if any(p.trainable is not None for p in pieces):
-            trainable = np.stack([p.flags() for p in pieces])
+            trainable = np.stack([p.flags() for p in pieces], out=_buffer("trainable", (n, length + 1), bool))
         counts = None
     else:
         tokens = np.zeros((n, length + 1), np.int32)
@@ -95,19 +109,23 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
         for i, w in enumerate(windows):
             counts[i], cuts = w.write(tokens[i], trainable[i])
             cut_at.append(cuts)
+    whole = counts is None or counts.min() == length + 1   # every window whole (training)
     cut_rows = np.repeat(np.arange(n), [len(c) for c in cut_at])
-    segment_ids, positions = cut_segments(n, length, cut_rows, np.concatenate(cut_at))
+    in_place = whole and isinstance(index, slice)   # segments written straight into the batch
+    if in_place:
+        segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
+    else:
+        segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
+    cut_segments(cut_rows, np.concatenate(cut_at), segment_ids, positions, _buffer("cuts", (n, length), np.int32))
     fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:],
               "loss_mask": None if trainable is None else trainable[:, 1:],
               "segment_ids": segment_ids, "positions": positions}
-    index: slice | np.ndarray = np.asarray(rows)
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: plain copies, no gathers
-    if counts is None or counts.min() == length + 1:   # every window whole (training)
+    if whole:
         for name, values in fields.items():
-            batch[name][index] = 1 if values is None else values
+            if not (in_place and name in ("segment_ids", "positions")):
+                batch[name][index] = 1 if values is None else values
         return
-    assert trainable is not None
+    assert trainable is not None and counts is not None
     valid = np.arange(length) < (counts - 1)[:, None]   # the short end of an evaluation pass
     fields["loss_mask"] = valid & trainable[:, 1:]
     for name in ("segment_ids", "positions"):
