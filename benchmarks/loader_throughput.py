@@ -7,7 +7,7 @@ subprocess (so that peak RSS is that configuration's alone):
 
 - tokens/s (B*L per batch) over the first epoch from a fresh Loader (row groups decoded as they
   are first needed) and over the second (served from the row-group cache);
-- peak RSS of the process (``ru_maxrss``);
+- peak RSS of the process (``VmHWM``);
 - the ratio to the baseline: a plain numpy copy of the same number of L+1-token windows from one
   in-memory token array of the whole lake (consecutive windows for ``none``, random ones for
   ``full``), measured in this run, also in a fresh subprocess.
@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -59,8 +58,12 @@ def config_for(size: str, packing: str, shuffle: str) -> Path:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MB (Linux reports kB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process so far, in MB: ``VmHWM`` (``ru_maxrss`` would carry
+    the parent's peak over ``exec``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def measure_loader(config: Path) -> dict[str, float]:
@@ -117,7 +120,8 @@ def measure_baseline(config: Path, shuffle: str, steps: int) -> dict[str, float]
 def in_subprocess(*args: str) -> dict[str, float]:
     """Run this script with ``args`` in a fresh interpreter; its JSON answer."""
     done = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

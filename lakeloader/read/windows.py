@@ -18,6 +18,7 @@ from lakeloader.index.ranges import cumulative, locate
 from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
+from lakeloader.read.lru import LRU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +28,6 @@ class RenderedGroup:
     tokens: np.ndarray              # the stored dtype when every rendered id fits it, else int32
     trainable: np.ndarray | None    # bool per token; None: every token is a training target
     doc_starts: np.ndarray          # int64 [docs + 1]: offset of each document, then the end
-
-    def trainable_at(self, a: int, b: int) -> np.ndarray:
-        """Target flags of tokens ``[a, b)``."""
-        return np.ones(len(self.tokens[a:b]), bool) if self.trainable is None else self.trainable[a:b]
 
 
 def compact(rendered: Rendered, stored: np.dtype) -> RenderedGroup:
@@ -84,6 +81,8 @@ class StreamReader:
         self.view = view
         self.files = files
         self.template = template
+        # Row-group offsets per chunk: a few numbers each, kept by count.
+        self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (from catalog counts only)."""
@@ -97,8 +96,7 @@ class StreamReader:
 
     def groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         """(stream offsets of the row groups within the chunk, first document of each)."""
-        key = ("groups", chunks.fingerprint, chunk, self.template.fingerprint)
-        return self.files.cache.get(key, lambda: self._groups(chunks, chunk))
+        return self._row_groups.get((chunks.fingerprint, chunk), lambda: self._groups(chunks, chunk))
 
     def _groups(self, chunks: DatasetChunks, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         groups = self.view.row_groups(chunks.name, chunk)
@@ -144,11 +142,13 @@ class StreamReader:
             return pieces[0]
         if not pieces:
             return Piece(position, chunk, start, np.zeros(0, np.int32), None, 0, np.zeros(0, np.int64))
-        # Row groups hold whole documents: each later group starts a document where it starts.
-        at = np.cumsum([0] + [len(p.tokens) for p in pieces])
-        doc_offsets = [np.concatenate([[at[i]] * (p.first_doc - pieces[i - 1].first_doc - len(pieces[i - 1].doc_offsets))
-                                       if i else [], p.doc_offsets + at[i]]).astype(np.int64)
-                       for i, p in enumerate(pieces)]
+        at, last_doc, doc_offsets = 0, pieces[0].first_doc, []
+        for piece in pieces:
+            # Row groups hold whole documents: a later group's first document starts where the
+            # group does (as do any documents without rendered tokens before it).
+            doc_offsets += [np.full(piece.first_doc - last_doc, at, np.int64), piece.doc_offsets + at]
+            last_doc = piece.first_doc + len(piece.doc_offsets)
+            at += len(piece.tokens)
         trainable = None if all(p.trainable is None for p in pieces) else np.concatenate([p.flags() for p in pieces])
         return Piece(position, chunk, start, np.concatenate([p.tokens for p in pieces]), trainable,
                      pieces[0].first_doc, np.concatenate(doc_offsets))
