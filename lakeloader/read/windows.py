@@ -181,28 +181,48 @@ class StreamReader:
         found: list[list[Piece] | None] = [None] * len(starts)
         position = locate(sequence_offsets, starts)
         inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
-        for p in np.unique(position[inside]).tolist():
-            rows = np.flatnonzero(inside & (position == p))
-            chunk = int(sequence[p])
-            local = starts[rows] - sequence_offsets[p]
-            offsets, first_docs = self.groups(chunks, chunk)
-            group = locate(offsets, local)
-            whole = group == locate(offsets, local + length - 1)
-            for g in np.unique(group[whole]).tolist():
-                mine = np.flatnonzero(whole & (group == g))
-                rendered = self.rendered_group(chunks, chunk, g)
-                a = local[mine] - offsets[g]
-                # Documents overlapping each window: [lo - 1, hi) of the row group's.
-                lo = np.searchsorted(rendered.doc_starts, a, side="right")
-                hi = np.maximum(np.searchsorted(rendered.doc_starts, a + length, side="left"), lo)
-                first = lo - 1 + int(first_docs[g])
-                tokens, trainable, doc_starts = rendered.tokens, rendered.trainable, rendered.doc_starts
-                for row, start, x, y, z, f in zip(rows[mine].tolist(), local[mine].tolist(), a.tolist(), lo.tolist(),
-                                                  hi.tolist(), first.tolist()):
-                    found[row] = [Piece(p, chunk, start, tokens[x : x + length],
-                                        None if trainable is None else trainable[x : x + length], f,
-                                        doc_starts[y:z] - x)]
+        rows = np.flatnonzero(inside)
+        if len(rows):
+            self._views(chunks, sequence, sequence_offsets, starts, length, rows, position[rows], found)
         for row in range(len(starts)):
             if found[row] is None:
                 found[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         return found  # type: ignore[return-value]
+
+    def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
+               starts: np.ndarray, length: int, rows: np.ndarray, positions: np.ndarray,
+               found: list[list[Piece] | None]) -> None:
+        """Windows ``rows`` (each inside the chunk at sequence position ``positions``) that lie in
+        one row group become one-piece views of its cached rendering: the row groups of all the
+        windows are located in one search, then each row group is visited once."""
+        unique, which = np.unique(positions, return_inverse=True)
+        tables = [self.groups(chunks, int(sequence[p])) for p in unique.tolist()]
+        # Every chunk's row-group starts in one sorted array, chunk u's shifted by u * span.
+        span = int(sequence_offsets[-1]) + 1
+        shifted = np.concatenate([offsets[:-1] + u * span for u, (offsets, _) in enumerate(tables)])
+        base = cumulative(np.array([len(offsets) - 1 for offsets, _ in tables], np.int64))
+        local = starts[rows] - sequence_offsets[positions]
+        key = which * span + local
+        group = np.searchsorted(shifted, key, side="right") - 1
+        whole = np.flatnonzero(group == np.searchsorted(shifted, key + length - 1, side="right") - 1)
+        order = whole[np.argsort(group[whole], kind="stable")]   # windows of one row group together
+        if not len(order):
+            return
+        rows, which, local, group = rows[order], which[order], local[order], group[order]
+        a = local - (shifted[group] - which * span)                 # offset within the row group
+        runs = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(order)]
+        for begin, end in zip(runs[:-1], runs[1:]):
+            u = int(which[begin])
+            g = int(group[begin] - base[u])
+            p, chunk = int(unique[u]), int(sequence[int(unique[u])])
+            rendered = self.rendered_group(chunks, chunk, g)
+            tokens, trainable, doc_starts = rendered.tokens, rendered.trainable, rendered.doc_starts
+            x = a[begin:end]
+            # Documents overlapping each window: [lo - 1, hi) of the row group's.
+            lo = np.searchsorted(doc_starts, x, side="right")
+            hi = np.maximum(np.searchsorted(doc_starts, x + length, side="left"), lo)
+            first = lo - 1 + int(tables[u][1][g])
+            for row, start, y, l, h, f in zip(rows[begin:end].tolist(), local[begin:end].tolist(), x.tolist(),
+                                               lo.tolist(), hi.tolist(), first.tolist()):
+                found[row] = [Piece(p, chunk, start, tokens[y : y + length],
+                                    None if trainable is None else trainable[y : y + length], f, doc_starts[l:h] - y)]
