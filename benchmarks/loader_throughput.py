@@ -1,149 +1,170 @@
-"""Loader throughput vs a raw pyarrow read of the same chunk files, and seek latency.
+"""Loader throughput and peak memory next to a plain numpy copy of the same windows.
 
-Builds (once) a single-dataset lake of the 120 MB benchmark corpus (standard-library and
-site-packages sources, 35 M tokens), then measures:
-- tokens/s of `Loader` batches for B=64, L=2048 (global and strided orderings) over a full pass
-  of the lake from a fresh Loader, next to `pyarrow.parquet.read_table` of the same chunk files
-  into numpy (ratio; target >= 0.5); and the steady rate of one Loader in later epochs with a
-  cache smaller than the lake;
-- time to the first batch after a seek to steps 10..14 and to steps 1,000,000..1,000,004 from a
-  fresh Loader (medians; target: < 100 ms at 10^6 and within 1.5x of step 10);
-- the same with ``packing: pack`` (whole documents, first fit): non-padding tokens/s, padding
-  fraction and seek latency (a seek also plans the chunk it lands in).
+Builds (once) a single-dataset lake of the benchmark corpus (standard-library and site-packages
+sources; ``--size bench``: ~120 MB, ``--size demo``: a few MB for a quick look), then, for B=64,
+L=2048, ``packing: concat`` and ``pack``, ``shuffle: none`` and ``full``, each in a fresh
+subprocess (so that peak RSS is that configuration's alone):
 
-    .venv/bin/python benchmarks/loader_throughput.py
+- tokens/s (B*L per batch) over the first epoch from a fresh Loader (row groups decoded as they
+  are first needed) and over the second (served from the row-group cache);
+- peak RSS of the process (``VmHWM``);
+- the ratio to the baseline: a plain numpy copy of the same number of L+1-token windows from one
+  in-memory token array of the whole lake (consecutive windows for ``none``, random ones for
+  ``full``), measured in this run, also in a fresh subprocess.
+
+Targets (issue 15): ratio >= 0.10 in one process, peak RSS <= 450 MB.
+
+    .venv/bin/python benchmarks/loader_throughput.py [--size bench|demo]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
-import statistics
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import yaml
 from _common import OUT, REPO, report
 
-from lakeloader.catalog.lake import open_lake
-from lakeloader.demo.corpus import prepare_corpus
-from lakeloader.feed.loader import Loader
-from lakeloader.ingest.driver import build
-
 BATCH, SEQ = 64, 2048
+CONFIGS = [(packing, shuffle) for packing in ("concat", "pack") for shuffle in ("none", "full")]
 
 
-def config_for(ordering: str, verify: str = "checksum", packing: str = "concat", cache: str = "512MB") -> str:
-    corpus = prepare_corpus(OUT / "bench-corpus", size="bench")
-    path = OUT / f"loader-{ordering}-{verify}-{packing}-{cache}.yaml"
+def lake_dir(size: str) -> Path:
+    return OUT / f"loader-lake-{size}"
+
+
+def config_for(size: str, packing: str, shuffle: str) -> Path:
+    """A config reading the ``size`` lake with the given packing and shuffle (defaults otherwise:
+    prefetch 2, verify checksum, cache_bytes as documented)."""
+    from lakeloader.demo.corpus import prepare_corpus
+
+    corpus = prepare_corpus(OUT / f"{size}-corpus", size=size)  # type: ignore[arg-type]
+    path = OUT / f"loader-{size}-{packing}-{shuffle}.yaml"
     path.write_text(yaml.safe_dump({
-        "lake": str(OUT / "loader-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
+        "lake": str(lake_dir(size)), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
         "build": {"split_size": "8MB"},
-        "loader": {"seq_len": SEQ, "batch_size": BATCH, "ordering": ordering, "ideal_readers": 8,
-                   "prefetch": 2, "verify": verify, "packing": packing, "cache_bytes": cache},
+        "loader": {"seq_len": SEQ, "batch_size": BATCH, "packing": packing, "shuffle": shuffle},
     }))
-    return str(path)
+    return path
 
 
-def raw_read(config: str) -> tuple[int, float]:
-    lake = open_lake(config)
-    paths = [lake.path_of(p) for p in lake.sql("SELECT path FROM chunks ORDER BY global_index").path]
-    started, tokens = time.perf_counter(), 0
-    for path in paths:
-        column = pq.read_table(path, columns=["tokens"]).column(0).combine_chunks()
-        tokens += len(column.values.to_numpy(zero_copy_only=True))
-    return tokens, time.perf_counter() - started
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MB: ``VmHWM`` (``ru_maxrss`` would carry
+    the parent's peak over ``exec``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
-def loader_pass(config: str, steps: int | None = None) -> tuple[int, float, int]:
-    """(non-padding tokens, seconds, steps) of the faster of two passes over the lake."""
-    first, second = _loader_pass(config, steps), _loader_pass(config, steps)
-    return min(first, second, key=lambda run: run[1] / run[0])
+def measure_loader(config: Path) -> dict[str, float]:
+    """Two epochs of one fresh Loader: (first-epoch and second-epoch tokens/s, steps, peak RSS)."""
+    from lakeloader.feed.loader import Loader
 
-
-def _loader_pass(config: str, steps: int | None) -> tuple[int, float, int]:
+    started = time.perf_counter()
     loader = Loader(config)
-    if steps is None:
-        steps = max(1, int(loader.datasets[0].offsets[-1]) // (BATCH * SEQ))
-    started, tokens = time.perf_counter(), 0
-    for step, batch in enumerate(loader.iter_from(0)):
-        tokens += int((batch["segment_ids"] > 0).sum())
-        if step + 1 == steps:
-            break
-    seconds = time.perf_counter() - started
-    assert batch["input_ids"].shape == (BATCH, SEQ)
-    return tokens, seconds, steps
-
-
-def steady_rate(config: str) -> float:
-    """Tokens/s of one Loader over epochs 2 and 3 (the better), after an untimed first epoch: a
-    long run's rate once the row-group cache is full and its memory is being reused."""
-    loader = Loader(config)
-    steps = int(loader.datasets[0].offsets[-1]) // (BATCH * SEQ)
-    rates = []
-    for epoch in range(3):
+    opened = time.perf_counter() - started
+    dataset = loader.datasets[0]
+    steps = max(1, dataset.train_count() // BATCH)
+    rates, real = [], 0
+    iterator = loader.iter_from(0)
+    for epoch in range(2):
         started = time.perf_counter()
-        for _, _batch in zip(range(steps), loader.iter_from(epoch * steps)):
-            pass
+        for _ in range(steps):
+            batch = next(iterator)
+            if epoch == 1:
+                real += int(np.count_nonzero(batch["segment_ids"]))
         rates.append(steps * BATCH * SEQ / (time.perf_counter() - started))
     loader.close()
-    return max(rates[1:])
+    return {"open_s": opened, "steps": steps, "first_epoch_tokens_per_s": rates[0],
+            "tokens_per_s": rates[1], "non_padding": real / (steps * BATCH * SEQ), "peak_rss_mb": peak_rss_mb()}
 
 
-def seek_latency(config: str, step: int, repeats: int = 3, neighbours: int = 5) -> tuple[float, float]:
-    """Median (open, first batch) seconds of a fresh Loader seeking to ``step`` .. ``step +
-    neighbours - 1``: a single step's figure depends on how many row groups its batch happens to
-    straddle, which has nothing to do with how far the seek went."""
-    opens, firsts = [], []
-    for target in range(step, step + neighbours):
-        for _ in range(repeats):
-            started = time.perf_counter()
-            loader = Loader(config)
-            opened = time.perf_counter()
-            next(loader.iter_from(target))
-            firsts.append(time.perf_counter() - opened)
-            opens.append(opened - started)
-            loader.close()
-    return statistics.median(opens), statistics.median(firsts)
+def lake_tokens(config: Path) -> np.ndarray:
+    """Every stored token of the lake, in chunk order, as one int32 array."""
+    from lakeloader.catalog.lake import open_lake
+
+    lake = open_lake(config)
+    paths = lake.sql("SELECT path FROM chunks ORDER BY global_index").path
+    return np.concatenate([pq.read_table(lake.path_of(p), columns=["tokens"]).column(0).combine_chunks()
+                           .values.to_numpy() for p in paths]).astype(np.int32)
+
+
+def measure_baseline(config: Path, shuffle: str, steps: int) -> dict[str, float]:
+    """Tokens/s of copying ``steps`` batches of B windows of L+1 tokens out of one in-memory
+    array (best of 3), and the peak RSS."""
+    tokens = lake_tokens(config)
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, SEQ + 1)[::SEQ]
+    rng = np.random.default_rng(0)
+    best = 0.0
+    for _ in range(3):
+        order = rng.permutation(len(windows)) if shuffle == "full" else np.arange(len(windows))
+        started = time.perf_counter()
+        for step in range(steps):
+            rows = order[np.arange(step * BATCH, (step + 1) * BATCH) % len(windows)]
+            batch = windows[rows]   # one copy of B windows
+        best = max(best, steps * BATCH * SEQ / (time.perf_counter() - started))
+    assert batch.shape == (BATCH, SEQ + 1)
+    return {"tokens_per_s": best, "peak_rss_mb": peak_rss_mb()}
+
+
+def in_subprocess(*args: str) -> dict[str, float]:
+    """Run this script with ``args`` in a fresh interpreter; its JSON answer."""
+    done = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("bench", "demo"), default="bench")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)   # internal: one configuration
+    parser.add_argument("--baseline", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    global_config = config_for("global")
-    if not (OUT / "loader-lake" / "catalog.duckdb").exists():
-        build(global_config, workers=2, progress=False)
-    figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}"}
-    # Best of 3 for the baseline and best of 2 passes (each from a fresh Loader) for the loader:
-    # both then read from a warm page cache.
-    raw_rate = max(tokens / seconds for tokens, seconds in (raw_read(global_config) for _ in range(3)))
-    figures["raw_pyarrow_tokens_per_s"] = round(raw_rate)
-    for ordering in ("global", "strided"):
-        tokens, seconds, steps = loader_pass(config_for(ordering))
-        figures[f"{ordering}_steps"] = steps
-        figures[f"{ordering}_tokens_per_s"] = round(tokens / seconds)
-        figures[f"{ordering}_ratio_to_raw (target >= 0.5)"] = round(tokens / seconds / raw_rate, 3)
-    tokens, seconds, steps = loader_pass(config_for("global", verify="size"))
-    figures["global_verify_size_tokens_per_s"] = round(tokens / seconds)
-    # A lake larger than the cache, as in real runs: 64 MB holds ~6 M of the 35 M tokens.
-    steady = steady_rate(config_for("global", cache="64MB"))
-    figures["global_steady_cache_64MB_tokens_per_s"] = round(steady)
-    figures["global_steady_ratio_to_raw"] = round(steady / raw_rate, 3)
-    pack_config = config_for("global", packing="pack")
-    build(pack_config, workers=2, progress=False)   # adds the per-chunk packing counts only
-    tokens, seconds, pack_steps = loader_pass(pack_config, steps)
-    figures["pack_tokens_per_s (non-padding)"] = round(tokens / seconds)
-    figures["pack_ratio_to_raw"] = round(tokens / seconds / raw_rate, 3)
-    figures["pack_padding_fraction"] = round(1 - tokens / (pack_steps * BATCH * SEQ), 4)
-    for step in (10, 1_000_000):
-        _, first_s = seek_latency(pack_config, step)
-        figures[f"pack_seek_{step}_first_batch_ms"] = round(first_s * 1e3, 1)
-    for step in (10, 1_000_000):
-        open_s, first_s = seek_latency(global_config, step)
-        figures[f"seek_{step}_open_ms"] = round(open_s * 1e3, 1)
-        figures[f"seek_{step}_first_batch_ms"] = round(first_s * 1e3, 1)
-    figures["seek_ratio 1e6/10 (target <= 1.5)"] = round(
-        figures["seek_1000000_first_batch_ms"] / max(figures["seek_10_first_batch_ms"], 1e-3), 3)
-    report("loader_throughput", figures)
+    if args.measure:
+        print(json.dumps(measure_loader(Path(args.measure))))
+        return
+    if args.baseline:
+        print(json.dumps(measure_baseline(Path(args.measure or config_for(args.size, "concat", "none")),
+                                          args.baseline, args.steps)))
+        return
+
+    from lakeloader.ingest.driver import build
+
+    started = time.perf_counter()
+    for packing in ("concat", "pack"):   # the second build only adds the packing plan's counts
+        build(config_for(args.size, packing, "none"), workers=2, progress=False)
+    figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}", "corpus": args.size,
+                                  "build_or_check_s": round(time.perf_counter() - started, 1),
+                                  "loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}
+    for packing, shuffle in CONFIGS:
+        measured = in_subprocess("--measure", str(config_for(args.size, packing, shuffle)))
+        baseline = in_subprocess("--size", args.size, "--baseline", shuffle, "--steps", str(int(measured["steps"])))
+        name = f"{packing}_{shuffle}"
+        figures[f"{name}_tokens_per_s"] = round(measured["tokens_per_s"])
+        figures[f"{name}_first_epoch_tokens_per_s"] = round(measured["first_epoch_tokens_per_s"])
+        figures[f"{name}_numpy_copy_tokens_per_s"] = round(baseline["tokens_per_s"])
+        figures[f"{name}_ratio_to_numpy_copy (target >= 0.10)"] = round(
+            measured["tokens_per_s"] / baseline["tokens_per_s"], 3)
+        figures[f"{name}_peak_rss_mb (target <= 450)"] = round(measured["peak_rss_mb"])
+        figures[f"{name}_numpy_copy_peak_rss_mb"] = round(baseline["peak_rss_mb"])
+        if packing == "pack":
+            figures[f"{name}_non_padding_fraction"] = round(measured["non_padding"], 4)
+        figures[f"{name}_steps_per_epoch"] = int(measured["steps"])
+    figures["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    report("loader_throughput" if args.size == "bench" else f"loader_throughput_{args.size}", figures)
 
 
 if __name__ == "__main__":

@@ -334,7 +334,9 @@ class LoaderConfig(_Strict):
         "Worker processes building batches into shared memory (0: in this process); same batches."))
     verify: Literal["checksum", "size"] = Field(default="checksum", description=(
         "How each chunk file is checked once before use (page checksums are checked on every read)."))
-    cache_bytes: int = Field(default=512 * 2**20, description="Bytes of decoded row groups kept in memory (a size).")
+    cache_bytes: int = Field(default=256 * 2**20, description=(
+        "Bytes of decoded row groups kept in memory (a size): about 2 bytes per token when the "
+        "vocabulary fits 16 bits, least recently used first out."))
     disk_cache_bytes: int = Field(default=10 * 2**30, description=(
         "Bytes of local copies of a remote lake's chunk files (a size)."))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,7 +15,7 @@ from lakeloader.config import ShuffleConfig
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, Row, Segment
 from lakeloader.feed.shuffled import ShuffledDataset
-from lakeloader.index.ranges import cumulative, eval_examples, segments, strided_chunk, train_examples
+from lakeloader.index.ranges import cumulative, cut_segments, eval_examples, strided_chunk, train_examples
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.windows import Piece, StreamReader
 
@@ -25,17 +26,18 @@ class Window(Example):
 
     pieces: list[Piece]
 
-    def write(self, tokens: np.ndarray, keys: np.ndarray, trainable: np.ndarray) -> int:
-        """Copy the window's stream tokens, document keys and target flags into row buffers;
-        returns how many (L+1, fewer at the end of an evaluation pass)."""
-        at = 0
+    def write(self, tokens: np.ndarray, trainable: np.ndarray) -> tuple[int, np.ndarray]:
+        """Copy the window's stream tokens and target flags into row buffers; returns how many
+        (L+1, fewer at the end of an evaluation pass) and the offsets where documents start
+        (each piece starts one: pieces come from different chunk positions)."""
+        at, cuts = 0, []
         for piece in self.pieces:
             n = len(piece.tokens)
             tokens[at : at + n] = piece.tokens
-            keys[at : at + n] = piece.docs + (np.int64(piece.position) << 32)
-            trainable[at : at + n] = piece.trainable
+            trainable[at : at + n] = piece.flags()
+            cuts += [np.array([at]), piece.doc_offsets + at]
             at += n
-        return at
+        return at, np.concatenate(cuts) if cuts else np.zeros(0, np.int64)
 
     def fill(self, row: Row) -> None:
         """Write the window into a batch row: inputs its first L tokens, targets its last L."""
@@ -66,36 +68,66 @@ class Window(Example):
         return found
 
 
+_scratch = threading.local()
+
+
+def _buffer(name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """A work array of this thread, reused from batch to batch (never handed out, so nobody can
+    see it reused; fresh arrays of a batch's size cost page faults on every batch)."""
+    found = getattr(_scratch, name, None)
+    if found is None or found.shape != shape or found.dtype != dtype:
+        found = np.empty(shape, dtype)
+        setattr(_scratch, name, found)
+    return found
+
+
 def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
     """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
-    first L tokens, targets the last L; segments and masks are computed for all rows together."""
+    first L tokens, targets the last L; segments and masks are computed for all rows together
+    from where documents start (:func:`~lakeloader.index.ranges.cut_segments`)."""
     if not windows:
         return
     length = batch["input_ids"].shape[1]
-    if all(len(w.pieces) == 1 and len(w.pieces[0].tokens) == length + 1 for w in windows):
-        # The common case, each window one piece: stack the views (document keys need no chunk
-        # position when a window never leaves its chunk).
-        tokens = np.stack([w.pieces[0].tokens for w in windows])
-        keys = np.stack([w.pieces[0].docs for w in windows])
-        trainable = np.stack([w.pieces[0].trainable for w in windows])
-        counts = np.full(len(windows), length + 1)
-    else:
-        tokens = np.zeros((len(rows), length + 1), np.int32)
-        keys = np.full((len(rows), length + 1), -1, np.int64)
-        trainable = np.zeros((len(rows), length + 1), bool)
-        counts = np.array([w.write(tokens[i], keys[i], trainable[i]) for i, w in enumerate(windows)])
-    segment_ids, positions = segments(keys[:, :-1])
-    fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": trainable[:, 1:],
-              "segment_ids": segment_ids, "positions": positions}
+    n = len(windows)
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + len(rows))):
-        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: plain copies, no gathers
-    if counts.min() == length + 1:   # every window whole (training)
+        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
+    pieces = [w.pieces[0] for w in windows if len(w.pieces) == 1]
+    if len(pieces) == n and all(len(p.tokens) == length + 1 for p in pieces):
+        # The common case, each window one piece: the views of the cached row groups stacked.
+        dtype = np.result_type(*{p.tokens.dtype for p in pieces})
+        tokens = np.stack([p.tokens for p in pieces], out=_buffer(f"tokens_{dtype}", (n, length + 1), dtype))
+        cut_at = [p.doc_offsets for p in pieces]
+        trainable = None
+        if any(p.trainable is not None for p in pieces):
+            trainable = np.stack([p.flags() for p in pieces], out=_buffer("trainable", (n, length + 1), bool))
+        counts = None
+    else:
+        tokens = np.zeros((n, length + 1), np.int32)
+        trainable = np.zeros((n, length + 1), bool)
+        counts, cut_at = np.zeros(n, np.int64), []
+        for i, w in enumerate(windows):
+            counts[i], cuts = w.write(tokens[i], trainable[i])
+            cut_at.append(cuts)
+    whole = counts is None or counts.min() == length + 1   # every window whole (training)
+    cut_rows = np.repeat(np.arange(n), [len(c) for c in cut_at])
+    in_place = whole and isinstance(index, slice)   # segments written straight into the batch
+    if in_place:
+        segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
+    else:
+        segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
+    cut_segments(cut_rows, np.concatenate(cut_at), segment_ids, positions, _buffer("cuts", (n, length), np.int32))
+    fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:],
+              "loss_mask": None if trainable is None else trainable[:, 1:],
+              "segment_ids": segment_ids, "positions": positions}
+    if whole:
         for name, values in fields.items():
-            batch[name][index] = values
+            if not (in_place and name in ("segment_ids", "positions")):
+                batch[name][index] = 1 if values is None else values
         return
+    assert trainable is not None and counts is not None
     valid = np.arange(length) < (counts - 1)[:, None]   # the short end of an evaluation pass
-    fields["loss_mask"] = valid & fields["loss_mask"]
+    fields["loss_mask"] = valid & trainable[:, 1:]
     for name in ("segment_ids", "positions"):
         fields[name] = np.where(valid, fields[name], 0)
     for name in ("input_ids", "targets"):
@@ -110,6 +142,8 @@ class DatasetExamples(ShuffledDataset):
     Works on the committed prefix while the dataset is being built, waiting (with a timeout)
     only when an example needs a chunk that is not committed yet.
     """
+
+    fills_whole_rows = True   # a training example writes every position of its row (no padding)
 
     def __init__(self, name: str, view: CatalogView, reader: StreamReader, *, seq_len: int,
                  ordering: str, ideal_readers: int, wait_timeout: float,

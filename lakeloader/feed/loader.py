@@ -28,7 +28,7 @@ from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeE
 from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
-from lakeloader.feed.rows import Batch, Example, StepExamples, fill_batch
+from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, Batch, Example, StepExamples, fill_batch
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import CatalogView
@@ -146,6 +146,9 @@ class Loader:
         self.fingerprint = self._fingerprint()
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
+        self._arrays = ArrayPool()
+        # Training concat windows always cover their rows: no padding to write first.
+        self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
 
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
         loader, dataset = self.config.loader, self.config.datasets[name]
@@ -227,29 +230,35 @@ class Loader:
         raise StepRangeError(f"step {step} does not exist: valid are {valid}")
 
     def batch(self, step: int) -> Batch:
-        """This process's rows of global batch ``step``: arrays of shape [rows, seq_len]."""
+        """This process's rows of global batch ``step``: arrays of shape [rows, seq_len] that are
+        the caller's to keep and change: their memory is recycled for a later batch only once
+        nothing refers to them any more (:class:`~lakeloader.feed.rows.ArrayPool`)."""
         self.check_step(step)
-        arrays = self._empty_batch()
         owners, examples = self._windows(step)
+        arrays = self._empty_batch(whole=self._whole_rows)
         fill_batch(arrays, examples)
         arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
         return arrays
 
-    def _empty_batch(self) -> Batch:
+    def _empty_batch(self, whole: bool = False) -> Batch:
+        """The batch's arrays, padding in every row; ``whole``: every row field is about to be
+        written in full (concat windows in training), so those are left unset."""
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
-        arrays: Batch = {
-            "input_ids": np.full(shape, self.pad_id, np.int32), "targets": np.full(shape, self.pad_id, np.int32),
-            "loss_mask": np.zeros(shape, np.float32), "segment_ids": np.zeros(shape, np.int32),
-            "positions": np.zeros(shape, np.int32),
+        pool = self._arrays
+        arrays: Batch = {name: pool.empty(shape, np.float32 if name == "loss_mask" else np.int32)
+                         for name in ROW_FIELDS} if whole else {
+            "input_ids": pool.full(shape, self.pad_id, np.int32), "targets": pool.full(shape, self.pad_id, np.int32),
+            "loss_mask": pool.full(shape, 0, np.float32), "segment_ids": pool.full(shape, 0, np.int32),
+            "positions": pool.full(shape, 0, np.int32),
         }
         datasets = [self.config.datasets[name] for name in self.mixer.names]
         if any(d.seq2seq for d in datasets):
-            arrays["inputs"] = np.full(shape, self.pad_id, np.int32)
-            arrays["inputs_segment_ids"] = np.zeros(shape, np.int32)
-            arrays["inputs_positions"] = np.zeros(shape, np.int32)
+            arrays["inputs"] = pool.full(shape, self.pad_id, np.int32)
+            arrays["inputs_segment_ids"] = pool.full(shape, 0, np.int32)
+            arrays["inputs_positions"] = pool.full(shape, 0, np.int32)
         images = [d.interleaved.max_images for d in datasets if d.format == "interleaved"]
         if images:
             arrays["image_positions"] = np.full((self.rows, max(images)), -1, np.int32)

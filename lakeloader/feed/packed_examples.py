@@ -31,7 +31,7 @@ class Item:
     start: int                  # rendered token range of the document
     stop: int
     tokens: np.ndarray          # rendered tokens [start, stop] (one more for the last target, if any)
-    trainable: np.ndarray
+    trainable: np.ndarray | None    # None: every token is a target (plain text)
     images: list[tuple[int, str]]   # (offset of the image run within the item, reference)
     split: int                  # rendered offset where the response starts (seq2seq), else -1
 
@@ -53,7 +53,7 @@ class PackedExample(Example):
             row.input_ids[at : at + n] = item.tokens[:n]
             targets = item.tokens[1 : n + 1]
             row.targets[at : at + len(targets)] = targets
-            row.loss_mask[at : at + len(targets)] = item.trainable[1 : n + 1]  # all True for plain text
+            row.loss_mask[at : at + len(targets)] = 1 if item.trainable is None else item.trainable[1 : n + 1]
             row.segment_ids[at : at + n] = number
             row.positions[at : at + n] = np.arange(n, dtype=np.int32)
             if "image_refs" in row.extra:
@@ -95,6 +95,8 @@ class PackedExamples(DatasetExamples):
     """Example ``j`` of a dataset under ``packing: pack | pad``: whole documents per the packing
     plan of the chunk holding it. Per-chunk example counts come from the catalog, so a seek is a
     binary search over chunks; the chunk's plan is recomputed from its part layout when read."""
+
+    fills_whole_rows = False   # packed examples leave padding at the end of their rows
 
     def __init__(self, name: str, view: CatalogView, reader: StreamReader, spec: PackingSpec, *,
                  seq2seq: bool = False, **kwargs: Any) -> None:
@@ -162,7 +164,7 @@ class PackedExamples(DatasetExamples):
         rendered = self.reader.rendered_group(self.chunks, chunk, group)
         begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
         tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
-        trainable = rendered.trainable[begin + start : min(begin + stop + 1, end)]
+        trainable = None if rendered.trainable is None else rendered.trainable[begin + start : min(begin + stop + 1, end)]
         template = self.reader.template
         images: list[tuple[int, str]] = []
         split = -1

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -89,3 +92,34 @@ class StepExamples:
     examples: list[Example | None]      # each local row's example; None: past an evaluation pass
     shards: dict[str, np.ndarray]       # per dataset: shard index of each committed chunk
     dataset_ids: np.ndarray             # each local row's dataset position (-1: padding), as in batches
+
+
+class ArrayPool:
+    """Arrays for batches, each handed out again only once nothing outside the pool refers to it
+    (no array, view, buffer or dict of the caller's): a caller never sees memory it holds reused,
+    yet batches after the first cost no fresh memory (whose page faults cost more than filling
+    it). Thread-safe."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep    # arrays kept per shape and dtype
+        self._kept: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+        """An array of ``shape`` and ``dtype`` with unspecified contents that nobody else holds."""
+        with self._lock:
+            kept = self._kept.setdefault((shape, np.dtype(dtype).str), [])
+            for i in range(len(kept)):
+                if sys.getrefcount(kept[i]) == 2:   # the pool's list and this call's argument
+                    found = kept[i]
+                    return found
+            found = np.empty(shape, dtype)
+            if len(kept) < self.keep:
+                kept.append(found)
+            return found
+
+    def full(self, shape: tuple[int, ...], value: Any, dtype: type | np.dtype) -> np.ndarray:
+        """:meth:`empty` filled with ``value``."""
+        found = self.empty(shape, dtype)
+        found.fill(value)
+        return found

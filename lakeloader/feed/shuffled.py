@@ -16,6 +16,9 @@ from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.windows import StreamReader
 
 
+SHUFFLE_BLOCK = 4096   # training positions shuffled (and cached) together
+
+
 class ShuffledDataset(GrowingDataset, abc.ABC):
     """Training positions of a dataset mapped to its examples: index arithmetic only, waiting
     while the dataset is built only when the committed prefix cannot fix a position yet."""
@@ -24,6 +27,7 @@ class ShuffledDataset(GrowingDataset, abc.ABC):
                  shuffle: ShuffleConfig | None = None, seed: int = 0) -> None:
         self.shuffle = shuffle or ShuffleConfig()
         self.shuffle_key = derive_key(seed, "shuffle", name)
+        self._shuffle_id = repr(self.shuffle)
         super().__init__(name, view, reader, wait_timeout)
 
     def _set(self, chunks: DatasetChunks) -> None:
@@ -94,7 +98,23 @@ class ShuffledDataset(GrowingDataset, abc.ABC):
         per_epoch = self._available()
         if per_epoch == 0:
             raise self._too_small()
-        return js // per_epoch, self._shuffled(js, per_epoch)
+        return js // per_epoch, self._shuffled_blocks(js, per_epoch)
+
+    def _shuffled_blocks(self, positions: np.ndarray, per_epoch: int) -> np.ndarray:
+        """:meth:`_shuffled` of a complete dataset's positions, each aligned block of
+        ``SHUFFLE_BLOCK`` positions computed at once and kept in the reader's cache: a keyed
+        permutation costs per call (its cycle-walking rounds), far less per position."""
+        if self.shuffle.kind == "none":
+            return self._shuffled(positions, per_epoch)
+        blocks = positions // SHUFFLE_BLOCK
+        out = np.empty(len(positions), np.int64)
+        for block in np.unique(blocks).tolist():
+            mine = blocks == block
+            key = ("shuffled", self.name, self.fingerprint, self._shuffle_id, self.shuffle_key, per_epoch, block)
+            table = self.reader.files.cache.get(key, lambda: self._shuffled(
+                np.arange(block * SHUFFLE_BLOCK, (block + 1) * SHUFFLE_BLOCK, dtype=np.int64), per_epoch))
+            out[mine] = table[positions[mine] - block * SHUFFLE_BLOCK]
+        return out
 
     def _train_example_while_building(self, j: int) -> tuple[int, int]:
         while not self.chunks.complete:

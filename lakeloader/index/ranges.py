@@ -71,3 +71,33 @@ def segments(doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     number = number.reshape(keys.shape)
     segment_ids = number - number[:, :1] + 1
     return segment_ids.reshape(shape), positions.reshape(shape)
+
+
+
+def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray,
+                 scratch: np.ndarray) -> None:
+    """:func:`segments` of a ``[rows, n]`` batch of windows written into ``segment_ids`` and
+    ``positions``, given where documents start instead of a key per token: a document starts at
+    offset ``cut_at[i]`` of row ``cut_rows[i]`` (any order; repeats, offsets 0 and offsets past
+    the row change nothing) and every row starts one. ``scratch``: an int32 array of the same
+    shape to work in. A few passes over the batch, whatever the number of documents, and no
+    allocation of the batch's size."""
+    rows, n = segment_ids.shape
+    cut_rows, cut_at = np.asarray(cut_rows, np.int64), np.asarray(cut_at, np.int64)
+    inside = (cut_at > 0) & (cut_at < n)
+    starts = np.unique(np.concatenate([np.arange(rows, dtype=np.int64) * n, cut_rows[inside] * n + cut_at[inside]]))
+    first = starts % n == 0
+    later = starts[~first]
+    previous = starts[np.flatnonzero(~first) - 1]   # the start before each later one, in its row
+    flat = scratch.reshape(-1)
+    # Segment numbers: a running count of starts along each row.
+    scratch.fill(0)
+    scratch[:, 0] = 1
+    flat[later] = 1
+    np.cumsum(scratch, axis=1, out=segment_ids)
+    # Positions: a running count of ones that each start resets to 0 (it adds minus the length
+    # of the document before it, less one).
+    scratch.fill(1)
+    scratch[:, 0] = 0
+    flat[later] = (previous - later + 1).astype(scratch.dtype)
+    np.cumsum(scratch, axis=1, out=positions)

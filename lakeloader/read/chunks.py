@@ -129,10 +129,11 @@ class ChunkFiles:
                                        exc, None if self.disk is None else self.disk.local_path(path)) from exc
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
-        """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy)."""
-        return self.cache.get((chunks.fingerprint, index, group), lambda: self._row_group(chunks, index, group))
+        """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy), cached."""
+        return self.cache.get((chunks.fingerprint, index, group), lambda: self.read_row_group(chunks, index, group))
 
-    def _row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
+    def read_row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
+        """:meth:`row_group` read from the file and not cached (for what is cached derived from it)."""
         table = self._read(chunks, index, [group], [TOKENS_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN,
                                                     PART_REFS_COLUMN])
         column = table.column(TOKENS_COLUMN)

@@ -1,4 +1,10 @@
-"""Token windows of a dataset's stream: chunk row groups rendered (special tokens, templates)."""
+"""Token windows of a dataset's stream: chunk row groups rendered (special tokens, templates).
+
+Each row group is rendered once into a compact form kept in the reader's byte-bounded cache
+(``loader.cache_bytes``): its tokens in the stored dtype (uint16 when the vocabulary fits), a
+target flag per token only when some token is not a target, and its documents' boundaries as
+offsets (no per-token document key). Windows are slices of it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
 
 from lakeloader.contracts.specs import Template
 from lakeloader.index.ranges import cumulative, locate
@@ -13,6 +20,26 @@ from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, st
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.lru import LRU
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedGroup:
+    """One row group's documents rendered, compactly (what the cache keeps)."""
+
+    tokens: np.ndarray              # the stored dtype when every rendered id fits it, else int32
+    trainable: np.ndarray | None    # bool per token; None: every token is a training target
+    doc_starts: np.ndarray          # int64 [docs + 1]: offset of each document, then the end
+
+
+def compact(rendered: Rendered, stored: np.dtype) -> RenderedGroup:
+    """``rendered`` in the stored token dtype ``stored`` (if every id fits), without per-token
+    document keys, and without target flags when all are set."""
+    tokens = rendered.tokens
+    if stored.kind == "u" and stored.itemsize < tokens.dtype.itemsize and (
+            not len(tokens) or int(tokens.max()) <= np.iinfo(stored).max):
+        tokens = tokens.astype(stored)
+    trainable = None if rendered.trainable.all() else rendered.trainable
+    return RenderedGroup(tokens, trainable, rendered.doc_starts)
 
 
 @dataclasses.dataclass
@@ -23,8 +50,28 @@ class Piece:
     chunk: int          # global index of the chunk
     start: int          # first stream offset within the chunk
     tokens: np.ndarray
-    docs: np.ndarray    # document index within the chunk of every token
-    trainable: np.ndarray   # bool: whether each token is a training target
+    trainable: np.ndarray | None    # bool: whether each token is a training target (None: all)
+    first_doc: int      # document index within the chunk of the piece's first token
+    doc_offsets: np.ndarray  # int64: offsets within the piece where documents first_doc+1, ... start
+
+    @property
+    def docs(self) -> np.ndarray:
+        """Document index within the chunk of every token (computed; not kept)."""
+        return self.first_doc + np.searchsorted(self.doc_offsets, np.arange(len(self.tokens)), side="right")
+
+    def flags(self) -> np.ndarray:
+        """Target flag of every token."""
+        return np.ones(len(self.tokens), bool) if self.trainable is None else self.trainable
+
+
+def _piece(position: int, chunk: int, start: int, rendered: RenderedGroup, first_doc: int, a: int, b: int) -> Piece:
+    """Piece of tokens ``[a, b)`` of a rendered row group whose first document is ``first_doc``."""
+    starts = rendered.doc_starts
+    lo = int(np.searchsorted(starts, a, side="right"))
+    hi = int(np.searchsorted(starts, b, side="left"))
+    trainable = None if rendered.trainable is None else rendered.trainable[a:b]
+    return Piece(position, chunk, start, rendered.tokens[a:b], trainable, first_doc + lo - 1,
+                 starts[lo:max(lo, hi)] - a)
 
 
 class StreamReader:
@@ -35,6 +82,7 @@ class StreamReader:
         self.view = view
         self.files = files
         self.template = template
+        # Row-group offsets per chunk: a few numbers each, kept by count.
         self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
@@ -77,42 +125,51 @@ class StreamReader:
                                  part_matrix(groups["num_parts"], len(self.template.kind_names)), fim_docs)
         return cumulative(lengths), first_doc
 
-    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
-        """One row group's documents rendered (cached apart from the stored row group, which is
-        read only when the rendering is not cached)."""
+    def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
+        """One row group's documents rendered, compactly (cached; the stored row group is read
+        for it and not kept)."""
         key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
         return self.files.cache.get(key, lambda: self._render_group(chunks, chunk, group))
 
-    def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> Rendered:
-        stored = self.files.row_group(chunks, chunk, group)
+    def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
+        stored = self.files.read_row_group(chunks, chunk, group)
         parts = stored.parts
         first_doc = int(self.groups(chunks, chunk)[1][group])
         fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
-        return render(self.template, stored.values, parts.part_lengths, parts.part_kinds, parts.part_doc,
-                      parts.num_docs, fim)
+        rendered = compact(render(self.template, stored.values, parts.part_lengths, parts.part_kinds,
+                                  parts.part_doc, parts.num_docs, fim), stored.values.dtype)
+        del stored, parts
+        # The decoded row group is gone: hand the allocator's freed pages back (Arrow's pool
+        # otherwise keeps them, ~100 MB over a lake's first epoch).
+        pa.default_memory_pool().release_unused()
+        return rendered
 
     def chunk_range(self, chunks: DatasetChunks, chunk: int, start: int, stop: int,
                     position: int = 0) -> Piece:
-        """Stream tokens ``[start, stop)`` of chunk ``chunk`` with each token's document."""
+        """Stream tokens ``[start, stop)`` of chunk ``chunk`` with where its documents start."""
         offsets, first_docs = self.groups(chunks, chunk)
         group = int(np.searchsorted(offsets, start, side="right")) - 1 if stop > start else len(first_docs)
-        tokens, docs, trainable = [], [], []
+        pieces = []
         while group < len(first_docs) and offsets[group] < stop:
             rendered = self.rendered_group(chunks, chunk, group)
             a = max(start - int(offsets[group]), 0)
             b = min(stop - int(offsets[group]), len(rendered.tokens))
-            tokens.append(rendered.tokens[a:b])
-            trainable.append(rendered.trainable[a:b])
-            docs.append(rendered.docs[a:b] + first_docs[group])
+            pieces.append(_piece(position, chunk, start, rendered, int(first_docs[group]), a, b))
             group += 1
-        if len(tokens) == 1:   # the common case: views of one cached row group
-            return Piece(position, chunk, start, tokens[0], docs[0], trainable[0])
-        return Piece(
-            position=position, chunk=chunk, start=start,
-            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
-            docs=np.concatenate(docs) if docs else np.zeros(0, np.int64),
-            trainable=np.concatenate(trainable) if trainable else np.zeros(0, bool),
-        )
+        if len(pieces) == 1:   # the common case: views of one cached row group
+            return pieces[0]
+        if not pieces:
+            return Piece(position, chunk, start, np.zeros(0, np.int32), None, 0, np.zeros(0, np.int64))
+        at, last_doc, doc_offsets = 0, pieces[0].first_doc, []
+        for piece in pieces:
+            # Row groups hold whole documents: a later group's first document starts where the
+            # group does (as do any documents without rendered tokens before it).
+            doc_offsets += [np.full(piece.first_doc - last_doc, at, np.int64), piece.doc_offsets + at]
+            last_doc = piece.first_doc + len(piece.doc_offsets)
+            at += len(piece.tokens)
+        trainable = None if all(p.trainable is None for p in pieces) else np.concatenate([p.flags() for p in pieces])
+        return Piece(position, chunk, start, np.concatenate([p.tokens for p in pieces]), trainable,
+                     pieces[0].first_doc, np.concatenate(doc_offsets))
 
     def window(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                start: int, length: int) -> list[Piece]:
@@ -143,19 +200,48 @@ class StreamReader:
         position = locate(sequence_offsets, starts)
         inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
         self.prefetch_groups(chunks, np.asarray(sequence)[np.unique(position[position < len(sequence)])])
-        for p in np.unique(position[inside]).tolist():
-            rows = np.flatnonzero(inside & (position == p))
-            chunk = int(sequence[p])
-            local = starts[rows] - sequence_offsets[p]
-            offsets, first_docs = self.groups(chunks, chunk)
-            group = locate(offsets, local)
-            whole = group == locate(offsets, local + length - 1)
-            for row, start, g in zip(rows[whole].tolist(), local[whole].tolist(), group[whole].tolist()):
-                rendered = self.rendered_group(chunks, chunk, g)
-                a = start - int(offsets[g])
-                found[row] = [Piece(p, chunk, start, rendered.tokens[a : a + length],
-                                    rendered.docs[a : a + length] + first_docs[g], rendered.trainable[a : a + length])]
+        rows = np.flatnonzero(inside)
+        if len(rows):
+            self._views(chunks, sequence, sequence_offsets, starts, length, rows, position[rows], found)
         for row in range(len(starts)):
             if found[row] is None:
                 found[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         return found  # type: ignore[return-value]
+
+    def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
+               starts: np.ndarray, length: int, rows: np.ndarray, positions: np.ndarray,
+               found: list[list[Piece] | None]) -> None:
+        """Windows ``rows`` (each inside the chunk at sequence position ``positions``) that lie in
+        one row group become one-piece views of its cached rendering: the row groups of all the
+        windows are located in one search, then each row group is visited once."""
+        unique, which = np.unique(positions, return_inverse=True)
+        tables = [self.groups(chunks, int(sequence[p])) for p in unique.tolist()]
+        # Every chunk's row-group starts in one sorted array, chunk u's shifted by u * span.
+        span = int(sequence_offsets[-1]) + 1
+        shifted = np.concatenate([offsets[:-1] + u * span for u, (offsets, _) in enumerate(tables)])
+        base = cumulative(np.array([len(offsets) - 1 for offsets, _ in tables], np.int64))
+        local = starts[rows] - sequence_offsets[positions]
+        key = which * span + local
+        group = np.searchsorted(shifted, key, side="right") - 1
+        whole = np.flatnonzero(group == np.searchsorted(shifted, key + length - 1, side="right") - 1)
+        order = whole[np.argsort(group[whole], kind="stable")]   # windows of one row group together
+        if not len(order):
+            return
+        rows, which, local, group = rows[order], which[order], local[order], group[order]
+        a = local - (shifted[group] - which * span)                 # offset within the row group
+        runs = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(order)]
+        for begin, end in zip(runs[:-1], runs[1:]):
+            u = int(which[begin])
+            g = int(group[begin] - base[u])
+            p, chunk = int(unique[u]), int(sequence[int(unique[u])])
+            rendered = self.rendered_group(chunks, chunk, g)
+            tokens, trainable, doc_starts = rendered.tokens, rendered.trainable, rendered.doc_starts
+            x = a[begin:end]
+            # Documents overlapping each window: [lo - 1, hi) of the row group's.
+            lo = np.searchsorted(doc_starts, x, side="right")
+            hi = np.maximum(np.searchsorted(doc_starts, x + length, side="left"), lo)
+            first = lo - 1 + int(tables[u][1][g])
+            for row, start, y, l, h, f in zip(rows[begin:end].tolist(), local[begin:end].tolist(), x.tolist(),
+                                               lo.tolist(), hi.tolist(), first.tolist()):
+                found[row] = [Piece(p, chunk, start, tokens[y : y + length],
+                                    None if trainable is None else trainable[y : y + length], f, doc_starts[l:h] - y)]

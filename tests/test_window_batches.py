@@ -1,0 +1,247 @@
+"""Concat batches against a plain-numpy reference built from the decoded chunk files, for every
+shuffle kind, both orderings and several process counts; and the compact row-group cache.
+
+The reference renders each chunk file whole (pyarrow + the collation template), lays the
+dataset's stream out as one token array with a (chunk position, document) key per token, and
+cuts each row's window out of it: the five fields follow from plain slices and one comparison
+of neighbouring keys. Every comparison is bitwise (values and dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.chunk_file import table_parts
+from lakeloader.feed.concat_examples import Window
+from lakeloader.feed.loader import Loader
+from lakeloader.feed.rows import ArrayPool
+from lakeloader.index.ranges import cut_segments, segments
+from lakeloader.index.render import render
+from lakeloader.ingest.driver import build
+
+from conftest import stdlib_texts, write_config, write_jsonl
+
+SEQ_LEN = 48
+BATCH = 8
+FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+# -- the lake --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """Text in two shards and chat conversations (targets only on assistant turns), small
+    splits and small row groups so that windows cross row groups and chunks."""
+    root = tmp_path_factory.mktemp("window-batches")
+    data = root / "data"
+    texts = stdlib_texts("json") + stdlib_texts("wsgiref")
+    write_jsonl(data / "t" / "a.jsonl", texts[::2])
+    write_jsonl(data / "t" / "b.jsonl", [p for t in texts[1::2] for p in t.split("\n\n") if p.strip()])
+    paragraphs = [p for t in stdlib_texts("zoneinfo") for p in t.split("\n\n") if p.strip()]
+    chats = [{"messages": [{"role": "user", "content": paragraphs[i][:60]},
+                           {"role": "assistant", "content": paragraphs[i + 1]}]}
+             for i in range(0, len(paragraphs) - 1, 2)]
+    (data / "c").mkdir(parents=True)
+    (data / "c" / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    config = write_config(root, {"t": {"sources": [str(data / "t" / "*.jsonl")]},
+                                 "c": {"sources": [str(data / "c" / "chat.jsonl")], "format": "chat"}},
+                          build={"split_size": "16KB", "row_group_tokens": 600})
+    build(config, scheduler=dask_scheduler, progress=False)
+    return root
+
+
+def loader_config(root: Path, name: str, datasets: tuple[str, ...], **loader: Any) -> Path:
+    base = yaml.safe_load((root / "config.yaml").read_text())
+    config: dict[str, Any] = {
+        "lake": base["lake"], "tokenizer": base["tokenizer"], "build": base["build"],
+        "datasets": {n: base["datasets"][n] for n in datasets},
+        "loader": {"seq_len": SEQ_LEN, "batch_size": BATCH, "prefetch": 0, **loader},
+    }
+    if len(datasets) > 1:
+        config["mixture"] = {"weights": {"t": 0.7, "c": 0.3}}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+# -- the reference -----------------------------------------------------------------------------------
+
+
+class Stream:
+    """One dataset's rendered chunks: tokens, target flags and a document key per token."""
+
+    def __init__(self, loader: Loader, name: str) -> None:
+        lake = open_lake(loader.config)
+        paths = lake.sql("SELECT path FROM chunks WHERE dataset = ? AND status = 'committed' "
+                         "ORDER BY global_index", [name])["path"]
+        template = loader.templates[name]
+        self.chunks = []
+        for path in paths:
+            table = pq.read_table(lake.path_of(path))
+            column = table.column("tokens").combine_chunks()
+            parts = table_parts(table)
+            self.chunks.append(render(template, column.values.to_numpy(), parts.part_lengths,
+                                      parts.part_kinds, parts.part_doc, parts.num_docs))
+
+    def laid_out(self, sequence: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, trainable, key) of the chunks ``sequence`` back to back."""
+        rendered = [self.chunks[c] for c in sequence]
+        tokens = np.concatenate([r.tokens for r in rendered]).astype(np.int64)
+        trainable = np.concatenate([r.trainable for r in rendered])
+        key = np.concatenate([r.docs.astype(np.int64) + (p << 32) for p, r in enumerate(rendered)])
+        return tokens, trainable, key
+
+
+def reference_row(tokens: np.ndarray, trainable: np.ndarray, key: np.ndarray, start: int) -> dict[str, np.ndarray]:
+    """The row of the window of stream tokens ``[start, start + L]``."""
+    window = slice(start, start + SEQ_LEN + 1)
+    ids, flags, keys = tokens[window], trainable[window], key[window]
+    assert len(ids) == SEQ_LEN + 1
+    new_doc = np.r_[True, keys[1:SEQ_LEN] != keys[: SEQ_LEN - 1]]
+    segment_ids = np.cumsum(new_doc)
+    first = np.flatnonzero(new_doc)
+    return {"input_ids": ids[:-1].astype(np.int32), "targets": ids[1:].astype(np.int32),
+            "loss_mask": flags[1:].astype(np.float32), "segment_ids": segment_ids.astype(np.int32),
+            "positions": (np.arange(SEQ_LEN) - first[segment_ids - 1]).astype(np.int32)}
+
+
+def global_batch(loaders: list[Loader], step: int) -> dict[str, np.ndarray]:
+    parts = [loader.batch(step) for loader in loaders]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def assert_rows_equal(actual: dict[str, np.ndarray], expected: list[dict[str, np.ndarray]], dataset_ids: list[int],
+                      what: str) -> None:
+    assert sorted(actual) == sorted((*FIELDS, "dataset_ids")), what
+    assert actual["dataset_ids"].dtype == np.int32 and actual["dataset_ids"].tolist() == dataset_ids, what
+    for name in FIELDS:
+        wanted = np.stack([row[name] for row in expected])
+        assert actual[name].dtype == wanted.dtype, f"{what} {name}"
+        if not np.array_equal(actual[name], wanted):
+            pytest.fail(f"{what} {name} differs at {np.argwhere(actual[name] != wanted)[:5].tolist()}")
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+
+SHUFFLES = [{"kind": "none"}, {"kind": "full"}, {"kind": "block", "block_size": 7, "window_blocks": 3},
+            {"kind": "window", "window_chunks": 3}]
+
+
+@pytest.mark.parametrize("shuffle", SHUFFLES, ids=[s["kind"] for s in SHUFFLES])
+def test_global_ordering_batches_equal_the_numpy_reference(lake: Path, shuffle: dict[str, Any]) -> None:
+    config = loader_config(lake, f"global-{shuffle['kind']}", ("t", "c"), shuffle=shuffle)
+    one = Loader(config)
+    streams = {name: Stream(one, name).laid_out(list(range(d.chunks.committed)))
+               for name, d in zip(one.mixer.names, one.datasets)}
+    per_epoch = {d.name: d.train_count() for d in one.datasets}
+    steps = np.random.default_rng(7).integers(0, 3 * per_epoch["t"] // BATCH, 6).tolist() + [0]
+    for count in (1, 2, 4):
+        loaders = [Loader(config, process_index=p, process_count=count) for p in range(count)]
+        for step in steps:
+            examples = one.examples(step).examples
+            assert all(isinstance(e, Window) for e in examples)
+            expected = [reference_row(*streams[e.dataset], e.example * SEQ_LEN) for e in examples]
+            ids = [one.mixer.names.index(e.dataset) for e in examples]
+            assert_rows_equal(global_batch(loaders, step), expected, ids, f"{count} processes, step {step}")
+        for loader in loaders:
+            loader.close()
+    one.close()
+
+
+def test_strided_ordering_batches_equal_the_numpy_reference(lake: Path) -> None:
+    readers = 3
+    config = loader_config(lake, "strided", ("t",), ordering="strided", ideal_readers=readers, shuffle="none")
+    one = Loader(config)
+    stream = Stream(one, "t")
+    committed = one.datasets[0].chunks.committed
+    steps = [0, 1, *np.random.default_rng(3).integers(2, 40, 4).tolist()]
+    for count in (1, 2):
+        loaders = [Loader(config, process_index=p, process_count=count) for p in range(count)]
+        for step in steps:
+            _, indices = one.mixer.assign(step, one.row_indices)
+            expected = []
+            for i in indices.tolist():
+                reader, k = i % readers, i // readers
+                needed = (k + 1) * SEQ_LEN + 1
+                sequence, laid = [], 0
+                while laid < needed:   # reader r loops over chunks r, r+R, r+2R, ... of the looped lake
+                    chunk = (reader + len(sequence) * readers) % committed
+                    sequence.append(chunk)
+                    laid += len(stream.chunks[chunk].tokens)
+                expected.append(reference_row(*stream.laid_out(sequence), k * SEQ_LEN))
+            assert_rows_equal(global_batch(loaders, step), expected, [0] * len(expected),
+                              f"{count} processes, step {step}")
+        for loader in loaders:
+            loader.close()
+    one.close()
+
+
+def test_cached_row_groups_cost_about_two_bytes_per_token(lake: Path) -> None:
+    """Decoded row groups are kept in the stored dtype (uint16 for this vocabulary) with document
+    boundaries as offsets: about 2 bytes per token where it was 13 (ids, per-token document
+    keys and flags) plus the stored row group."""
+    loader = Loader(loader_config(lake, "memory", ("t",), cache_bytes="64MB"))
+    dataset = loader.datasets[0]
+    stream_tokens = int(dataset.offsets[-1])
+    for step in range(dataset.train_count() // BATCH + 1):   # a whole epoch: every row group once
+        loader.batch(step)
+    cache = loader.files.cache
+    assert len(cache) > 10
+    assert cache._total <= 2.2 * stream_tokens, f"{cache._total / stream_tokens:.2f} bytes per token"
+    loader.close()
+
+
+def test_batches_are_fresh_arrays(lake: Path) -> None:
+    """The caller keeps what ``batch`` returns: a later batch never writes into it."""
+    loader = Loader(loader_config(lake, "fresh", ("t",)))
+    first = loader.batch(0)
+    kept = {k: v.copy() for k, v in first.items()}
+    loader.batch(1)
+    loader.batch(0)
+    for name in FIELDS:
+        assert np.array_equal(first[name], kept[name])
+    loader.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 5), st.integers(1, 12), st.data())
+def test_segments_from_document_starts_equal_segments_from_keys(rows: int, n: int, data: st.DataObject) -> None:
+    cuts = [sorted(data.draw(st.lists(st.integers(-2, n + 2), max_size=6))) for _ in range(rows)]
+    keys = np.array([np.searchsorted(np.array(c, np.int64), np.arange(n), side="right") for c in cuts],
+                    np.int64).reshape(rows, n)
+    cut_rows = np.repeat(np.arange(rows), [len(c) for c in cuts])
+    cut_at = np.array([x for c in cuts for x in c], np.int64)
+    order = data.draw(st.permutations(range(len(cut_at))))   # any order
+    segment_ids, positions = np.full((rows, n), 7, np.int32), np.full((rows, n), 7, np.int32)
+    cut_segments(cut_rows[list(order)], cut_at[list(order)], segment_ids, positions, np.full((rows, n), 5, np.int32))
+    expected_ids, expected_positions = segments(keys)
+    assert segment_ids.dtype == positions.dtype == np.int32
+    assert np.array_equal(segment_ids, expected_ids) and np.array_equal(positions, expected_positions)
+
+
+def test_the_array_pool_reuses_only_what_nobody_holds() -> None:
+    pool = ArrayPool()
+    first = pool.empty((4, 8), np.int32)
+    second = pool.empty((4, 8), np.int32)
+    assert not np.shares_memory(first, second)   # both held
+    address = first.ctypes.data
+    view = first[1:]
+    del first
+    assert pool.empty((4, 8), np.int32).ctypes.data != address   # a view still holds it
+    del view
+    batch = {"x": pool.empty((4, 8), np.int32)}   # the freed one, now held by a dict
+    assert batch["x"].ctypes.data == address
+    assert pool.empty((4, 8), np.int32).ctypes.data not in (address, second.ctypes.data)
+    assert pool.full((2, 3), 5, np.float32).tolist() == [[5.0] * 3] * 2
