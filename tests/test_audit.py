@@ -175,7 +175,7 @@ def test_registration_is_idempotent_across_builds(lake: Path) -> None:
 def test_sql_proportions_match_the_loaders_batches(lake: Path) -> None:
     first, last = 3, 20  # spans all three stages
     with Loader(lake) as loader:
-        windows = {step: loader._windows(step) for step in range(first, last + 1)}
+        windows = {step: loader.examples(step).examples for step in range(first, last + 1)}
         per_epoch = {d.name: d.train_count() for d in loader.datasets}
     plan = open_lake(lake).sql("SELECT * FROM mixture_plan(?, ?, ?)", [mixture_spec(load_config(lake)).mixture_id,
                                                                        first, last + 1])

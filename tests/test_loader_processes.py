@@ -67,8 +67,9 @@ def test_cli_batches_identical_for_1_2_4_8_processes(lake: Path, tmp_path: Path,
         for _, process in procs:
             finish(process)
         parts = [load(path) for path, _ in procs]
-        assert {tuple(a.shape for a in part.values()) for part in parts} == {
-            tuple((steps, BATCH // count, SEQ_LEN) for _ in parts[0])}
+        assert {tuple(a.shape for name, a in part.items() if name != "dataset_ids") for part in parts} == {
+            tuple((steps, BATCH // count, SEQ_LEN) for name in parts[0] if name != "dataset_ids")}
+        assert {part["dataset_ids"].shape for part in parts} == {(steps, BATCH // count)}   # one id per row
         results[count] = assembled(parts)
     for count in (2, 4, 8):
         assert_batches_equal(results[count], results[1], f"{ordering}: {count} processes vs 1")

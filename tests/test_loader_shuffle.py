@@ -112,8 +112,8 @@ def test_resume_across_a_stage_boundary(lakes: Lakes) -> None:
     for start in (3, 4, 5, 6):
         got = [b for _, b in zip(range(STEPS - start), loader.iter_from(loader.state(start)))]
         assert_batches_equal(got, reference[start:])
-    owners = [{w.dataset for w in loader._windows(step)} for step in (4, 5)]
-    shares = [sum(w.dataset == "notes" for w in loader._windows(step)) for step in (4, 5)]
+    owners = [{w.dataset for w in loader.examples(step).examples} for step in (4, 5)]
+    shares = [sum(w.dataset == "notes" for w in loader.examples(step).examples) for step in (4, 5)]
     assert owners[0] and shares[0] < shares[1]  # the second stage favours notes
 
 
@@ -130,7 +130,7 @@ def test_stop_strategies_end_the_stream_exactly(lakes: Lakes, stop: str) -> None
     assert len(batches) == min(2, expected)
     used = {name: 0 for name in loader.mixer.names}
     for step in range(expected):
-        for window in loader._windows(step):
+        for window in loader.examples(step).examples:
             used[window.dataset] = max(used[window.dataset], window.epoch * 10**9 + window.example + 1)
     if stop == "first_exhausted":  # nothing is read twice, and some dataset is (nearly) used up
         assert all(v <= size for v, size in zip(used.values(), sizes))
