@@ -27,7 +27,11 @@ import orjson
 import pandas as pd
 import pyarrow.parquet as pq
 
+from lakeloader.catalog.audit import audit
+from lakeloader.catalog.lake import open_lake
+from lakeloader.config import load_config
 from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.feed.loader import Loader
 
 log = logging.getLogger("lakeloader.demo.formats")
 
@@ -169,11 +173,6 @@ def summarize(config: Any, *, batches: int = 20, audit_steps: int = 100) -> Summ
     (plus ``weight``: the configured weight, normalized), the padding fraction and non-padding
     tokens/s of ``batches`` batches, and the most complete chat and FIM example among them
     (by dataset, found with ``Loader.explain``) decoded by :func:`marked`."""
-    from lakeloader.catalog.audit import audit
-    from lakeloader.catalog.lake import open_lake
-    from lakeloader.config import load_config
-    from lakeloader.feed.loader import Loader
-
     config = load_config(config)
     datasets = open_lake(config).sql("SELECT name, format, num_docs, num_tokens FROM datasets ORDER BY name")
     frame = audit(config, 0, audit_steps)[["dataset", "target_weight", "share", "token_share", "tokens"]]

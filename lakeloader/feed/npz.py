@@ -13,13 +13,12 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import numpy as np
 from tqdm import tqdm
 
-if TYPE_CHECKING:
-    from lakeloader.feed.loader import Loader
+from lakeloader.feed.loader import Loader
 
 _COPY_BLOCK = 1 << 20
 
