@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
 from lakeloader.contracts.selection import where_problem
@@ -146,7 +147,6 @@ class InterleavedFormat(_Strict):
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
 # Columns of the catalog's documents view that no metadata field may shadow (with the prefix
 # tokens_ of its per-kind token counts).
-DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
 _METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

@@ -30,8 +30,6 @@ from lakeloader.specs import dataset_names, mixture_spec, packing_specs, plan_ke
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
            "registered"]
 
-PLAN_COLUMNS = ["step", "stage", "dataset", "dataset_index", "examples", "before", "after",
-                "stage_before", "stage_after", "stage_examples", "target_weight", "deviation"]
 AUDIT_COLUMNS = ["dataset", "target_weight", "share", "token_share", "examples", "tokens",
                  "max_deviation", "first_index", "end_index"]
 _BLOCK = 65_536  # steps per block of the Python closed form

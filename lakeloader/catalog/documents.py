@@ -36,8 +36,6 @@ from lakeloader.contracts.errors import CatalogError, LakeloaderError
 log = logging.getLogger(__name__)
 
 VIEW = "documents"
-# Columns every row of the view has (then tokens_<kind> per part kind and one per metadata field).
-BASE_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
 _MENTION = re.compile(rf"\b{VIEW}\b", re.IGNORECASE)
 _CHUNK_COLUMNS = (RECORD_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN)
 # Per-file constants: (name, type) of the columns each chunk file's rows get from the catalog.
@@ -100,7 +98,7 @@ def _dataset_select(relation: str, fields: list[str], schema: pa.Schema) -> str:
 
 def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> None:
     """Define the ``documents`` view on ``con`` (a catalog connection of ``lake``) over the lake's
-    committed chunk files: one row per document with ``BASE_COLUMNS``, ``tokens_<kind>`` per part
+    committed chunk files: one row per document with ``DOCUMENT_COLUMNS``, ``tokens_<kind>`` per part
     kind of its dataset's format and one column per metadata field (NULL where a dataset lacks it).
     Chunks committed after the catalog ``con`` reads was published are not in it."""
     chunks = con.execute(query("document_chunks")).df()

@@ -23,6 +23,9 @@ PART_REFS_COLUMN = "part_refs"        # interleaved only: each image part's refe
 # field, of the field's declared type (never inferred: chunks built in parallel agree on it).
 META_PREFIX = "meta."
 METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
+# Columns every row of the catalog's ``documents`` view has (then ``tokens_<kind>`` per part kind
+# and one per metadata field, which therefore may not take these names).
+DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
 
 
 def metadata_column(field: str) -> str:

@@ -28,9 +28,8 @@ class RecordError(ValueError):
     """A record that does not fit its format; str() is the reason."""
 
 
-# Types a metadata field may be declared with (config key metadata_fields) and the Python values
-# each accepts (``bool`` is checked first: it is a subclass of ``int``). A float field takes ints.
-METADATA_TYPES = ("string", "int", "float", "bool")
+# The Python values each metadata field type accepts (``bool`` is checked first: it is a subclass
+# of ``int``). A float field takes ints.
 _INT64 = (-(2**63), 2**63)
 
 _new_part = tuple.__new__   # Part(kind, text, ref) without the keyword-handling constructor

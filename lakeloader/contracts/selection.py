@@ -11,11 +11,10 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from lakeloader.contracts.errors import ConfigError
+from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES
 
 # The columns a predicate may name besides the metadata fields.
 PREDICATE_COLUMNS = {"num_tokens": pa.int64()}
-METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
 # The predicate is parsed and bound as the WHERE clause of this statement over an empty relation.
 # These two statements stay here (not in catalog/queries.sql): the config validates with them and
 # sits below the catalog layer; neither touches a catalog.
@@ -68,10 +67,3 @@ def where_problem(where: str, metadata: Mapping[str, str | None]) -> str | None:
     finally:
         con.close()
     return None
-
-
-def check_where(key: str, where: str, metadata: Mapping[str, str | None]) -> None:
-    """ConfigError naming ``key`` (``datasets.<name>.where``) when :func:`where_problem` finds one."""
-    problem = where_problem(where, metadata)
-    if problem is not None:
-        raise ConfigError(f"{key} = {where!r}: {problem}")

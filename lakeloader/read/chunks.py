@@ -45,7 +45,6 @@ class RowGroupCache(LRU[tuple[Any, ...], Any]):
 
     def __init__(self, max_bytes: int) -> None:
         super().__init__(max_bytes, _nbytes)
-        self.max_bytes = max_bytes
 
 
 @dataclasses.dataclass(frozen=True)
