@@ -287,7 +287,19 @@ class CatalogWriter:
             self._run("set_on_error", {"name": plan.name, "on_error": on_error})
             return False
         chunk_rows = plan.chunks.assign(dataset=plan.name)
-        with self.transaction(new_chunks=chunk_rows):
+        splits = plan.chunks.groupby("shard_index").size()
+        shard_rows = pd.DataFrame({
+            "dataset": plan.name,
+            "shard_index": range(len(plan.shards)),
+            "source": [readable_url(s.url) for s in plan.shards],
+            "layout": [s.layout for s in plan.shards],
+            "compression": [s.compression for s in plan.shards],
+            "size_bytes": [s.size for s in plan.shards],
+            "version": [s.version for s in plan.shards],
+            "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
+            "source_raw": [url_bytes(s.url) for s in plan.shards],
+        })
+        with self.transaction(new_chunks=chunk_rows, new_shards=shard_rows):
             self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
@@ -297,21 +309,7 @@ class CatalogWriter:
                 "vocab_size": vocab_size, "split_size": split_size, "on_error": on_error,
                 "encoder": plan.encoder,
             })
-            splits = plan.chunks.groupby("shard_index").size()
-            shard_rows = pd.DataFrame({
-                "dataset": plan.name,
-                "shard_index": range(len(plan.shards)),
-                "source": [readable_url(s.url) for s in plan.shards],
-                "layout": [s.layout for s in plan.shards],
-                "compression": [s.compression for s in plan.shards],
-                "size_bytes": [s.size for s in plan.shards],
-                "version": [s.version for s in plan.shards],
-                "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
-                "source_raw": [url_bytes(s.url) for s in plan.shards],
-            })
-            self.con.register("new_shards", shard_rows)
             self._run("insert_shard_plans")
-            self.con.unregister("new_shards")
             self._run("insert_chunk_plans")
             adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
             self._run("drop_adopted_chunks")

@@ -91,8 +91,9 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     rebuilt too."""
     names = list(config.datasets)
     unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()}
-    _remove_partial_files(lake, [SNAPSHOT_DIR, *writer.chunk_folders(names)])
-    repairs = _chunks_to_repair(lake, writer, names, config, requested)
+    folders = writer.chunk_folders(names)
+    _remove_partial_files(lake, [SNAPSHOT_DIR, *folders])
+    repairs = _chunks_to_repair(lake, writer, names, folders, requested)
     expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
     pending = writer.pending_chunks(names)
     if len(repairs):  # their packing counts come with the rebuilt chunks, not from their files
@@ -105,7 +106,7 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     return TaskBatch(names, packing, pending, expected, unplanned, total)
 
 
-def _chunk_file_sizes(lake: Lake, folder: str, config: Config) -> dict[str, int]:
+def _chunk_file_sizes(lake: Lake, folder: str) -> dict[str, int]:
     """Lake-relative path -> size of every file in chunk folder ``folder`` (one listing)."""
     full = lake.path_of(folder)
 
@@ -117,21 +118,22 @@ def _chunk_file_sizes(lake: Lake, folder: str, config: Config) -> dict[str, int]
             return []
 
     entries = with_retries(listing, what=f"listing the chunk folder {lake.url_of(folder)}",
-                           deadline=config.io_retry_deadline)
+                           deadline=lake.io_retry_deadline)
     return {f"{folder}/{posixpath.basename(entry['name'].rstrip('/'))}": int(entry["size"])
             for entry in entries if entry.get("type") == "file"}
 
 
-def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], config: Config,
+def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folders: list[str],
                       requested: Collection[tuple[str, int]]) -> pd.DataFrame:
     """Committed chunks whose file is missing or not the size the catalog records (found by
-    listing each chunk folder, not by reading the files), plus those in ``requested``."""
+    listing each of the datasets' chunk ``folders``, not by reading the files), plus those in
+    ``requested``."""
     committed = writer.committed_chunks(names)
     if committed.empty:
         return committed
     sizes: dict[str, int] = {}
-    for folder in writer.chunk_folders(names):
-        sizes.update(_chunk_file_sizes(lake, folder, config))
+    for folder in folders:
+        sizes.update(_chunk_file_sizes(lake, folder))
     wanted = set(requested)
     rows = []
     for row in committed.itertuples(index=False):
