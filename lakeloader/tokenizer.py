@@ -254,13 +254,16 @@ def _self_check_texts(tokenizer: Tokenizer) -> list[tuple[str, str]]:
 def fast_backend_problem(tokenizer: Tokenizer) -> str | None:
     """Why fastokens cannot encode for ``tokenizer`` exactly (it is not installed, refuses the
     tokenizer, or gives other ids than the reference on a self-check sample), or None."""
-    return _fast_backend_problem(tokenizer.to_str())
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint not in _SELF_CHECKS:   # once per tokenizer and process: every build plans
+        _SELF_CHECKS[fingerprint] = _fast_backend_problem(tokenizer)
+    return _SELF_CHECKS[fingerprint]
 
 
-@functools.lru_cache(maxsize=8)
-def _fast_backend_problem(tokenizer_json: str) -> str | None:
-    # Once per tokenizer and process: a build's planning runs it, and so does every later build.
-    tokenizer = Tokenizer.from_str(tokenizer_json)
+_SELF_CHECKS: dict[str, str | None] = {}   # tokenizer fingerprint -> fast_backend_problem
+
+
+def _fast_backend_problem(tokenizer: Tokenizer) -> str | None:
     try:
         fast = DocumentEncoder(tokenizer, backend="fastokens")
     except ImportError as exc:
