@@ -12,6 +12,7 @@ and packing plans never need the tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -99,7 +100,11 @@ class Rendered:
     tokens: np.ndarray        # int32
     trainable: np.ndarray     # bool: token is a training target
     doc_starts: np.ndarray    # int64 [docs + 1]: offsets of each document, then the end
-    docs: np.ndarray          # int32: document of each token (readers slice it instead of searching)
+
+    @functools.cached_property
+    def docs(self) -> np.ndarray:
+        """Document of each token (int32), derived from ``doc_starts`` when first asked."""
+        return np.repeat(np.arange(len(self.doc_starts) - 1, dtype=np.int32), np.diff(self.doc_starts))
 
 
 def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
@@ -179,8 +184,7 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
         tokens = pool[np.repeat(start - out_start, length) + np.arange(total, dtype=np.int64)]
     doc_lengths = np.bincount(doc, weights=length, minlength=num_docs).astype(np.int64)
     return Rendered(tokens=tokens, trainable=np.repeat(trains, length),
-                    doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64),
-                    docs=np.repeat(np.arange(num_docs, dtype=np.int32), doc_lengths))
+                    doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64))
 
 
 def _place_in_order(values: np.ndarray, constants: np.ndarray, start: np.ndarray, length: np.ndarray,
