@@ -111,27 +111,29 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_verify(report: pd.DataFrame, output_format: str, prefix: str = "") -> int:
+    """Print the damaged chunks of a verify report and a count line; returns how many are damaged."""
+    bad = report[report.status != "ok"]
+    if len(bad):
+        _print_frame(bad, output_format)
+    counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
+    print(f"{prefix}verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
+    return len(bad)
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     from lakeloader.ingest.repair import repair_lake
     from lakeloader.read.verify import verify_lake
 
     report = verify_lake(args.target, progress=not args.no_progress)
-    bad = report[report.status != "ok"]
-    if len(bad):
-        _print_frame(bad, args.format)
-    counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
-    print(f"verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
-    if len(bad) and args.repair:
+    damaged = _report_verify(report, args.format)
+    if damaged and args.repair:
         report = repair_lake(args.target, report, workers=args.workers, scheduler=args.scheduler,
                              progress=not args.no_progress)
-        bad = report[report.status != "ok"]
-        if len(bad):
-            _print_frame(bad, args.format)
-        counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
-        print(f"after repair, verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
-    elif len(bad):
+        damaged = _report_verify(report, args.format, prefix="after repair, ")
+    elif damaged:
         print("run `lakeloader verify CONFIG --repair` to rebuild the damaged chunks", file=sys.stderr)
-    return 1 if len(bad) else 0
+    return 1 if damaged else 0
 
 
 def _steps(text: str) -> tuple[int, int]:

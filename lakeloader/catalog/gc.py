@@ -11,6 +11,7 @@ import pandas as pd
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.stale import stale_chunk_folders
+from lakeloader.catalog.store import is_lock_error
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def _hold_catalog(lake: Lake) -> duckdb.DuckDBPyConnection | None:
         try:
             return duckdb.connect(path)
         except duckdb.IOException as exc:
-            if "lock" not in str(exc).lower():
+            if not is_lock_error(exc):
                 raise
             raise CatalogLockedError(
                 f"catalog {path} is in use (a `lakeloader build` of this lake, or a process reading "

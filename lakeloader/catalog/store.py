@@ -91,6 +91,11 @@ class LiveCatalog:
             return writer.con.cursor()
 
 
+def is_lock_error(exc: BaseException) -> bool:
+    """Whether DuckDB refused to open a catalog file because another process holds its lock."""
+    return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
+
+
 def _locked_error(path: str, exc: duckdb.Error) -> CatalogLockedError:
     pid = _LOCK_PID.search(str(exc))
     holder = f"process {pid.group(1)}" if pid else "another process"
@@ -144,7 +149,7 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
         try:
             con.execute(query("attach_catalog"), {"path": path})
         except duckdb.Error as exc:
-            if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
+            if is_lock_error(exc):
                 raise _locked_error(path, exc) from exc
             if isinstance(exc, duckdb.ResourceInUseException):
                 raise CatalogLockedError(
@@ -190,7 +195,7 @@ class CatalogWriter:
         except OSError as exc:
             raise write_failure("the lake's catalog", path, exc) from exc
         except duckdb.Error as exc:
-            if isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower():
+            if is_lock_error(exc):
                 raise _locked_error(path, exc) from exc
             self._discard(existed)
             raise catalog_failure(path, exc) or exc

@@ -28,6 +28,20 @@ METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.fl
 DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
 
 
+def metadata_kind_of(arrow_type: pa.DataType) -> str | None:
+    """The metadata field type ("string", "int", "float" or "bool") whose values an Arrow column
+    type holds; None for any other type."""
+    if pa.types.is_boolean(arrow_type):
+        return "bool"
+    if pa.types.is_integer(arrow_type):
+        return "int"
+    if pa.types.is_floating(arrow_type):
+        return "float"
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "string"
+    return None
+
+
 def metadata_column(field: str) -> str:
     """The chunk-file column of metadata field ``field``."""
     return META_PREFIX + field

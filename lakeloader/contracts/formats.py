@@ -28,8 +28,7 @@ class RecordError(ValueError):
     """A record that does not fit its format; str() is the reason."""
 
 
-# The Python values each metadata field type accepts (``bool`` is checked first: it is a subclass
-# of ``int``). A float field takes ints.
+# Integers a metadata field can hold (stored as int64). A float field takes ints.
 _INT64 = (-(2**63), 2**63)
 
 _new_part = tuple.__new__   # Part(kind, text, ref) without the keyword-handling constructor
@@ -118,22 +117,29 @@ class RecordFormat:
             raise RecordError(f"no field {name!r} (fields: {_keys(record)}); set {self.config_key(key)}") from None
 
 
+def metadata_kind(value: Any) -> str | None:
+    """The metadata field type of a parsed JSON value: "bool" (checked before "int": bool is a
+    subclass of int), "int", "float" or "string"; None for null, objects and lists."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "string"
+    return None
+
+
 def _metadata_value(value: Any, name: str, kind: str) -> Any:
     if value is None:
         return None
-    if isinstance(value, bool):
-        found = "bool"
-    elif isinstance(value, int):
-        found = "int"
-        if not _INT64[0] <= value < _INT64[1]:
-            raise RecordError(f"metadata field {name!r} is {value}, beyond the 64-bit integers it is stored as")
-    elif isinstance(value, float):
-        found = "float"
-    elif isinstance(value, str):
-        found = "string"
-    else:
+    found = metadata_kind(value)
+    if found is None:
         raise RecordError(f"metadata field {name!r} is {_type(value)} ({_kind_name(value)}), expected {kind} "
                           "or null: metadata holds strings, numbers, booleans and nulls")
+    if found == "int" and not _INT64[0] <= value < _INT64[1]:
+        raise RecordError(f"metadata field {name!r} is {value}, beyond the 64-bit integers it is stored as")
     if found == kind or (found == "int" and kind == "float"):
         return value
     raise RecordError(f"metadata field {name!r} is {found} ({value!r}), expected {kind} (the field's type, "

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 
-from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES, Reject
+from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES, Reject, metadata_kind_of
 from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.formats import Document, RecordError, RecordFormat
 from lakeloader.plan.sources import readable_url
@@ -273,10 +273,8 @@ def _wrong_metadata_column(record_format: RecordFormat, schema: pa.Schema) -> st
         if index < 0:
             continue  # a missing column is a null field
         found = schema.field(index).type
-        fits = {"string": pa.types.is_string(found) or pa.types.is_large_string(found),
-                "int": pa.types.is_integer(found), "bool": pa.types.is_boolean(found),
-                "float": pa.types.is_floating(found) or pa.types.is_integer(found)}[kind]
-        if not (fits or pa.types.is_null(found)):
+        held = metadata_kind_of(found)
+        if not (held == kind or (held == "int" and kind == "float") or pa.types.is_null(found)):
             return (f"column {name!r} has type {found}, but metadata field {name!r} is declared {kind}; "
                     "fix the file or the type in metadata_fields")
     return None

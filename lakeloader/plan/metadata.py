@@ -9,40 +9,17 @@ import io
 from typing import Any
 
 import orjson
-import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 
+from lakeloader.contracts.chunk_file import metadata_kind_of
 from lakeloader.contracts.errors import ConfigError
+from lakeloader.contracts.formats import metadata_kind
 from lakeloader.plan.sources import Shard, readable_url
 
 # Records of the first file searched for a first value of each untyped field.
 INFER_RECORDS = 10_000
-
-
-def _json_type(value: Any) -> str | None:
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "string"
-    return None   # null, object or list: no type (objects and lists are rejected at build)
-
-
-def _arrow_type(kind: pa.DataType) -> str | None:
-    if pa.types.is_boolean(kind):
-        return "bool"
-    if pa.types.is_integer(kind):
-        return "int"
-    if pa.types.is_floating(kind):
-        return "float"
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return "string"
-    return None
 
 
 def _first_lines(shard: Shard, storage_options: dict[str, Any]) -> list[bytes]:
@@ -73,7 +50,7 @@ def infer_metadata_types(name: str, fields: dict[str, str | None], first: Shard,
         with fs.open(path, "rb") as handle:
             schema = pq.read_schema(handle)
         for field in missing:
-            kind = _arrow_type(schema.field(field).type) if field in schema.names else None
+            kind = metadata_kind_of(schema.field(field).type) if field in schema.names else None
             if kind is not None:
                 found[field] = kind
     elif missing:
@@ -86,7 +63,7 @@ def infer_metadata_types(name: str, fields: dict[str, str | None], first: Shard,
                 continue
             for field in missing:
                 if field not in found:
-                    kind = _json_type(record.get(field))
+                    kind = metadata_kind(record.get(field))
                     if kind is not None:
                         found[field] = kind
             if len(found) == len(missing):
