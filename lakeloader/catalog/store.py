@@ -280,7 +280,9 @@ class CatalogWriter:
         plan names for the same split of the same unchanged file (same chunk path) stay committed
         under their new global index, with their row groups and rejects, so they are not
         tokenized again. Its other chunks and rejects are forgotten (their files are never read
-        again). Sources are stored readable in ``source`` and exactly in ``source_raw``.
+        again). Sources are stored readable in ``source`` and exactly in ``source_raw``. A dataset
+        defined by a filter (``plan.source``) keeps nothing of an older plan: a changed predicate
+        or source is a new selection, evaluated afresh.
         """
         current = self._run("dataset_plan", {"name": plan.name}).fetchone()
         if current and current[0] == plan.fingerprint:
@@ -299,20 +301,24 @@ class CatalogWriter:
             "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
             "source_raw": [url_bytes(s.url) for s in plan.shards],
         })
+        filtered = plan.source is not None
         with self.transaction(new_chunks=chunk_rows, new_shards=shard_rows):
-            self._run("keep_adoptable_chunks", {"name": plan.name})
+            if not filtered:
+                self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
                 "name": plan.name, "fingerprint": plan.fingerprint, "format": plan.format,
                 "fields": list(plan.fields), "chunk_dir": plan.chunk_dir,
                 "tokenizer_path": tokenizer_path, "token_type": token_type,
                 "vocab_size": vocab_size, "split_size": split_size, "on_error": on_error,
-                "encoder": plan.encoder,
+                "encoder": plan.encoder, "source_dataset": plan.source, "selection": plan.where,
             })
             self._run("insert_shard_plans")
             self._run("insert_chunk_plans")
-            adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
-            self._run("drop_adopted_chunks")
+            adopted = 0
+            if not filtered:
+                adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
+                self._run("drop_adopted_chunks")
             for missing in plan.missing:
                 self._run("insert_reject", {
                     "dataset": plan.name, "source": missing.source, "location": "whole file",
@@ -373,6 +379,17 @@ class CatalogWriter:
         first five) and num_sources."""
         return self._run("datasets_without_documents", {"datasets": list(datasets)}).df()
 
+    def filtered_datasets(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Those of ``datasets`` defined by a filter: name, source_dataset, where."""
+        return self._run("filtered_datasets", {"datasets": list(datasets)}).df()
+
+    def pending_selections(self, datasets: Sequence[str], committed: bool = False) -> pd.DataFrame:
+        """Chunks of the filtered ``datasets`` whose source chunk is committed, not committed
+        themselves (or, with ``committed``, committed ones), by global index: dataset,
+        source_dataset, where, global_index and the source chunk's path, num_bytes, checksum and
+        num_records."""
+        return self._run("pending_selections", {"datasets": list(datasets), "committed": committed}).df()
+
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
         return self._run("chunk_tasks", {"datasets": list(datasets), "committed": False}).df()
@@ -417,6 +434,12 @@ class CatalogWriter:
                     first_doc += docs
                     first_token += tokens
                 self._insert_plan_stats(r.dataset, r.global_index, r.plans)
+                for group, (first, docs) in enumerate(r.selection or ()):
+                    self._run("insert_selection", {
+                        "dataset": r.dataset, "global_index": r.global_index, "row_group": group,
+                        "source_first_doc": first, "docs": [int(d) for d in docs]})
+                if not r.rejects:
+                    continue
                 source, shard_index, split_index = sources[(r.dataset, r.global_index)]
                 for reject in r.rejects:
                     self._run("insert_reject", {
