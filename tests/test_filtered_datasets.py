@@ -18,21 +18,32 @@ import yaml
 
 import json
 import shutil
+import time
 
 import duckdb
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from lakeloader.catalog.audit import audit
+from lakeloader.catalog.gc import remove_stale_chunk_folders
 from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import main
 from lakeloader.config import load_config
-from lakeloader.contracts.errors import ConfigError, LakeloaderError
+from lakeloader.contracts.errors import ConfigError, LakeloaderError, SourceError
 from lakeloader.contracts.selection import where_problem
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
+from lakeloader.read.verify import verify_lake
 
-from conftest import DEMO_TOKENIZER, assert_batches_equal, global_batches, stdlib_texts, write_config, write_jsonl
+from conftest import (
+    DEMO_TOKENIZER,
+    assert_batches_equal,
+    global_batches,
+    start_build_thread,
+    stdlib_texts,
+    write_config,
+    write_jsonl,
+)
 
 WEB = {"metadata_fields": {"lang": "string", "score": "float"}}
 
@@ -141,9 +152,11 @@ def ids(text: str) -> list[int]:
 CHANGED = "lang = 'fr' AND num_tokens >= 20"
 
 
-def lake_config(root: Path, where: str = WHERE, weights: dict[str, float] | None = None, **loader: Any) -> Path:
-    """The config of a lake in ``root``: ``web`` and ``web_sel``, a filter of it."""
-    data = root / "data"
+def lake_config(root: Path, where: str = WHERE, weights: dict[str, float] | None = None, data: Path | None = None,
+                **loader: Any) -> Path:
+    """The config of a lake in ``root`` (sources in ``data``, default ``root/data``): ``web`` and
+    ``web_sel``, a filter of it."""
+    data = data or root / "data"
     datasets = {"web": {"sources": [str(data / "*.jsonl")], "metadata_fields": METADATA},
                 "web_sel": {"from": "web", "where": where}}
     return write_config(root, datasets, build={"split_size": "6KB", "row_group_tokens": 300},
@@ -271,3 +284,68 @@ def test_audit_finds_a_tampered_selection(lake, tmp_path: Path) -> None:
     con.close()
     with pytest.raises(LakeloaderError, match=r"dataset 'web_sel', chunk 3: .*num_docs"):
         audit(config, 0, 10)
+
+
+def test_read_while_building_equals_after(tmp_path: Path, dask_scheduler: str) -> None:
+    """A reader follows the build's live catalog while source chunks and their selections are
+    still being committed; its batches equal those read after the build."""
+    corpus(tmp_path / "data")
+    config = lake_config(tmp_path, packing="pack", shuffle={"kind": "window", "window_chunks": 2}, wait_timeout=120)
+    builder, live, errors = start_build_thread(config, scheduler=dask_scheduler, progress=False)
+    during_loader = None
+    while during_loader is None and builder.is_alive():
+        try:
+            during_loader = Loader(config, catalog=live)
+        except Exception:  # the plans are not registered yet
+            time.sleep(0.01)
+    assert during_loader is not None, "the build finished before a reader could start"
+    committed_at_start = {d.name: d.chunks.committed for d in during_loader.datasets}
+    during = [during_loader.batch(step) for step in range(8)]
+    builder.join()
+    assert not errors, errors
+    assert committed_at_start["web_sel"] < 33, committed_at_start
+    assert_batches_equal(during, global_batches(config, 1, range(8)), "read while building")
+
+
+def test_a_changed_predicate_is_a_new_selection_and_tokenizes_nothing(lake, tmp_path: Path,
+                                                                      dask_scheduler: str) -> None:
+    original, rows = lake
+    shutil.copytree(original / "lake", tmp_path / "copy" / "lake")
+    root = tmp_path / "copy"
+    pad = dict(weights={"web_sel": 1}, data=original / "data", packing="pad", seq_len=4096,
+               pack={"long_documents": "error"})
+    before = lake_config(root, **pad)
+    report = build(before, scheduler=dask_scheduler, progress=False)
+    assert report.chunks_built == 0
+    fingerprint = open_lake(before).sql("SELECT fingerprint FROM datasets WHERE name = 'web_sel'").fingerprint[0]
+    changed = lake_config(root, where=CHANGED, **pad)
+    report = build(changed, scheduler=dask_scheduler, progress=False)
+    assert report.chunks_built == 0 and report.tokens == 0   # nothing tokenized: selections only
+    lake_ = open_lake(changed)
+    after = lake_.sql("SELECT fingerprint, num_docs FROM datasets WHERE name = 'web_sel'")
+    assert after.fingerprint[0] != fingerprint
+    expected, _ = source_documents(changed, CHANGED)
+    assert after.num_docs[0] == len(expected) > 0
+    assert eval_documents(changed) == expected
+    assert sorted(TOKENIZER.decode(d) for d in expected) == sorted(
+        r["text"] for r in rows if passes(r, len(ids(r["text"])), CHANGED))
+    # No row of the old selection is left; the chunk files stay (gc removes nothing) and verify
+    # checks them once, as the source's.
+    stored = lake_.sql("SELECT sum(len(docs)) AS docs FROM selections WHERE dataset = 'web_sel'")
+    assert stored.docs[0] == len(expected)
+    assert remove_stale_chunk_folders(lake_).empty
+    assert eval_documents(changed) == expected
+    report = verify_lake(changed, progress=False)
+    assert set(report.status) == {"ok"} and set(report.dataset) == {"web"}
+    # Spacing, keyword case and parentheses do not change the selection: the plan is kept.
+    respaced = lake_config(root, where="(lang='fr')   and num_tokens>=20", **pad)
+    build(respaced, scheduler=dask_scheduler, progress=False)
+    assert open_lake(respaced).sql("SELECT fingerprint FROM datasets WHERE name = 'web_sel'").fingerprint[0] == \
+        after.fingerprint[0]
+
+
+def test_a_filter_needs_the_planned_types_and_selects_something(tmp_path: Path, dask_scheduler: str) -> None:
+    corpus(tmp_path / "data")
+    config = lake_config(tmp_path, where="lang = 'xx'", weights={"web_sel": 1})
+    with pytest.raises(SourceError, match=r"dataset 'web_sel' has no documents: its filter where: \"lang = 'xx'\""):
+        build(config, scheduler=dask_scheduler, progress=False)
