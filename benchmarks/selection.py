@@ -82,6 +82,7 @@ def main() -> None:
         "ratio selection/build": round(select_wall / build_wall, 3),
         "selection_tasks_seconds (one process, every chunk)": round(tasks_seconds, 3),
         "selection_tasks_ms_per_chunk": round(1000 * tasks_seconds / max(len(rows), 1), 2),
+        "ratio selection_tasks/build": round(tasks_seconds / build_wall, 3),
     })
 
 

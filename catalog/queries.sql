@@ -181,6 +181,15 @@ WHERE database_name = 'lake' AND schema_name = 'main' AND NOT internal;
 -- One table of the attached catalog as a view of the reader's database ({table}: a table of schema.sql).
 CREATE VIEW {table} AS FROM lake.main.{table};
 
+-- name: attached_columns
+-- Columns of the attached catalog file's tables.
+SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = 'lake' AND schema_name = 'main';
+
+-- name: reader_table_padded
+-- reader_table of a catalog written before some of the table's columns were added by schema.sql's
+-- ALTER TABLE ... ADD COLUMN lines ({columns}: NULL::<type> AS <column> for each): they read NULL.
+CREATE VIEW {table} AS SELECT *, {columns} FROM lake.main.{table};
+
 -- name: lock_reader
 -- Then no file, network or extension is reachable, and no statement can change that.
 SET enable_external_access = false;

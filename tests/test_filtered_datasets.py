@@ -349,3 +349,23 @@ def test_a_filter_needs_the_planned_types_and_selects_something(tmp_path: Path, 
     config = lake_config(tmp_path, where="lang = 'xx'", weights={"web_sel": 1})
     with pytest.raises(SourceError, match=r"dataset 'web_sel' has no documents: its filter where: \"lang = 'xx'\""):
         build(config, scheduler=dask_scheduler, progress=False)
+
+
+def test_a_catalog_from_before_filters_still_reads(lake, tmp_path: Path) -> None:
+    """Readers (loader, verify) of a lake whose catalog predates the columns of filters read it."""
+    root, _ = lake
+    shutil.copytree(root / "lake", tmp_path / "lake")
+    config = write_config(tmp_path, {"web": {"sources": [str(root / "data" / "*.jsonl")], "metadata_fields": METADATA}},
+                          build={"split_size": "6KB", "row_group_tokens": 300},
+                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH})
+    reference = global_batches(config, 1, range(3))
+    con = duckdb.connect(str(tmp_path / "lake" / "catalog.duckdb"))
+    for table in ("selections", "row_groups", "chunk_examples", "packing_plans", "chunks", "shard_plans"):
+        con.execute(f"DELETE FROM {table} WHERE dataset = 'web_sel'")
+    con.execute("DELETE FROM dataset_plans WHERE name = 'web_sel'")
+    con.execute("DROP TABLE selections")
+    con.execute("ALTER TABLE dataset_plans DROP COLUMN source_dataset")
+    con.execute("ALTER TABLE dataset_plans DROP COLUMN selection")
+    con.close()
+    assert_batches_equal(global_batches(config, 1, range(3)), reference, "old catalog")
+    assert set(verify_lake(config, progress=False).status) == {"ok"}

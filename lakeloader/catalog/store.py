@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
 _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
+_ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
 _READER_CONFIG = {
@@ -107,6 +108,31 @@ def catalog_tables() -> tuple[str, ...]:
     return tuple(_TABLE.findall(sql_file("schema")))
 
 
+@functools.cache
+def added_columns() -> dict[str, list[tuple[str, str]]]:
+    """Per table of catalog/schema.sql, the (column, type) its ALTER TABLE ... ADD COLUMN lines add
+    to catalogs written before them."""
+    added: dict[str, list[tuple[str, str]]] = {}
+    for table, column, kind in _ADDED.findall(sql_file("schema")):
+        added.setdefault(table, []).append((column, kind))
+    return added
+
+
+def _reader_tables(con: duckdb.DuckDBPyConnection, present: list[str]) -> str:
+    """The reader's view of each ``present`` table; a column schema.sql added after the catalog
+    was written reads NULL (so lakes built before it still read)."""
+    columns = set(con.execute(query("attached_columns")).fetchall())
+    statements = []
+    for name in present:
+        missing = [(column, kind) for column, kind in added_columns().get(name, []) if (name, column) not in columns]
+        if missing:
+            statements.append(query("reader_table_padded").format(
+                table=name, columns=", ".join(f"NULL::{kind} AS {column}" for column, kind in missing)))
+        else:
+            statements.append(query("reader_table").format(table=name))
+    return "".join(statements)
+
+
 RECOVER_CATALOG_HINT = ("recover it from the lake's newest published snapshot with `lakeloader build "
                         "CONFIG --recover-catalog` (chunks committed after that snapshot are rebuilt)")
 
@@ -161,7 +187,7 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
                 "catalog (lakeloader build CONFIG into a new lake) or restore it from a trusted copy"
             )
         present = [name for name in catalog_tables() if objects.get(name) == "table"]
-        con.execute("".join(query("reader_table").format(table=name) for name in present))
+        con.execute(_reader_tables(con, present))
         con.execute(sql_file("views"))
         con.execute(query("lock_reader"))
     except BaseException:
