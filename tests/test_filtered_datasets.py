@@ -153,11 +153,11 @@ CHANGED = "lang = 'fr' AND num_tokens >= 20"
 
 
 def lake_config(root: Path, where: str = WHERE, weights: dict[str, float] | None = None, data: Path | None = None,
-                **loader: Any) -> Path:
+                metadata: Any = None, **loader: Any) -> Path:
     """The config of a lake in ``root`` (sources in ``data``, default ``root/data``): ``web`` and
     ``web_sel``, a filter of it."""
     data = data or root / "data"
-    datasets = {"web": {"sources": [str(data / "*.jsonl")], "metadata_fields": METADATA},
+    datasets = {"web": {"sources": [str(data / "*.jsonl")], "metadata_fields": metadata or METADATA},
                 "web_sel": {"from": "web", "where": where}}
     return write_config(root, datasets, build={"split_size": "6KB", "row_group_tokens": 300},
                         loader={"seq_len": SEQ_LEN, "batch_size": BATCH, **loader},
@@ -270,6 +270,8 @@ def test_documents_view_and_audit_of_a_filtered_dataset(lake) -> None:
     assert found.docs[0] == len(expected) and found.tokens[0] == sum(map(len, expected))
     stats = lake_.stats().set_index("dataset")
     assert stats.loc["web_sel", "documents"] == len(expected)
+    status = lake_.status()["datasets"].set_index("name")
+    assert status.loc["web_sel", "status"] == "complete" and status.loc["web_sel", "num_docs"] == len(expected)
     frame = audit(config, 0, 10)
     assert set(frame.dataset) == {"web", "web_sel"} and frame.attrs["selections_checked"] == 33
 
@@ -346,6 +348,11 @@ def test_a_changed_predicate_is_a_new_selection_and_tokenizes_nothing(lake, tmp_
 
 def test_a_filter_needs_the_planned_types_and_selects_something(tmp_path: Path, dask_scheduler: str) -> None:
     corpus(tmp_path / "data")
+    # Untyped fields bind as strings when the config is read; the plan infers score: float.
+    config = lake_config(tmp_path, where="score LIKE '0.%'", weights={"web_sel": 1}, metadata=list(METADATA))
+    with pytest.raises(ConfigError, match=r"datasets\.web_sel\.where: does not bind.*'score': 'float'"):
+        build(config, scheduler=dask_scheduler, progress=False)
+    assert open_lake(config).sql("SELECT count(*) AS n FROM dataset_plans").n[0] == 0   # nothing planned
     config = lake_config(tmp_path, where="lang = 'xx'", weights={"web_sel": 1})
     with pytest.raises(SourceError, match=r"dataset 'web_sel' has no documents: its filter where: \"lang = 'xx'\""):
         build(config, scheduler=dask_scheduler, progress=False)

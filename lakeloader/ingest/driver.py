@@ -162,12 +162,14 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     plans: dict[str, DatasetPlan] = {}
-    # Datasets defined by a filter after the others: their plan is their source's, selected.
+    # Every plan before any is registered (a filter's predicate is checked against the metadata
+    # types its source's plan fixed); datasets defined by a filter after the others.
     for name in sorted(config.datasets, key=lambda n: config.datasets[n].from_ is not None):
         source = config.datasets[name].from_
-        plan = plan_dataset(name, config, fingerprint, encoder=encoder) if source is None else \
+        plans[name] = plan_dataset(name, config, fingerprint, encoder=encoder) if source is None else \
             filtered_plan(name, config, plans[source])
-        plans[name] = plan
+    for name, plan in plans.items():
+        source = config.datasets[name].from_
         new = writer.register_plan(
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
             vocab_size=vocab_size, split_size=config.build.split_size,
