@@ -376,3 +376,11 @@ def test_a_catalog_from_before_filters_still_reads(lake, tmp_path: Path) -> None
     con.close()
     assert_batches_equal(global_batches(config, 1, range(3)), reference, "old catalog")
     assert set(verify_lake(config, progress=False).status) == {"ok"}
+
+
+def test_a_predicate_failing_on_a_value_names_the_key_and_chunk(tmp_path: Path, dask_scheduler: str) -> None:
+    corpus(tmp_path / "data")
+    config = lake_config(tmp_path, where="CAST(lang AS INTEGER) > 3", weights={"web_sel": 1})
+    with pytest.raises(ConfigError, match=r"datasets\.web_sel\.where = .* fails on the documents of chunk \d+ of "
+                                          r"dataset 'web' .*Could not convert"):
+        build(config, scheduler=dask_scheduler, progress=False)

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import time
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 from fsspec.core import url_to_fs
@@ -29,6 +30,7 @@ from lakeloader.contracts.chunk_file import (
     table_parts,
     unreadable_chunk,
 )
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.selection import select_documents
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.index.chunk_packing import plan_stats
@@ -70,7 +72,11 @@ def evaluate_selection(task: SelectionTask) -> ChunkResult:
     parts = table_parts(table)
     candidate = pa.table({**{name.removeprefix(META_PREFIX): table.column(name) for name in meta},
                           "num_tokens": pa.array(parts.content_lengths)})
-    selected = select_documents(task.where, candidate)
+    try:
+        selected = select_documents(task.where, candidate)
+    except duckdb.Error as exc:   # bound at planning, failed on a value (a cast, say)
+        raise ConfigError(f"datasets.{task.dataset}.where = {task.where!r} fails on the documents of {where}: "
+                          f"{str(exc).splitlines()[0]}; fix the predicate (e.g. TRY_CAST instead of CAST)") from exc
     chosen, _ = select_parts(parts, selected)
     file_bounds = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]) if parts.num_docs else np.zeros(1, np.int64)
     bounds = np.searchsorted(selected, file_bounds).astype(np.int64)   # row groups in selected numbering
