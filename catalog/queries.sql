@@ -13,6 +13,7 @@ ROLLBACK;
 SELECT fingerprint FROM dataset_plans WHERE name = $name;
 
 -- name: forget_dataset
+DELETE FROM selections WHERE dataset = $name;
 DELETE FROM row_groups WHERE dataset = $name;
 DELETE FROM chunk_examples WHERE dataset = $name;
 DELETE FROM packing_plans WHERE dataset = $name;
@@ -22,9 +23,10 @@ DELETE FROM rejects WHERE dataset = $name;
 DELETE FROM dataset_plans WHERE name = $name;
 
 -- name: insert_dataset_plan
-INSERT INTO dataset_plans VALUES (
-    $name, $fingerprint, $format, $fields, $chunk_dir, $tokenizer_path, $token_type,
-    $vocab_size, $split_size, $on_error, now()::TIMESTAMP, $encoder);
+INSERT INTO dataset_plans (name, fingerprint, format, fields, chunk_dir, tokenizer_path, token_type,
+                           vocab_size, split_size, on_error, planned_at, encoder, source_dataset, selection)
+VALUES ($name, $fingerprint, $format, $fields, $chunk_dir, $tokenizer_path, $token_type,
+        $vocab_size, $split_size, $on_error, now()::TIMESTAMP, $encoder, $source_dataset, $selection);
 
 -- name: set_on_error
 UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
@@ -54,6 +56,51 @@ WHERE dataset = $dataset AND global_index = $global_index AND status <> 'committ
 -- name: insert_row_group
 INSERT INTO row_groups VALUES ($dataset, $global_index, $row_group, $first_doc, $num_docs, $first_token,
                                $num_tokens, $num_parts, $part_tokens);
+
+-- name: insert_selection
+INSERT INTO selections VALUES ($dataset, $global_index, $row_group, $source_first_doc, $docs);
+
+-- name: pending_selections
+-- Chunks of datasets defined by a filter to evaluate: uncommitted ($committed false) or
+-- committed ones ($committed true), whose source chunk is committed, with the source chunk's file
+-- and catalog record.
+SELECT c.dataset, d.source_dataset, d.selection AS "where", c.global_index, s.path, s.num_bytes,
+       s.checksum, s.num_records
+FROM chunks c
+JOIN dataset_plans d ON d.name = c.dataset
+JOIN chunks s ON s.dataset = d.source_dataset AND s.global_index = c.global_index
+WHERE (c.status = 'committed') = $committed AND s.status = 'committed' AND list_contains($datasets, c.dataset)
+ORDER BY c.global_index, list_position($datasets, c.dataset);
+
+-- name: reader_selection
+-- The selected documents of one row group of a filtered dataset's chunk (within the row group).
+SELECT docs FROM selections WHERE dataset = $name AND global_index = $global_index AND row_group = $row_group;
+
+-- name: chunk_selection
+-- The selected documents of a filtered dataset's chunk, per row group of its file.
+SELECT row_group, source_first_doc, docs FROM selections
+WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
+
+-- name: audit_filtered_chunks
+-- The committed chunks of a dataset defined by a filter with their counts and their source
+-- chunk's file and record (what a fresh evaluation of the predicate takes).
+SELECT c.global_index, c.num_docs, c.num_tokens, c.num_parts, c.part_tokens, d.source_dataset,
+       s.path, s.num_bytes, s.checksum, s.num_records,
+       (SELECT list(r.num_docs ORDER BY r.row_group) FROM row_groups r
+        WHERE r.dataset = c.dataset AND r.global_index = c.global_index) AS row_group_docs,
+       (SELECT list(r.num_tokens ORDER BY r.row_group) FROM row_groups r
+        WHERE r.dataset = c.dataset AND r.global_index = c.global_index) AS row_group_tokens,
+       (SELECT list(e.num_examples) FROM chunk_examples e
+        WHERE e.dataset = c.dataset AND e.global_index = c.global_index AND e.plan_key = $plan_key) AS examples
+FROM chunks c
+JOIN dataset_plans d ON d.name = c.dataset
+JOIN chunks s ON s.dataset = d.source_dataset AND s.global_index = c.global_index
+WHERE c.dataset = $name AND c.status = 'committed'
+ORDER BY c.global_index;
+
+-- name: filtered_datasets
+SELECT name, source_dataset, selection AS "where" FROM dataset_plans
+WHERE source_dataset IS NOT NULL AND list_contains($datasets, name) ORDER BY name;
 
 -- name: insert_packing_plan
 INSERT OR IGNORE INTO packing_plans VALUES ($plan_key, $dataset, $seq_len, $mode, $spec, now()::TIMESTAMP);
@@ -134,13 +181,22 @@ WHERE database_name = 'lake' AND schema_name = 'main' AND NOT internal;
 -- One table of the attached catalog as a view of the reader's database ({table}: a table of schema.sql).
 CREATE VIEW {table} AS FROM lake.main.{table};
 
+-- name: attached_columns
+-- Columns of the attached catalog file's tables.
+SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = 'lake' AND schema_name = 'main';
+
+-- name: reader_table_padded
+-- reader_table of a catalog written before some of the table's columns were added by schema.sql's
+-- ALTER TABLE ... ADD COLUMN lines ({columns}: NULL::<type> AS <column> for each): they read NULL.
+CREATE VIEW {table} AS SELECT *, {columns} FROM lake.main.{table};
+
 -- name: lock_reader
 -- Then no file, network or extension is reachable, and no statement can change that.
 SET enable_external_access = false;
 SET lock_configuration = true;
 
 -- name: reader_dataset
-SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks
+SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks, d.source_dataset
 FROM dataset_plans d JOIN committed_prefix p ON p.dataset = d.name
 WHERE d.name = $name;
 
@@ -279,15 +335,20 @@ SELECT chunk_dir FROM dataset_plans WHERE list_contains($datasets, name);
 SELECT count(*) FROM chunks WHERE list_contains($datasets, dataset);
 
 -- name: datasets_without_documents
--- Completely built datasets none of whose records became a document (all rejected or unreadable).
-SELECT d.name, d.num_rejects, list(s.source ORDER BY s.shard_index)[1:5] AS sources, count(s.source) AS num_sources
-FROM datasets d JOIN shard_plans s ON s.dataset = d.name
+-- Completely built datasets none of whose records became a document (all rejected or unreadable),
+-- or (source_dataset not NULL) whose filter selects no document.
+SELECT d.name, d.num_rejects, list(s.source ORDER BY s.shard_index)[1:5] AS sources, count(s.source) AS num_sources,
+       p.source_dataset, p.selection AS "where"
+FROM datasets d JOIN shard_plans s ON s.dataset = d.name JOIN dataset_plans p ON p.name = d.name
 WHERE list_contains($datasets, d.name) AND d.status = 'complete' AND d.num_docs = 0
-GROUP BY d.name, d.num_rejects ORDER BY d.name;
+GROUP BY d.name, d.num_rejects, p.source_dataset, p.selection ORDER BY d.name;
 
 -- name: committed_chunk_files
+-- (Chunks of datasets defined by a filter are their source's files, checked as the source's.)
 SELECT dataset, global_index, path, num_bytes, checksum, num_docs FROM chunks
-WHERE status = 'committed' ORDER BY dataset, global_index;
+WHERE status = 'committed'
+  AND dataset NOT IN (SELECT name FROM dataset_plans WHERE source_dataset IS NOT NULL)
+ORDER BY dataset, global_index;
 
 -- name: tokenizer_path
 SELECT tokenizer_path FROM dataset_plans WHERE list_contains($datasets, name) LIMIT 1;
@@ -326,7 +387,7 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 -- Committed chunks with what the documents view adds to their rows: the source file, and the
 -- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0; NULL for a
 -- byte split while an earlier split of its file is not committed (its line count is unknown).
-SELECT c.dataset, c.global_index, c.path, s.source, d.fields,
+SELECT c.dataset, c.global_index, c.path, s.source, d.fields, d.selection AS "where",
        CASE WHEN c.split_kind = 'row_group' THEN c.first_row
             WHEN c.committed_before = c.split_index THEN c.records_before + 1 END AS line_base
 FROM (
@@ -357,6 +418,12 @@ list_sum(list_transform(list_zip(part_lengths, part_kinds), lambda p: CASE WHEN 
 
 -- name: documents_metadata
 {column} AS {name}
+
+-- name: documents_of_filtered_dataset
+-- The documents view's rows of a dataset defined by a filter (placeholder where): those of its
+-- files' documents that its predicate selects, numbered within each chunk as its loader does.
+SELECT * REPLACE ((row_number() OVER (PARTITION BY chunk ORDER BY doc) - 1)::BIGINT AS doc)
+FROM ({select}) WHERE ({where})
 
 -- name: documents_view
 -- Placeholder selects: documents_of_dataset of each dataset with committed chunks, joined by UNION ALL BY NAME.

@@ -24,6 +24,12 @@ CREATE TABLE IF NOT EXISTS dataset_plans (
 );
 -- Catalogs created before the encoder was recorded (NULL: tokenizers, version unknown).
 ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS encoder VARCHAR;
+-- A dataset defined by a filter (config keys from, where): its source dataset and predicate
+-- (NULL for a dataset built from sources). Its chunks are its source's files, one to one in the
+-- same global order, with counts over the selected documents; its fingerprint hashes the
+-- source's and the normalized predicate.
+ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS source_dataset VARCHAR;
+ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS selection VARCHAR;
 
 -- One row per input file of a dataset, in shard order.
 CREATE TABLE IF NOT EXISTS shard_plans (
@@ -81,6 +87,18 @@ CREATE TABLE IF NOT EXISTS row_groups (
     num_tokens   BIGINT NOT NULL,
     num_parts    BIGINT[] NOT NULL,        -- parts of each kind
     part_tokens  BIGINT[] NOT NULL,        -- stored tokens of each kind
+    PRIMARY KEY (dataset, global_index, row_group)
+);
+
+-- The documents a chunk of a dataset defined by a filter selects from its file: one row per row
+-- group of the file (the dataset's row_groups row of the same number counts them), committed with
+-- the chunk.
+CREATE TABLE IF NOT EXISTS selections (
+    dataset          VARCHAR NOT NULL,
+    global_index     BIGINT NOT NULL,
+    row_group        INTEGER NOT NULL,
+    source_first_doc BIGINT NOT NULL,      -- the row group's first document in the file
+    docs             INTEGER[] NOT NULL,   -- the selected documents, within the row group, ascending
     PRIMARY KEY (dataset, global_index, row_group)
 );
 

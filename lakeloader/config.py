@@ -158,7 +158,9 @@ class DatasetConfig(_Strict):
         "one. Required unless the dataset is defined by a filter (from, where)."))
     from_: str | None = Field(default=None, alias="from", description=(
         "A dataset defined by a filter: the dataset of this config whose documents it selects (with "
-        "where; no sources or format keys). Not supported yet: refused with a config error."))
+        "where; no sources or format keys: it takes its source's). Built without tokenizing: the build "
+        "evaluates where on each chunk of the source and stores the selection. The source may not "
+        "itself be defined by a filter."))
     where: str | None = Field(default=None, description=(
         "With from: a SQL predicate over the source dataset's metadata fields and num_tokens, e.g. "
         "\"lang = 'en' AND num_tokens < 8192\" (one pure expression: no subquery)."))
@@ -470,13 +472,12 @@ class Config(_Strict):
             problem = where_problem(dataset.where or "", source.metadata_fields)
             if problem is not None:
                 raise KeyValueError(("datasets", name, "where"), problem)
-        # Checked above so that a wrong filter says what is wrong; the build and the readers of
-        # filtered datasets are not there yet.
-        for name, dataset in self.datasets.items():
+        # A filtered dataset reads, renders and packs as its source does: it takes the source's
+        # settings (every reader then treats it as an ordinary dataset) and keeps from and where.
+        for name, dataset in list(self.datasets.items()):
             if dataset.from_ is not None:
-                raise KeyValueError(("datasets", name, "where"),
-                                    "datasets defined by a filter (from, where) are not supported yet: "
-                                    "give the selected documents their own sources for now")
+                self.datasets[name] = self.datasets[dataset.from_].model_copy(
+                    update={"from_": dataset.from_, "where": dataset.where})
         return self
 
     @model_validator(mode="after")

@@ -2,8 +2,11 @@
 
 The predicate is checked before any work: parsed and bound by DuckDB against an empty relation of
 the source dataset's metadata fields and ``num_tokens``, refused unless it is one pure expression.
-The build and the readers of filtered datasets are not there yet: a valid filter is refused with
-a config error that says so, before anything is planned or written."""
+The build evaluates it per chunk of the source on the Dask workers without tokenizing anything,
+and the loader reads exactly the selected documents: checked against the source records
+(decoded), for any process count, from every resume step, while the lake builds, in a mixture
+with the source, in explain, the documents view and the audit; a changed predicate is a new
+selection."""
 
 from __future__ import annotations
 
@@ -13,12 +16,34 @@ from typing import Any
 import pytest
 import yaml
 
+import json
+import shutil
+import time
+
+import duckdb
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+
+from lakeloader.catalog.audit import audit
+from lakeloader.catalog.gc import remove_stale_chunk_folders
+from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import main
 from lakeloader.config import load_config
-from lakeloader.contracts.errors import ConfigError
+from lakeloader.contracts.errors import ConfigError, LakeloaderError, SourceError
 from lakeloader.contracts.selection import where_problem
+from lakeloader.feed.loader import Loader
+from lakeloader.ingest.driver import build
+from lakeloader.read.verify import verify_lake
 
-from conftest import write_jsonl
+from conftest import (
+    DEMO_TOKENIZER,
+    assert_batches_equal,
+    global_batches,
+    start_build_thread,
+    stdlib_texts,
+    write_config,
+    write_jsonl,
+)
 
 WEB = {"metadata_fields": {"lang": "string", "score": "float"}}
 
@@ -66,18 +91,296 @@ def test_a_filter_of_a_filtered_dataset_is_refused(tmp_path: Path) -> None:
         load_config(path)
 
 
-def test_a_valid_filter_is_refused_as_not_supported_yet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = config_file(tmp_path, {"from": "web", "where": "lang = 'en' AND score >= 0.5 AND num_tokens < 8192"})
-    with pytest.raises(ConfigError, match=r"datasets\.web_en\.where.*not supported yet"):
-        load_config(path)
-    assert main(["build", str(path)]) == 2
-    assert "not supported yet" in capsys.readouterr().err
-    assert not (tmp_path / "lake").exists()
-
-
 def test_predicates_bind_against_the_planned_types() -> None:
     assert where_problem("lang = 'en' AND score >= 0.5 AND num_tokens < 8192", WEB["metadata_fields"]) is None
     assert where_problem("flag AND num_tokens BETWEEN 1 AND 10", {"flag": "bool"}) is None
     assert where_problem("lang LIKE 'e%' OR lang IS NULL", {"lang": None}) is None   # untyped: a string
     assert "not found" in where_problem("tokens > 3", {})
     assert "does not bind" in where_problem("flag + 1 > 1", {"flag": "bool"})   # no bool + int
+
+
+# -- a lake with a filtered dataset -----------------------------------------------------------------
+
+SEQ_LEN = 48
+BATCH = 8
+WHERE = "(lang = 'en' AND score >= 0.3 AND num_tokens < 150) OR (flag AND n % 7 = 0)"
+METADATA = {"lang": "string", "score": "float", "flag": "bool", "n": "int"}
+TOKENIZER = Tokenizer.from_file(str(DEMO_TOKENIZER))
+
+
+def paragraphs(package: str) -> list[str]:
+    """Short documents of real text: the blank-line separated paragraphs of a stdlib package."""
+    return [p for text in stdlib_texts(package) for p in text.split("\n\n") if p.strip()]
+
+
+def records(texts: list[str], offset: int, langs: tuple[str | None, ...]) -> list[dict[str, Any]]:
+    """Records with metadata of every type; ``lang`` missing where its value is None."""
+    out = []
+    for i, text in enumerate(texts):
+        n = offset + i
+        record: dict[str, Any] = {"text": text, "score": (n * 37 % 100) / 100, "flag": n % 4 == 0, "n": n}
+        if langs[n % len(langs)] is not None:
+            record["lang"] = langs[n % len(langs)]
+        out.append(record)
+    return out
+
+
+def corpus(data: Path) -> list[dict[str, Any]]:
+    """Three files; the third's records never pass WHERE (its chunks select nothing)."""
+    files = {"a.jsonl": records(paragraphs("json"), 0, ("en", "fr", None)),
+             "b.jsonl": records(paragraphs("wsgiref"), 1000, ("en", "en", "de")),
+             "c.jsonl": [dict(r, lang="de", flag=False) for r in records(paragraphs("zoneinfo"), 2000, ("de",))]}
+    data.mkdir(parents=True, exist_ok=True)
+    for name, rows in files.items():
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [r for rows in files.values() for r in rows]
+
+
+def passes(record: dict[str, Any], tokens: int, where: str) -> bool:
+    """``where`` (WHERE, or CHANGED) in Python, over a record whose text has ``tokens`` tokens."""
+    if where == WHERE:
+        return bool((record.get("lang") == "en" and record["score"] >= 0.3 and tokens < 150)
+                    or (record["flag"] and record["n"] % 7 == 0))
+    assert where == CHANGED
+    return record.get("lang") == "fr" and tokens >= 20
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False).ids
+
+
+CHANGED = "lang = 'fr' AND num_tokens >= 20"
+
+
+def lake_config(root: Path, where: str = WHERE, weights: dict[str, float] | None = None, data: Path | None = None,
+                metadata: Any = None, **loader: Any) -> Path:
+    """The config of a lake in ``root`` (sources in ``data``, default ``root/data``): ``web`` and
+    ``web_sel``, a filter of it."""
+    data = data or root / "data"
+    datasets = {"web": {"sources": [str(data / "*.jsonl")], "metadata_fields": metadata or METADATA},
+                "web_sel": {"from": "web", "where": where}}
+    return write_config(root, datasets, build={"split_size": "6KB", "row_group_tokens": 300},
+                        loader={"seq_len": SEQ_LEN, "batch_size": BATCH, **loader},
+                        mixture={"weights": weights or {"web": 1, "web_sel": 1}})
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> tuple[Path, list[dict[str, Any]]]:
+    """A built lake (packing: pack, window shuffle) and the source records."""
+    root = tmp_path_factory.mktemp("filtered")
+    rows = corpus(root / "data")
+    config = lake_config(root, packing="pack", shuffle={"kind": "window", "window_chunks": 2})
+    build(config.rename(root / "main.yaml"), scheduler=dask_scheduler, progress=False)
+    return root, rows
+
+
+def variant(lake: tuple[Path, list[dict[str, Any]]], scheduler: str, name: str, **kwargs: Any) -> Path:
+    """Another config of the same lake, built (nothing tokenized again)."""
+    root, _ = lake
+    config = lake_config(root, **kwargs).rename(root / f"{name}.yaml")
+    report = build(config, scheduler=scheduler, progress=False)
+    assert report.chunks_built == 0
+    return config
+
+
+def eval_documents(config: Path) -> list[list[int]]:
+    """Each example's tokens (EOS removed) of an eval pass under packing: pad (a document each)."""
+    docs = []
+    with Loader(config, mode="eval") as loader:
+        for batch in loader:
+            for row in range(BATCH):
+                if batch["example_mask"][row]:
+                    ids = batch["input_ids"][row][batch["segment_ids"][row] > 0].tolist()
+                    assert ids[-1] == TOKENIZER.token_to_id("<|endoftext|>")
+                    docs.append(ids[:-1])
+    return docs
+
+
+def source_documents(config: Path, where: str = WHERE) -> tuple[list[list[int]], int]:
+    """The source dataset's documents in lake order that pass ``where`` (read from its chunk files
+    with pyarrow and selected in Python), and how many source chunks with documents select none."""
+    lake = open_lake(config)
+    paths = lake.sql("SELECT path FROM chunks WHERE dataset = 'web' ORDER BY global_index")["path"]
+    selected, empty = [], 0
+    for path in paths:
+        table = pq.read_table(lake.path_of(path)).to_pylist()
+        mine = [row["tokens"] for row in table if passes(
+            {"lang": row["meta.lang"], "score": row["meta.score"], "flag": row["meta.flag"], "n": row["meta.n"]},
+            len(row["tokens"]), where)]
+        selected += mine
+        empty += bool(table) and not mine
+    return selected, empty
+
+
+def test_batches_hold_exactly_the_selected_documents(lake, dask_scheduler: str) -> None:
+    root, rows = lake
+    config = variant(lake, dask_scheduler, "pad", weights={"web_sel": 1}, packing="pad", seq_len=4096,
+                     pack={"long_documents": "error"})
+    expected, empty = source_documents(config)
+    assert empty > 0, "some source chunks should select no document"
+    docs = eval_documents(config)
+    assert docs == expected   # in lake order, each once
+    # Decoded, they are exactly the source records that pass the predicate.
+    texts = sorted(r["text"] for r in rows if passes(r, len(ids(r["text"])), WHERE))
+    assert sorted(TOKENIZER.decode(d) for d in docs) == texts
+    assert sorted(map(tuple, docs)) == sorted(tuple(ids(t)) for t in texts)
+    # Under concat, the stream is those documents each followed by EOS.
+    concat = variant(lake, dask_scheduler, "concat", weights={"web_sel": 1}, packing="concat")
+    stream = [t for d in expected for t in [*d, TOKENIZER.token_to_id("<|endoftext|>")]]
+    with Loader(concat, mode="eval") as loader:
+        got = [t for b in loader for r in range(BATCH) if b["example_mask"][r]
+               for t in b["input_ids"][r][b["segment_ids"][r] > 0].tolist()]
+    assert got == stream[: len(got)] and len(got) >= len(stream) - 1
+    counts = open_lake(config).sql("SELECT name, num_docs, num_tokens FROM datasets WHERE name = 'web_sel'")
+    assert counts.num_docs[0] == len(expected) and counts.num_tokens[0] == sum(map(len, expected))
+
+
+def test_same_batches_for_any_process_count_every_resume_and_the_mixture(lake) -> None:
+    root, _ = lake
+    config = root / "main.yaml"
+    steps = range(0, 10)
+    reference = global_batches(config, 1, steps)
+    for processes in (2, 4):
+        assert_batches_equal(global_batches(config, processes, steps), reference, f"P={processes}")
+    with Loader(config) as loader:
+        for start in steps:
+            resumed = [batch for _, batch in zip(range(start, 10), loader.iter_from(loader.state(start)))]
+            assert_batches_equal(resumed, reference[start:], f"resumed at {start}", steps[start:])
+        rows = loader.explain(3)
+    both = {int(d) for b in reference for d in b["dataset_ids"]}
+    assert both == {0, 1}   # the mixture draws from the source and its filter
+    selected = rows[rows.dataset == "web_sel"]
+    assert len(selected) and set(selected.columns) >= {"chunk", "document", "source_document", "location"}
+    # explain names the source file's line of each document of the filter: that record passes.
+    lines = {}
+    for row in selected.itertuples():
+        record = json.loads(Path(row.source).read_text().splitlines()[int(row.location.split()[1]) - 1])
+        lines[(row.chunk, row.document)] = record
+        assert passes(record, len(ids(record["text"])), WHERE)
+    assert len(lines) > 1
+
+
+def test_documents_view_and_audit_of_a_filtered_dataset(lake) -> None:
+    root, _ = lake
+    config = root / "main.yaml"
+    expected, _ = source_documents(config)
+    lake_ = open_lake(config)
+    found = lake_.sql("SELECT count(*) AS docs, sum(num_tokens) AS tokens, max(doc) AS last FROM documents "
+                      "WHERE dataset = 'web_sel'")
+    assert found.docs[0] == len(expected) and found.tokens[0] == sum(map(len, expected))
+    stats = lake_.stats().set_index("dataset")
+    assert stats.loc["web_sel", "documents"] == len(expected)
+    status = lake_.status()["datasets"].set_index("name")
+    assert status.loc["web_sel", "status"] == "complete" and status.loc["web_sel", "num_docs"] == len(expected)
+    frame = audit(config, 0, 10)
+    assert set(frame.dataset) == {"web", "web_sel"} and frame.attrs["selections_checked"] == 33
+
+
+def test_audit_finds_a_tampered_selection(lake, tmp_path: Path) -> None:
+    root, _ = lake
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    config = lake_config(copy, packing="pack", shuffle={"kind": "window", "window_chunks": 2})
+    con = duckdb.connect(str(copy / "lake" / "catalog.duckdb"))
+    con.execute("UPDATE chunks SET num_docs = num_docs + 1 WHERE dataset = 'web_sel' AND global_index = 3")
+    con.close()
+    with pytest.raises(LakeloaderError, match=r"dataset 'web_sel', chunk 3: .*num_docs"):
+        audit(config, 0, 10)
+
+
+def test_read_while_building_equals_after(tmp_path: Path, dask_scheduler: str) -> None:
+    """A reader follows the build's live catalog while source chunks and their selections are
+    still being committed; its batches equal those read after the build."""
+    corpus(tmp_path / "data")
+    config = lake_config(tmp_path, packing="pack", shuffle={"kind": "window", "window_chunks": 2}, wait_timeout=120)
+    builder, live, errors = start_build_thread(config, scheduler=dask_scheduler, progress=False)
+    during_loader = None
+    while during_loader is None and builder.is_alive():
+        try:
+            during_loader = Loader(config, catalog=live)
+        except Exception:  # the plans are not registered yet
+            time.sleep(0.01)
+    assert during_loader is not None, "the build finished before a reader could start"
+    committed_at_start = {d.name: d.chunks.committed for d in during_loader.datasets}
+    during = [during_loader.batch(step) for step in range(8)]
+    builder.join()
+    assert not errors, errors
+    assert committed_at_start["web_sel"] < 33, committed_at_start
+    assert_batches_equal(during, global_batches(config, 1, range(8)), "read while building")
+
+
+def test_a_changed_predicate_is_a_new_selection_and_tokenizes_nothing(lake, tmp_path: Path,
+                                                                      dask_scheduler: str) -> None:
+    original, rows = lake
+    shutil.copytree(original / "lake", tmp_path / "copy" / "lake")
+    root = tmp_path / "copy"
+    pad = dict(weights={"web_sel": 1}, data=original / "data", packing="pad", seq_len=4096,
+               pack={"long_documents": "error"})
+    before = lake_config(root, **pad)
+    report = build(before, scheduler=dask_scheduler, progress=False)
+    assert report.chunks_built == 0
+    fingerprint = open_lake(before).sql("SELECT fingerprint FROM datasets WHERE name = 'web_sel'").fingerprint[0]
+    changed = lake_config(root, where=CHANGED, **pad)
+    report = build(changed, scheduler=dask_scheduler, progress=False)
+    assert report.chunks_built == 0 and report.tokens == 0   # nothing tokenized: selections only
+    lake_ = open_lake(changed)
+    after = lake_.sql("SELECT fingerprint, num_docs FROM datasets WHERE name = 'web_sel'")
+    assert after.fingerprint[0] != fingerprint
+    expected, _ = source_documents(changed, CHANGED)
+    assert after.num_docs[0] == len(expected) > 0
+    assert eval_documents(changed) == expected
+    assert sorted(TOKENIZER.decode(d) for d in expected) == sorted(
+        r["text"] for r in rows if passes(r, len(ids(r["text"])), CHANGED))
+    # No row of the old selection is left; the chunk files stay (gc removes nothing) and verify
+    # checks them once, as the source's.
+    stored = lake_.sql("SELECT sum(len(docs)) AS docs FROM selections WHERE dataset = 'web_sel'")
+    assert stored.docs[0] == len(expected)
+    assert remove_stale_chunk_folders(lake_).empty
+    assert eval_documents(changed) == expected
+    report = verify_lake(changed, progress=False)
+    assert set(report.status) == {"ok"} and set(report.dataset) == {"web"}
+    # Spacing, keyword case and parentheses do not change the selection: the plan is kept.
+    respaced = lake_config(root, where="(lang='fr')   and num_tokens>=20", **pad)
+    build(respaced, scheduler=dask_scheduler, progress=False)
+    assert open_lake(respaced).sql("SELECT fingerprint FROM datasets WHERE name = 'web_sel'").fingerprint[0] == \
+        after.fingerprint[0]
+
+
+def test_a_filter_needs_the_planned_types_and_selects_something(tmp_path: Path, dask_scheduler: str) -> None:
+    corpus(tmp_path / "data")
+    # Untyped fields bind as strings when the config is read; the plan infers score: float.
+    config = lake_config(tmp_path, where="score LIKE '0.%'", weights={"web_sel": 1}, metadata=list(METADATA))
+    with pytest.raises(ConfigError, match=r"datasets\.web_sel\.where: does not bind.*'score': 'float'"):
+        build(config, scheduler=dask_scheduler, progress=False)
+    assert open_lake(config).sql("SELECT count(*) AS n FROM dataset_plans").n[0] == 0   # nothing planned
+    config = lake_config(tmp_path, where="lang = 'xx'", weights={"web_sel": 1})
+    with pytest.raises(SourceError, match=r"dataset 'web_sel' has no documents: its filter where: \"lang = 'xx'\""):
+        build(config, scheduler=dask_scheduler, progress=False)
+
+
+def test_a_catalog_from_before_filters_still_reads(lake, tmp_path: Path) -> None:
+    """Readers (loader, verify) of a lake whose catalog predates the columns of filters read it."""
+    root, _ = lake
+    shutil.copytree(root / "lake", tmp_path / "lake")
+    config = write_config(tmp_path, {"web": {"sources": [str(root / "data" / "*.jsonl")], "metadata_fields": METADATA}},
+                          build={"split_size": "6KB", "row_group_tokens": 300},
+                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH})
+    reference = global_batches(config, 1, range(3))
+    con = duckdb.connect(str(tmp_path / "lake" / "catalog.duckdb"))
+    for table in ("selections", "row_groups", "chunk_examples", "packing_plans", "chunks", "shard_plans"):
+        con.execute(f"DELETE FROM {table} WHERE dataset = 'web_sel'")
+    con.execute("DELETE FROM dataset_plans WHERE name = 'web_sel'")
+    con.execute("DROP TABLE selections")
+    con.execute("ALTER TABLE dataset_plans DROP COLUMN source_dataset")
+    con.execute("ALTER TABLE dataset_plans DROP COLUMN selection")
+    con.close()
+    assert_batches_equal(global_batches(config, 1, range(3)), reference, "old catalog")
+    assert set(verify_lake(config, progress=False).status) == {"ok"}
+
+
+def test_a_predicate_failing_on_a_value_names_the_key_and_chunk(tmp_path: Path, dask_scheduler: str) -> None:
+    corpus(tmp_path / "data")
+    config = lake_config(tmp_path, where="CAST(lang AS INTEGER) > 3", weights={"web_sel": 1})
+    with pytest.raises(ConfigError, match=r"datasets\.web_sel\.where = .* fails on the documents of chunk \d+ of "
+                                          r"dataset 'web' .*Could not convert"):
+        build(config, scheduler=dask_scheduler, progress=False)

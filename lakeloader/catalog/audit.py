@@ -12,6 +12,7 @@ otherwise from the same closed form in Python. Both give the same integers, bit 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -23,8 +24,9 @@ from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.sql import TOKEN_WEIGHTS_NEED, example_token_means, query
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
-from lakeloader.contracts.specs import MixtureSpec
+from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.index.mixture import Mixer, Schedule, quantized_weights
+from lakeloader.plan.selection import SelectionTask, evaluate_selection
 from lakeloader.specs import dataset_names, mixture_spec, packing_specs, plan_keys, token_weights
 
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
@@ -127,34 +129,107 @@ def registered(con: duckdb.DuckDBPyConnection, mixture_id: str) -> bool:
         return False  # a catalog from before mixtures were registered
 
 
-def _catalog(config: Config, mixer: MixtureSpec) -> duckdb.DuckDBPyConnection | None:
-    """A read-only connection to the lake's catalog if it holds ``mixer``'s schedule."""
+@contextlib.contextmanager
+def _connection(config: Config) -> Iterator[duckdb.DuckDBPyConnection | None]:
+    """The one read-only connection to the lake's catalog an audit uses (None: no lake yet, the
+    closed form needs none), closed at the end."""
     try:
         con = open_lake(config).connect()
     except (CatalogError, OSError):
-        return None  # no lake yet: the closed form needs none
-    if registered(con, mixer.mixture_id):
-        return con
-    con.close()
-    return None
+        yield None
+        return
+    try:
+        yield con
+    finally:
+        con.close()
 
 
-def _lake_means(config: Config) -> tuple[Mixer, dict[str, float]]:
-    """The config's mixer (weights in tokens converted with the lake's catalog) and each dataset's
-    mean non-padding tokens per example (``seq_len`` under concat)."""
+def _holds(con: duckdb.DuckDBPyConnection | None, mixer: MixtureSpec) -> bool:
+    """Whether the catalog behind ``con`` holds ``mixer``'s schedule."""
+    return con is not None and registered(con, mixer.mixture_id)
+
+
+def _packing(config: Config, con: duckdb.DuckDBPyConnection) -> dict[str, PackingSpec]:
+    return packing_specs(config, open_lake(config).tokenizer(con, dataset_names(config)))
+
+
+def _lake_means(config: Config, con: duckdb.DuckDBPyConnection | None) -> tuple[Mixer, dict[str, float]]:
+    """The config's mixer (weights in tokens converted with the lake's catalog ``con``) and each
+    dataset's mean non-padding tokens per example (``seq_len`` under concat)."""
     names = dataset_names(config)
     if config.loader.packing == "concat" and not token_weights(config):
         return Mixer.of(mixture_spec(config)), {n: float(config.loader.seq_len) for n in names}
-    lake = open_lake(config)
-    con = lake.connect()
-    try:
-        plans = plan_keys(config, packing_specs(config, lake.tokenizer(con, names)))
-        needed_by = (TOKEN_WEIGHTS_NEED if token_weights(config) else
-                     (f"the audit's token shares under packing: {config.loader.packing}", "then audit again"))
-        means = example_token_means(con, plans, config.loader.seq_len, needed_by)
-    finally:
-        con.close()
+    if con is None:
+        open_lake(config).connect().close()   # raises what is wrong with the lake
+        raise CatalogError(f"no catalog for lake {config.lake}: build it first (lakeloader build CONFIG)")
+    plans = plan_keys(config, _packing(config, con))
+    needed_by = (TOKEN_WEIGHTS_NEED if token_weights(config) else
+                 (f"the audit's token shares under packing: {config.loader.packing}", "then audit again"))
+    means = example_token_means(con, plans, config.loader.seq_len, needed_by)
     return Mixer.of(mixture_spec(config, means)), means
+
+
+def check_selections(config: Config, con: duckdb.DuckDBPyConnection) -> int:
+    """Evaluate the predicate of every dataset of the config's mixture defined by a filter afresh
+    on each of its committed chunks (reading the source chunk files' metadata) and compare with
+    the catalog: documents, tokens and parts of the chunk and of each row group, the selection,
+    and the examples under the loader's packing plan. Returns the chunks checked; a
+    LakeloaderError names the first dataset, chunk and count that differ."""
+    lake = open_lake(config)
+    filtered = [name for name in dataset_names(config) if config.datasets[name].from_ is not None]
+    specs = _packing(config, con) if filtered and config.loader.packing != "concat" else {}
+    checked = 0
+    for name in filtered:
+        spec = specs.get(name)
+        rows = con.execute(query("audit_filtered_chunks"),
+                           {"name": name, "plan_key": spec.plan_key if spec else ""}).df()
+        for row in rows.itertuples(index=False):
+            fresh = evaluate_selection(SelectionTask(
+                dataset=name, source=row.source_dataset, global_index=int(row.global_index),
+                where=config.datasets[name].where or "", chunk_url=lake.url_of(row.path),
+                num_bytes=int(row.num_bytes), checksum=row.checksum, num_records=int(row.num_records),
+                kinds=len(config.datasets[name].part_kinds), storage_options=config.storage_options,
+                packing=(spec,) if spec else ()))
+            stored_selection = [(int(first), list(docs)) for _, first, docs in con.execute(
+                query("chunk_selection"), {"name": name, "global_index": int(row.global_index)}).fetchall()]
+            pairs = {
+                "num_docs": (int(row.num_docs), fresh.num_docs),
+                "num_tokens": (int(row.num_tokens), fresh.num_tokens),
+                "num_parts": (_listed(row.num_parts), [sum(c) for c in zip(*fresh.row_group_parts)]),
+                "part_tokens": (_listed(row.part_tokens), [sum(c) for c in zip(*fresh.row_group_part_tokens)]),
+                "row group documents": (_listed(row.row_group_docs), fresh.row_group_docs),
+                "row group tokens": (_listed(row.row_group_tokens), fresh.row_group_tokens),
+                "selection": (stored_selection, [(first, docs) for first, docs in fresh.selection or ()]),
+            }
+            if spec is not None:
+                pairs["examples"] = (_listed(row.examples), [p.num_examples for p in fresh.plans])
+            for what, (stored, expected) in pairs.items():
+                if _plain(stored) != _plain(expected):
+                    raise LakeloaderError(
+                        f"dataset {name!r}, chunk {row.global_index}: the catalog's {what} "
+                        f"({_short(stored)}) differs from a fresh evaluation of datasets.{name}.where over "
+                        f"chunk {row.global_index} of dataset {row.source_dataset!r} ({_short(expected)}): the "
+                        "catalog was altered or built with another predicate; build the lake again "
+                        "(lakeloader build CONFIG) into a new lake")
+            checked += 1
+    return checked
+
+
+def _listed(value: object) -> list[object]:
+    """A LIST column's value as a list (NULL: empty)."""
+    return [] if value is None or (isinstance(value, float) and np.isnan(value)) else list(value)  # type: ignore[call-overload]
+
+
+def _plain(value: object) -> object:
+    """Numbers and nested lists of them (numpy's included) as Python ints and lists."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_plain(item) for item in value]
+    return int(value)  # type: ignore[call-overload]
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def mixture_plan(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.DataFrame:
@@ -165,18 +240,15 @@ def mixture_plan(config: Config | str | os.PathLike[str], first: int, stop: int)
     (``frame.attrs["source"] == "catalog"``), else from the closed form."""
     config = load_config(config)
     first, last = _check_steps(first, stop)
-    mixer = _lake_means(config)[0]
-    con = _catalog(config, mixer)
-    if con is None:
-        frame = closed_form_plan(mixer, first, last + 1)
-        frame.attrs["source"] = "closed form"
-    else:
-        try:
+    with _connection(config) as con:
+        mixer = _lake_means(config, con)[0]
+        if con is None or not _holds(con, mixer):
+            frame = closed_form_plan(mixer, first, last + 1)
+            frame.attrs["source"] = "closed form"
+        else:
             frame = con.execute(query("mixture_plan_rows"),
                                 {"mixture_id": mixer.mixture_id, "first": first, "stop": last + 1}).df()
-        finally:
-            con.close()
-        frame.attrs["source"] = "catalog"
+            frame.attrs["source"] = "catalog"
     frame.attrs["mixture_id"] = mixer.mixture_id
     return frame
 
@@ -201,29 +273,29 @@ def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.
     The numbers come from the catalog's ``mixture_proportions`` macro when a build registered
     the mixture (``frame.attrs["source"] == "catalog"``), else from the closed form in Python
     (``"closed form"``); both agree. A config without a ``mixture`` section audits its single
-    dataset at share 1.0.
+    dataset at share 1.0. The datasets defined by a filter are checked against a fresh
+    evaluation of their predicate (:func:`check_selections`; ``frame.attrs["selections_checked"]``
+    chunks), a LakeloaderError if the catalog differs. One catalog connection is opened.
     """
     config = load_config(config)
     first, last = _check_steps(first, stop)
-    mixer, means = _lake_means(config)
-    con = _catalog(config, mixer)
-    if con is None:
-        frame = closed_form_proportions(mixer, first, last + 1)
-        source = "closed form"
-    else:
-        try:
+    with _connection(config) as con:
+        mixer, means = _lake_means(config, con)
+        checked = 0 if con is None else check_selections(config, con)
+        if con is None or not _holds(con, mixer):
+            frame = closed_form_proportions(mixer, first, last + 1)
+            source = "closed form"
+        else:
             frame = con.execute(query("mixture_proportions"), {
                 "mixture_id": mixer.mixture_id, "first_step": first, "stop_step": last + 1}).df()
-        finally:
-            con.close()
-        source = "catalog"
+            source = "catalog"
     seq_len = config.loader.seq_len
     frame["examples"] = frame["examples"].astype(np.int64)
     frame["tokens"] = np.round(frame["examples"] * frame["dataset"].map(means)).astype(np.int64)
     frame["token_share"] = frame["tokens"] / frame["tokens"].sum()
     frame = frame[AUDIT_COLUMNS].reset_index(drop=True)
     frame.attrs.update(source=source, mixture_id=mixer.mixture_id, first_step=first, stop_step=last + 1,
-                       batch_size=mixer.batch_size, seq_len=seq_len)
+                       batch_size=mixer.batch_size, seq_len=seq_len, selections_checked=checked)
     return frame
 
 
@@ -246,7 +318,8 @@ def plot_audit(config: Config | str | os.PathLike[str], first: int, stop: int,
 
     config = load_config(config)
     first, last = _check_steps(first, stop)
-    mixer = _lake_means(config)[0]
+    with _connection(config) as con:
+        mixer = _lake_means(config, con)[0]
     if last - first + 1 <= max_steps:
         plan = mixture_plan(config, first, last + 1)
         source = plan.attrs["source"]

@@ -100,7 +100,8 @@ def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> No
     """Define the ``documents`` view on ``con`` (a catalog connection of ``lake``) over the lake's
     committed chunk files: one row per document with ``DOCUMENT_COLUMNS``, ``tokens_<kind>`` per part
     kind of its dataset's format and one column per metadata field (NULL where a dataset lacks it).
-    Chunks committed after the catalog ``con`` reads was published are not in it."""
+    A dataset defined by a filter has the documents its predicate selects, numbered as its loader
+    numbers them. Chunks committed after the catalog ``con`` reads was published are not in it."""
     chunks = con.execute(query("document_chunks")).df()
     filesystem = _filesystem(lake)
     selects = []
@@ -108,7 +109,11 @@ def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> No
         relation = f"documents_of_dataset_{number}"
         dataset = _dataset_relation(lake, filesystem, group)
         con.register(relation, dataset)
-        selects.append(_dataset_select(relation, list(group.fields.iloc[0]), dataset.schema))
+        select = _dataset_select(relation, list(group.fields.iloc[0]), dataset.schema)
+        where = group["where"].iloc[0]
+        if isinstance(where, str):   # a dataset defined by a filter: its chunk files are its source's
+            select = query("documents_of_filtered_dataset").format(select=select, where=where)
+        selects.append(select)
         log.debug("documents view: dataset %r, %d committed chunks", name, len(group))
     body = "\nUNION ALL BY NAME\n".join(selects) if selects else query("documents_empty")
     con.execute(query("documents_view").format(selects=body))

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = "2"
 _LOCK_PID = re.compile(r"PID (\d+)")
 _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
+_ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
 _READER_CONFIG = {
@@ -112,6 +113,31 @@ def catalog_tables() -> tuple[str, ...]:
     return tuple(_TABLE.findall(sql_file("schema")))
 
 
+@functools.cache
+def added_columns() -> dict[str, list[tuple[str, str]]]:
+    """Per table of catalog/schema.sql, the (column, type) its ALTER TABLE ... ADD COLUMN lines add
+    to catalogs written before them."""
+    added: dict[str, list[tuple[str, str]]] = {}
+    for table, column, kind in _ADDED.findall(sql_file("schema")):
+        added.setdefault(table, []).append((column, kind))
+    return added
+
+
+def _reader_tables(con: duckdb.DuckDBPyConnection, present: list[str]) -> str:
+    """The reader's view of each ``present`` table; a column schema.sql added after the catalog
+    was written reads NULL (so lakes built before it still read)."""
+    columns = set(con.execute(query("attached_columns")).fetchall())
+    statements = []
+    for name in present:
+        missing = [(column, kind) for column, kind in added_columns().get(name, []) if (name, column) not in columns]
+        if missing:
+            statements.append(query("reader_table_padded").format(
+                table=name, columns=", ".join(f"NULL::{kind} AS {column}" for column, kind in missing)))
+        else:
+            statements.append(query("reader_table").format(table=name))
+    return "".join(statements)
+
+
 RECOVER_CATALOG_HINT = ("recover it from the lake's newest published snapshot with `lakeloader build "
                         "CONFIG --recover-catalog` (chunks committed after that snapshot are rebuilt)")
 
@@ -166,7 +192,7 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
                 "catalog (lakeloader build CONFIG into a new lake) or restore it from a trusted copy"
             )
         present = [name for name in catalog_tables() if objects.get(name) == "table"]
-        con.execute("".join(query("reader_table").format(table=name) for name in present))
+        con.execute(_reader_tables(con, present))
         con.execute(sql_file("views"))
         con.execute(query("lock_reader"))
     except BaseException:
@@ -285,7 +311,9 @@ class CatalogWriter:
         plan names for the same split of the same unchanged file (same chunk path) stay committed
         under their new global index, with their row groups and rejects, so they are not
         tokenized again. Its other chunks and rejects are forgotten (their files are never read
-        again). Sources are stored readable in ``source`` and exactly in ``source_raw``.
+        again). Sources are stored readable in ``source`` and exactly in ``source_raw``. A dataset
+        defined by a filter (``plan.source``) keeps nothing of an older plan: a changed predicate
+        or source is a new selection, evaluated afresh.
         """
         current = self._run("dataset_plan", {"name": plan.name}).fetchone()
         if current and current[0] == plan.fingerprint:
@@ -304,20 +332,24 @@ class CatalogWriter:
             "num_splits": [int(splits.get(i, 0)) for i in range(len(plan.shards))],
             "source_raw": [url_bytes(s.url) for s in plan.shards],
         })
+        filtered = plan.source is not None
         with self.transaction(new_chunks=chunk_rows, new_shards=shard_rows):
-            self._run("keep_adoptable_chunks", {"name": plan.name})
+            if not filtered:
+                self._run("keep_adoptable_chunks", {"name": plan.name})
             self._run("forget_dataset", {"name": plan.name})
             self._run("insert_dataset_plan", {
                 "name": plan.name, "fingerprint": plan.fingerprint, "format": plan.format,
                 "fields": list(plan.fields), "chunk_dir": plan.chunk_dir,
                 "tokenizer_path": tokenizer_path, "token_type": token_type,
                 "vocab_size": vocab_size, "split_size": split_size, "on_error": on_error,
-                "encoder": plan.encoder,
+                "encoder": plan.encoder, "source_dataset": plan.source, "selection": plan.where,
             })
             self._run("insert_shard_plans")
             self._run("insert_chunk_plans")
-            adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
-            self._run("drop_adopted_chunks")
+            adopted = 0
+            if not filtered:
+                adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
+                self._run("drop_adopted_chunks")
             for missing in plan.missing:
                 self._run("insert_reject", {
                     "dataset": plan.name, "source": missing.source, "location": "whole file",
@@ -378,6 +410,17 @@ class CatalogWriter:
         first five) and num_sources."""
         return self._run("datasets_without_documents", {"datasets": list(datasets)}).df()
 
+    def filtered_datasets(self, datasets: Sequence[str]) -> pd.DataFrame:
+        """Those of ``datasets`` defined by a filter: name, source_dataset, where."""
+        return self._run("filtered_datasets", {"datasets": list(datasets)}).df()
+
+    def pending_selections(self, datasets: Sequence[str], committed: bool = False) -> pd.DataFrame:
+        """Chunks of the filtered ``datasets`` whose source chunk is committed, not committed
+        themselves (or, with ``committed``, committed ones), by global index: dataset,
+        source_dataset, where, global_index and the source chunk's path, num_bytes, checksum and
+        num_records."""
+        return self._run("pending_selections", {"datasets": list(datasets), "committed": committed}).df()
+
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
         return self._run("chunk_tasks", {"datasets": list(datasets), "committed": False}).df()
@@ -422,6 +465,12 @@ class CatalogWriter:
                     first_doc += docs
                     first_token += tokens
                 self._insert_plan_stats(r.dataset, r.global_index, r.plans)
+                for group, (first, docs) in enumerate(r.selection or ()):
+                    self._run("insert_selection", {
+                        "dataset": r.dataset, "global_index": r.global_index, "row_group": group,
+                        "source_first_doc": first, "docs": [int(d) for d in docs]})
+                if not r.rejects:
+                    continue
                 source, shard_index, split_index = sources[(r.dataset, r.global_index)]
                 for reject in r.rejects:
                     self._run("insert_reject", {

@@ -109,6 +109,50 @@ class ChunkResult:
     worker: str
     retries: int = 0        # attempts repeated after transient storage errors
     plans: tuple[PlanStats, ...] = ()
+    # A chunk of a dataset defined by a filter: per row group of the file, (its first document in
+    # the file, the selected documents' indices within it, int32 sorted); None for a built chunk.
+    selection: tuple[tuple[int, np.ndarray], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCounts:
+    """Per row group of a chunk: documents, stored tokens, and parts and tokens of each kind."""
+
+    docs: list[int]
+    tokens: list[int]
+    parts: list[list[int]]
+    part_tokens: list[list[int]]
+
+
+def _per_group(bounds: np.ndarray, parts: ChunkParts, kinds: int, weights: np.ndarray | None) -> list[list[int]]:
+    """Parts (or their tokens, with ``weights``) of each kind in each row group."""
+    part_bounds = np.concatenate([[0], np.cumsum(parts.parts_per_doc)])[bounds]
+    group = np.repeat(np.arange(len(bounds) - 1), np.diff(part_bounds))
+    cell = group * kinds + parts.part_kinds
+    counts = np.bincount(cell, weights=weights, minlength=(len(bounds) - 1) * kinds)
+    return counts.astype(np.int64).reshape(-1, kinds).tolist()
+
+
+def group_counts(bounds: np.ndarray, parts: ChunkParts, kinds: int) -> GroupCounts:
+    """What the catalog keeps of each row group of a chunk whose documents have ``parts`` and
+    whose row group g holds documents ``[bounds[g], bounds[g + 1])`` (a group may be empty)."""
+    docs = np.diff(bounds)
+    group = np.repeat(np.arange(len(docs)), docs)
+    tokens = np.bincount(group, weights=parts.content_lengths.astype(np.float64), minlength=len(docs))
+    return GroupCounts(docs.astype(np.int64).tolist(), tokens.astype(np.int64).tolist(),
+                       _per_group(bounds, parts, kinds, None),
+                       _per_group(bounds, parts, kinds, parts.part_lengths.astype(np.float64)))
+
+
+def select_parts(parts: ChunkParts, docs: np.ndarray) -> tuple[ChunkParts, np.ndarray]:
+    """The part layout of documents ``docs`` (sorted indices) of ``parts``, renumbered from 0,
+    and a bool mask of the parts kept."""
+    keep = np.zeros(parts.num_docs, bool)
+    keep[docs] = True
+    mask = keep[parts.part_doc]
+    renumber = np.cumsum(keep) - 1
+    return ChunkParts(parts.part_lengths[mask], parts.part_kinds[mask], renumber[parts.part_doc[mask]],
+                      len(docs)), mask
 
 
 def table_parts(table: pa.Table) -> ChunkParts:

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES
@@ -67,3 +68,37 @@ def where_problem(where: str, metadata: Mapping[str, str | None]) -> str | None:
     finally:
         con.close()
     return None
+
+
+_NORMALIZE = "SELECT json_deserialize_sql(json_serialize_sql($statement))"
+# The selected rows of a chunk's candidate relation; the doc column's name cannot be a metadata
+# field's (those are identifiers).
+_DOC = "lakeloader doc"
+_SELECT = 'SELECT "lakeloader doc" FROM candidate WHERE ({where}) ORDER BY 1'
+
+
+def _sandbox() -> duckdb.DuckDBPyConnection:
+    return duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
+
+
+def normalized_where(where: str) -> str:
+    """``where`` as DuckDB prints it back from its parse tree (spacing, case of keywords and
+    redundant parentheses do not change it): what a filtered dataset's fingerprint hashes."""
+    con = _sandbox()
+    try:
+        return str(con.execute(_NORMALIZE, {"statement": _WRAPPED.format(where=where)}).fetchall()[0][0])
+    finally:
+        con.close()
+
+
+def select_documents(where: str, columns: pa.Table) -> np.ndarray:
+    """Sorted row indices (int32) of ``columns`` (one row per document: ``num_tokens`` and the
+    metadata fields by name) for which the predicate ``where`` is true (NULL is not true);
+    evaluated by an in-memory DuckDB that can reach no file."""
+    con = _sandbox()
+    try:
+        con.register(_CANDIDATE, columns.append_column(_DOC, pa.array(np.arange(columns.num_rows, dtype=np.int64))))
+        found = con.execute(_SELECT.format(where=where)).fetchnumpy()[_DOC]
+    finally:
+        con.close()
+    return np.asarray(found, np.int64).astype(np.int32)

@@ -12,7 +12,9 @@ from lakeloader.read.catalog_view import CatalogView
 
 
 def _records(view: CatalogView, dataset: str, chunk: int) -> tuple[np.ndarray, dict[str, object]]:
-    """Each document's record index within its split, and where the split starts in its source."""
+    """Each document's record index within its split, and where the split starts in its source.
+    A dataset defined by a filter: its documents' (the selected ones'), with ``documents`` their
+    index in the file (the source dataset's document)."""
     lake = view.lake
     path, split_index, source, _layout, kind, first_row, before, committed_before = view.named(
         "chunk_records", {"name": dataset, "global_index": chunk}).fetchone()
@@ -22,6 +24,10 @@ def _records(view: CatalogView, dataset: str, chunk: int) -> tuple[np.ndarray, d
         except (OSError, pa.ArrowException) as exc:
             raise unreadable_chunk(f"chunk {chunk} of dataset {dataset!r} ({lake.url_of(path)})",
                                    exc) from exc
+    documents = None
+    if view.named("reader_dataset", {"name": dataset}).fetchone()[4] is not None:
+        documents = view.chunk_selection(dataset, chunk)
+        records = records[documents]
     if kind == "row_group":
         base, unit = first_row, "row"
     elif kind == "file" or split_index == 0:
@@ -30,7 +36,7 @@ def _records(view: CatalogView, dataset: str, chunk: int) -> tuple[np.ndarray, d
         base, unit = 1 + int(before or 0), "line"
     else:
         base, unit = None, "line"  # earlier splits of the shard are not built yet
-    return records, {"source": source, "base": base, "unit": unit, "path": path}
+    return records, {"source": source, "base": base, "unit": unit, "path": path, "documents": documents}
 
 
 def _location(source: dict[str, object], records: np.ndarray, doc: int) -> str:
@@ -44,7 +50,9 @@ def _location(source: dict[str, object], records: np.ndarray, doc: int) -> str:
 def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
     """One row per (batch row, segment) of the examples of a step (``Loader.examples``): which
     dataset, epoch, chunk, shard, source document (file and line/row) and token range fed it;
-    ``view`` is the catalog the examples were read from."""
+    ``view`` is the catalog the examples were read from. ``document`` is the document's index in
+    its dataset's chunk, ``source_document`` its index in the chunk file (they differ for a
+    dataset defined by a filter, whose chunk holds the selected documents of its source's file)."""
     rows = []
     cache: dict[tuple[str, int], tuple[np.ndarray, dict[str, object]]] = {}
     for global_row, dataset_id, example in zip(found.rows.tolist(), found.dataset_ids.tolist(), found.examples):
@@ -62,7 +70,10 @@ def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
                 "dataset_id": dataset_id, "epoch": example.epoch,
                 "example": example.example, "segment": segment.number,
                 "shard": int(found.shards[example.dataset][segment.chunk]), "chunk": segment.chunk,
-                "chunk_path": source["path"], "document": segment.document, "source": source["source"],
+                "chunk_path": source["path"], "document": segment.document,
+                "source_document": segment.document if source["documents"] is None
+                else int(source["documents"][segment.document]),   # type: ignore[index]
+                "source": source["source"],
                 "location": _location(source, records, segment.document),
                 "window_start": segment.window_start, "window_stop": segment.window_stop, **segment.span,
             })

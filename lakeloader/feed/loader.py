@@ -125,7 +125,7 @@ class Loader:
         self.lake = Lake(config.lake, config.storage_options)
         self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
-                                config.io_retry_deadline)
+                                config.io_retry_deadline, view=self.view)
         names = dataset_names(config)
         self.tokenizer = self.lake.tokenizer(self.view, names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)

@@ -25,6 +25,7 @@ from lakeloader.contracts.chunk_file import (
     ChunkParts,
     ChunkResult,
     PlanStats,
+    group_counts,
     metadata_column,
     open_chunk,
     table_parts,
@@ -129,15 +130,6 @@ def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
     return pa.table(columns)
 
 
-def _per_group(bounds: np.ndarray, parts: ChunkParts, kinds: int, weights: np.ndarray | None) -> list[list[int]]:
-    """Parts (or their tokens, with ``weights``) of each kind in each row group."""
-    part_bounds = np.concatenate([[0], np.cumsum(parts.parts_per_doc)])[bounds]
-    group = np.repeat(np.arange(len(bounds) - 1), np.diff(part_bounds))
-    cell = group * kinds + parts.part_kinds
-    counts = np.bincount(cell, weights=weights, minlength=(len(bounds) - 1) * kinds)
-    return counts.astype(np.int64).reshape(-1, kinds).tolist()
-
-
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,
                          specs: tuple[PackingSpec, ...]) -> tuple[int, tuple[PlanStats, ...]]:
     """Packing counts of an already built chunk (reads only its small part-layout columns)."""
@@ -200,8 +192,7 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         if is_transient(exc):
             raise  # retried by build_chunk
         raise write_failure(f"chunk {task.global_index} of dataset {task.dataset!r}", task.chunk_url, exc) from exc
-    group_tokens = np.add.reduceat(lengths, bounds[:-1]) if len(lengths) else np.zeros(0, np.int64)
-    kinds = len(record_format.kind_names)
+    counts = group_counts(bounds, encoded.parts, len(record_format.kind_names))
     return ChunkResult(
         dataset=task.dataset,
         global_index=task.global_index,
@@ -210,10 +201,10 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         num_records=documents.num_records,
         num_bytes=len(data),
         checksum=hashlib.sha256(data).hexdigest(),
-        row_group_docs=np.diff(bounds).tolist(),
-        row_group_tokens=group_tokens.astype(np.int64).tolist(),
-        row_group_parts=_per_group(bounds, encoded.parts, kinds, None),
-        row_group_part_tokens=_per_group(bounds, encoded.parts, kinds, encoded.parts.part_lengths.astype(np.float64)),
+        row_group_docs=counts.docs,
+        row_group_tokens=counts.tokens,
+        row_group_parts=counts.parts,
+        row_group_part_tokens=counts.part_tokens,
         rejects=documents.rejects,
         source_bytes=documents.source_bytes,
         seconds=time.perf_counter() - started,

@@ -28,7 +28,7 @@ from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
 from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
-from lakeloader.plan.planner import plan_dataset, with_planned_metadata
+from lakeloader.plan.planner import DatasetPlan, filtered_plan, plan_dataset, with_planned_metadata
 from lakeloader.specs import mixture_spec, packing_specs, plan_keys, token_weights
 from lakeloader.storage import write_atomically, write_failure
 from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, token_dtype, tokenizer_fingerprint
@@ -161,18 +161,23 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
     fingerprint = tokenizer_fingerprint(tokenizer)
     tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    plans = []
-    for name in config.datasets:
-        plan = plan_dataset(name, config, fingerprint, encoder=encoder)
-        plans.append(plan)
+    plans: dict[str, DatasetPlan] = {}
+    # Every plan before any is registered (a filter's predicate is checked against the metadata
+    # types its source's plan fixed); datasets defined by a filter after the others.
+    for name in sorted(config.datasets, key=lambda n: config.datasets[n].from_ is not None):
+        source = config.datasets[name].from_
+        plans[name] = plan_dataset(name, config, fingerprint, encoder=encoder) if source is None else \
+            filtered_plan(name, config, plans[source])
+    for name, plan in plans.items():
+        source = config.datasets[name].from_
         new = writer.register_plan(
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
             vocab_size=vocab_size, split_size=config.build.split_size,
             on_error=config.datasets[name].on_error,
         )
-        log.info("dataset %r: %d shards, %d chunks planned%s", name, len(plan.shards),
-                 len(plan.chunks), "" if new else " (plan unchanged)")
-    return tokenizer_path, with_planned_metadata(config, plans)   # metadata types fixed at planning
+        log.info("dataset %r: %d shards, %d chunks planned%s%s", name, len(plan.shards), len(plan.chunks),
+                 f" (a filter of {source!r})" if source else "", "" if new else " (plan unchanged)")
+    return tokenizer_path, with_planned_metadata(config, list(plans.values()))   # metadata types fixed at planning
 
 
 def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str, str | None, float]:
@@ -219,6 +224,11 @@ def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> No
 def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
     """SourceError for a built dataset without documents: no mixture or loader can use it."""
     for row in writer.datasets_without_documents(names).itertuples(index=False):
+        if isinstance(row.source_dataset, str):
+            raise SourceError(
+                f"dataset {row.name!r} has no documents: its filter where: {row.where!r} selects none of "
+                f"the documents of dataset {row.source_dataset!r}; see `lakeloader stats CONFIG` for the "
+                f"source's documents, then change datasets.{row.name}.where or remove the dataset")
         listing = "\n".join(f"  {source}" for source in row.sources)
         if row.num_sources > len(row.sources):
             listing += f"\n  ... and {row.num_sources - len(row.sources)} more"

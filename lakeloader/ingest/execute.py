@@ -23,6 +23,7 @@ from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
 from lakeloader.ingest.cluster import dask_client
 from lakeloader.ingest.tasks import TaskBatch
 from lakeloader.ingest.writer_catalog import publish
+from lakeloader.plan.selection import SelectionTask, evaluate_selection
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,15 @@ class _Scheduler:
             self.in_flight[future.key] = task
             self.running.add(future)
 
+    def select(self, tasks: list[SelectionTask]) -> None:
+        """Submit selection tasks at once (cheap: no window), highest priority to the lowest index."""
+        for task in tasks:
+            future = self.client.submit(
+                evaluate_selection, task, key=f"select-{task.dataset}-{task.global_index}-{time.time_ns()}",
+                priority=-task.global_index, pure=False,
+            )
+            self.running.add(future)
+
     def finished(self) -> Iterator[list[Future]]:
         self.fill()
         for batch in self.running.batches():
@@ -118,12 +128,31 @@ def run_tasks(run: BuildRun, batch: TaskBatch) -> str:
     return dashboard
 
 
+def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], scheduler: _Scheduler) -> int:
+    """Submit the selection tasks of the filtered datasets' chunks whose source chunk is among
+    ``built`` (just committed); returns how many."""
+    committed: dict[str, set[int]] = {}
+    for result in built:
+        for name in batch.filters.get(result.dataset, ()):
+            committed.setdefault(name, set()).add(result.global_index)
+    if not committed:
+        return 0
+    rows = run.writer.pending_selections(sorted(committed))
+    rows = rows[[int(i) in committed[d] for d, i in zip(rows.dataset, rows.global_index)]]
+    scheduler.select(batch.selection_tasks(run.config, run.lake, rows))
+    return len(rows)
+
+
 def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -> None:
-    """Run the pending chunks' tasks, committing each finished group, with a progress bar."""
+    """Run the pending chunks' tasks, committing each finished group, with a progress bar; the
+    chunks of filtered datasets are evaluated (selection tasks) once their source chunk is
+    committed, and committed as they finish."""
     sources = batch.sources()
     threads = max(1, sum(client.nthreads().values()))
     scheduler = _Scheduler(client, batch.chunk_tasks(run.config, run.lake, run.tokenizer_url),
                            window=2 * threads + 2)
+    scheduler.select(batch.selection_tasks(run.config, run.lake, batch.selections))
+    selected = len(batch.selections)
     totals = run.totals
     bar = tqdm(total=len(batch.pending), unit="chunk", desc="build", disable=not run.progress, smoothing=0.1,
                mininterval=0.5)
@@ -135,14 +164,16 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
         for finished in scheduler.finished():
             failed = [future for future in finished if future.status == "error"]
             results: list[ChunkResult] = [future.result() for future in finished if future not in failed]
-            for result in results:
+            built = [result for result in results if result.selection is None]
+            for result in built:
                 _check_repair(result, batch.repairs)
             run.writer.commit(results, sources, run.build_id)  # keep what finished beside a failure
             if failed:
                 failed[0].result()  # raises the task's own error
-            for result in results:
+            for result in built:
                 totals.add(result)
-            bar.update(len(results))
+            selected += _follow_filters(run, batch, built, scheduler)
+            bar.update(len(built))
             elapsed = max(time.perf_counter() - started, 1e-9)
             bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
                             rejects=totals.rejects, refresh=False)
@@ -154,6 +185,8 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
         raise
     finally:
         bar.close()
+    if selected:
+        log.info("evaluated %d chunk selections of filtered datasets", selected)
 
 
 def _plan_committed(client: Client, run: BuildRun, packing: dict[str, PackingSpec],

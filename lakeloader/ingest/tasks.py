@@ -20,6 +20,7 @@ from lakeloader.config import Config
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.ingest.chunk import ChunkTask
 from lakeloader.ingest.documents import SplitSource
+from lakeloader.plan.selection import SelectionTask
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
 from lakeloader.storage import with_retries
@@ -35,7 +36,10 @@ class TaskBatch:
     columns of :meth:`CatalogWriter.pending_chunks`. ``repairs``: ``(dataset, global_index)`` of
     each committed chunk rebuilt -> the checksum its new file must have. ``unplanned``: per
     dataset, committed chunks (not rebuilt) whose counts under ``packing`` are missing.
-    ``total``: planned chunks of ``names``.
+    ``total``: planned chunks of ``names``. ``selections``: chunks of datasets defined by a filter
+    to evaluate now (their source chunk is committed; uncommitted ones, and committed ones lacking
+    packing counts), with the columns of :meth:`CatalogWriter.pending_selections`; ``filters``:
+    per source dataset, the datasets defined by a filter of it (evaluated as its chunks commit).
     """
 
     names: list[str]
@@ -44,11 +48,24 @@ class TaskBatch:
     repairs: dict[tuple[str, int], str]
     unplanned: dict[str, pd.DataFrame]
     total: int
+    selections: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    filters: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def has_work(self) -> bool:
-        """Whether any chunk is to be tokenized or counted."""
-        return bool(len(self.pending) or any(len(rows) for rows in self.unplanned.values()))
+        """Whether any chunk is to be tokenized, counted or selected."""
+        return bool(len(self.pending) or len(self.selections) or any(len(rows) for rows in self.unplanned.values()))
+
+    def selection_tasks(self, config: Config, lake: Lake, rows: pd.DataFrame) -> list[SelectionTask]:
+        """The task of each chunk of a filtered dataset in ``rows`` (columns of
+        :meth:`CatalogWriter.pending_selections`)."""
+        return [SelectionTask(
+            dataset=row.dataset, source=row.source_dataset, global_index=int(row.global_index), where=row.where,
+            chunk_url=lake.url_of(row.path), num_bytes=int(row.num_bytes), checksum=row.checksum,
+            num_records=int(row.num_records), kinds=len(config.datasets[row.dataset].part_kinds),
+            storage_options=config.storage_options,
+            packing=(self.packing[row.dataset],) if row.dataset in self.packing else (),
+        ) for row in rows.itertuples(index=False)]
 
     def sources(self) -> dict[tuple[str, int], tuple[str, int, int]]:
         """(dataset, global_index) -> (source, shard_index, split_index) of each pending chunk."""
@@ -89,8 +106,19 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     build left. ``requested`` are ``(dataset, global_index)`` pairs to rebuild (e.g. what
     ``verify`` found corrupt); committed chunks whose file is missing or of the wrong size are
     rebuilt too."""
-    names = list(config.datasets)
-    unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()}
+    filtered = [name for name, dataset in config.datasets.items() if dataset.from_ is not None]
+    names = [name for name in config.datasets if name not in filtered]   # the datasets tokenized
+    unplanned = {name: writer.chunks_without_plan(name, spec.plan_key) for name, spec in packing.items()
+                 if name not in filtered}
+    selections = writer.pending_selections(filtered)
+    for name in filtered:   # committed, but counted under another packing plan: evaluated again
+        if name in packing:
+            again = writer.pending_selections([name], committed=True)
+            lacking = writer.chunks_without_plan(name, packing[name].plan_key).global_index
+            selections = pd.concat([selections, again[again.global_index.isin(lacking)]])
+    filters: dict[str, list[str]] = {}
+    for name in filtered:
+        filters.setdefault(config.datasets[name].from_ or "", []).append(name)
     folders = writer.chunk_folders(names)
     _remove_partial_files(lake, [SNAPSHOT_DIR, *folders])
     repairs = _chunks_to_repair(lake, writer, names, folders, requested)
@@ -103,7 +131,10 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     total = writer.chunk_count(names)
     log.info("%d of %d chunks to build%s", len(pending), total,
              f" ({len(repairs)} committed ones to repair)" if len(repairs) else "")
-    return TaskBatch(names, packing, pending, expected, unplanned, total)
+    if filtered:
+        log.info("%d chunk selections of %d filtered dataset(s) to evaluate now", len(selections), len(filtered))
+    return TaskBatch(names + filtered, packing, pending, expected, unplanned, total,
+                     selections.sort_values("global_index", kind="stable") if len(selections) else selections, filters)
 
 
 def _chunk_file_sizes(lake: Lake, folder: str) -> dict[str, int]:

@@ -15,6 +15,7 @@ import pyarrow as pa
 from lakeloader.config import Config, DatasetConfig
 from lakeloader.contracts.errors import ConfigError, SourceError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.selection import normalized_where, where_problem
 from lakeloader.plan.metadata import infer_metadata_types
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import MissingSource, Shard, expand_sources, readable_url
@@ -41,11 +42,14 @@ class DatasetPlan:
     settings_fingerprint: str = ""   # settings_fingerprint(): names the chunk folder
     metadata: tuple[tuple[str, str], ...] = ()   # each metadata field and its type (listed, or inferred)
     encoder: str = ""   # what encodes the documents, with its version (tokenizer.encoder_name)
+    source: str | None = None   # a dataset defined by a filter: its source dataset (whose chunks it uses)
+    where: str | None = None    # and its predicate
 
     @property
     def chunk_dir(self) -> str:
-        """Folder (relative to the lake root) of this dataset's chunk files."""
-        return chunk_folder(self.name, self.settings_fingerprint or self.fingerprint)
+        """Folder (relative to the lake root) of this dataset's chunk files (a filtered dataset's
+        are its source's)."""
+        return chunk_folder(self.source or self.name, self.settings_fingerprint or self.fingerprint)
 
 
 def chunk_folder(name: str, fingerprint: str) -> str:
@@ -222,11 +226,28 @@ def plan_dataset(
     )
 
 
+def filtered_plan(name: str, config: Config, source: DatasetPlan) -> DatasetPlan:
+    """The plan of dataset ``name`` defined by a filter of ``source``'s plan: the source's chunks
+    (same files, same global order), and a fingerprint of the source's and of the normalized
+    predicate, so a changed predicate or source is a new plan. A ConfigError if the predicate does
+    not bind to the metadata types the source's plan fixed (inferred ones included)."""
+    where = config.datasets[name].where or ""
+    problem = where_problem(where, dict(source.metadata))
+    if problem is not None:
+        raise ConfigError(f"{config.source_file or 'config'}: datasets.{name}.where: {problem} (the metadata "
+                          f"types of dataset {source.name!r} as planned: {dict(source.metadata)})")
+    fingerprint = _hash({"filter_of": source.fingerprint, "where": normalized_where(where)})
+    return dataclasses.replace(source, name=name, fingerprint=fingerprint, missing=[], source=source.name,
+                               where=where)
+
+
 def with_planned_metadata(config: Config, plans: list[DatasetPlan]) -> Config:
     """``config`` with each planned dataset's metadata fields typed as its plan fixed them (types
     inferred at planning included): what the build's record formats use."""
     datasets = {plan.name: config.datasets[plan.name].model_copy(update={"metadata_fields": dict(plan.metadata)})
                 for plan in plans if dict(plan.metadata) != config.datasets[plan.name].metadata_fields}
+    datasets.update({name: dataset.model_copy(update={"metadata_fields": datasets[dataset.from_].metadata_fields})
+                     for name, dataset in config.datasets.items() if dataset.from_ in datasets})
     if not datasets:
         return config
     return config.model_copy(update={"datasets": {**config.datasets, **datasets}})

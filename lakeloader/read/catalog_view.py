@@ -51,6 +51,7 @@ class DatasetChunks:
     token_type: str
     num_parts: np.ndarray          # int64 [chunks, kinds]: parts of each kind
     num_examples: np.ndarray | None = None   # int64 per chunk under a packing plan (pack | pad)
+    filtered: bool = False         # defined by a filter: chunk files hold more than its documents
 
     @property
     def committed(self) -> int:
@@ -141,7 +142,7 @@ class CatalogView:
                 f"dataset {name!r} is not in the lake {self.lake.url}: build it first "
                 "(lakeloader build CONFIG)"
             )
-        fingerprint, token_type, planned, prefix = plan
+        fingerprint, token_type, planned, prefix, source = plan
         kinds = self.named("reader_dataset_fields", {"name": name}).fetchone()[0]
         examples = None
         if plan_key is not None:
@@ -159,6 +160,7 @@ class CatalogView:
             checksums=column["checksum"].astype(object), shard_index=column["shard_index"].astype(np.int64),
             token_type=token_type, num_parts=self._chunk_parts(name, prefix, len(kinds)),
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
+            filtered=source is not None,
         )
 
     def _chunk_parts(self, name: str, prefix: int, kinds: int) -> np.ndarray:
@@ -167,6 +169,24 @@ class CatalogView:
         out = np.zeros((prefix, kinds), np.int64)
         out[rows["global_index"].astype(np.int64), rows["kind"].astype(np.int64)] = rows["count"]
         return out
+
+    def selection(self, name: str, global_index: int, row_group: int) -> np.ndarray:
+        """The documents (int64 indices within the row group, ascending) that chunk
+        ``global_index`` of dataset ``name``, defined by a filter, selects from row group
+        ``row_group`` of its file."""
+        row = self.named("reader_selection", {"name": name, "global_index": global_index,
+                                              "row_group": row_group}).fetchone()
+        if row is None:
+            raise CatalogError(f"chunk {global_index} of dataset {name!r} has no selection of row group {row_group} "
+                               f"in the catalog of {self.lake.url}: the catalog is damaged; build the lake again")
+        return np.asarray(row[0], np.int64)
+
+    def chunk_selection(self, name: str, global_index: int) -> np.ndarray:
+        """The documents (int64 indices within the file, ascending) that chunk ``global_index`` of
+        dataset ``name``, defined by a filter, selects from its file."""
+        rows = self.named("chunk_selection", {"name": name, "global_index": global_index}).fetchall()
+        docs = [first + np.asarray(selected, np.int64) for _, first, selected in rows]
+        return np.concatenate(docs) if docs else np.zeros(0, np.int64)
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""

@@ -18,11 +18,12 @@ from lakeloader.contracts.chunk_file import (
     TOKENS_COLUMN,
     ChunkParts,
     open_chunk,
+    select_parts,
     table_parts,
     unreadable_chunk,
 )
-from lakeloader.contracts.errors import ChunkIntegrityError
-from lakeloader.read.catalog_view import DatasetChunks
+from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
 from lakeloader.read.lru import LRU
 from lakeloader.storage import sha256_of, with_retries
@@ -56,12 +57,24 @@ class RowGroup:
     refs: np.ndarray | None     # interleaved: reference of each part (None for text parts)
 
 
+def _selected(group: RowGroup, docs: np.ndarray) -> RowGroup:
+    """Documents ``docs`` (ascending, within the row group) of ``group``, renumbered from 0."""
+    parts, kept = select_parts(group.parts, docs)
+    values = group.values[np.repeat(kept, group.parts.part_lengths)]
+    return RowGroup(values, parts, None if group.refs is None else group.refs[kept])
+
+
 class ChunkFiles:
-    """Opens chunk files of a lake, checks each once against the catalog, reads row groups."""
+    """Opens chunk files of a lake, checks each once against the catalog, reads row groups.
+
+    The chunks of a dataset defined by a filter are its source's files: what is read of them
+    here is only the documents the catalog's selection (read through ``view``) keeps, so every
+    reader above sees an ordinary dataset."""
 
     def __init__(self, lake: Lake, verify: str, cache_bytes: int, disk_cache_bytes: int,
-                 io_retry_deadline: float = 0.0) -> None:
+                 io_retry_deadline: float = 0.0, view: CatalogView | None = None) -> None:
         self.lake = lake
+        self.view = view
         self.io_retry_deadline = io_retry_deadline
         self.verify = verify
         self.cache = RowGroupCache(cache_bytes)
@@ -142,9 +155,23 @@ class ChunkFiles:
         refs = None
         if PART_REFS_COLUMN in table.column_names:
             refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
-        return RowGroup(values, table_parts(table), refs)
+        stored = RowGroup(values, table_parts(table), refs)
+        if chunks.filtered:
+            return _selected(stored, self._view(chunks).selection(chunks.name, int(index), group))
+        return stored
 
     def chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         """The part layout of every document of chunk ``index`` (small columns only)."""
-        return self.cache.get(("parts", chunks.fingerprint, index), lambda: table_parts(
-            self._read(chunks, index, None, [PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])))
+        return self.cache.get(("parts", chunks.fingerprint, index), lambda: self._chunk_parts(chunks, index))
+
+    def _chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
+        parts = table_parts(self._read(chunks, index, None, [PART_LENGTHS_COLUMN, PART_KINDS_COLUMN]))
+        if chunks.filtered:
+            return select_parts(parts, self._view(chunks).chunk_selection(chunks.name, int(index)))[0]
+        return parts
+
+    def _view(self, chunks: DatasetChunks) -> CatalogView:
+        if self.view is None:
+            raise LakeloaderError(f"dataset {chunks.name!r} is defined by a filter: reading its chunks needs the "
+                                  "catalog's selections (ChunkFiles(..., view=CatalogView))")
+        return self.view
