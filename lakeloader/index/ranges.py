@@ -67,7 +67,8 @@ def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarr
     cut_rows, cut_at = np.asarray(cut_rows, np.int64), np.asarray(cut_at, np.int64)
     inside = (cut_at > 0) & (cut_at < n)
     row_starts = np.arange(rows, dtype=np.int64) * n
-    starts = np.unique(np.concatenate([row_starts, cut_rows[inside] * n + cut_at[inside]]))  # flat, sorted
+    starts = np.sort(np.concatenate([row_starts, cut_rows[inside] * n + cut_at[inside]]))  # flat
+    starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]
     lengths = np.diff(starts, append=rows * n)
     # Each start's segment number: its rank among its row's starts, from 1.
     number = np.arange(1, len(starts) + 1, dtype=np.int64) - np.searchsorted(starts, row_starts)[starts // n]

@@ -121,18 +121,17 @@ class WindowSet:
     def cuts(self, which: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(k, offset) of every document start strictly inside window ``which[k]`` (each inside
         a row group): one search for all windows over their row groups' document starts."""
-        group, at = self.group[which], self.at[which]
-        used, k = np.unique(group, return_inverse=True)
-        doc_starts = [self.groups[g].doc_starts for g in used.tolist()]
+        k, at = self.group[which], self.at[which]   # every row group of the set holds some window
+        doc_starts = [g.doc_starts for g in self.groups]
         if max(len(d) for d in doc_starts) > _MANY_DOCS:   # short documents: only those the windows reach
-            reach = np.full((2, len(used)), [[np.iinfo(np.int64).max], [0]], np.int64)
+            reach = np.full((2, len(doc_starts)), [[np.iinfo(np.int64).max], [0]], np.int64)
             np.minimum.at(reach[0], k, at)
             np.maximum.at(reach[1], k, at + self.length)
             for j, (d, a, b) in enumerate(zip(doc_starts, *reach.tolist())):
                 if len(d) > _MANY_DOCS:
                     doc_starts[j] = d[d.searchsorted(a, side="right") : d.searchsorted(b, side="left")]
         # Row group j's starts shifted past all earlier ones (by its tokens + 1), one sorted array.
-        base = cumulative(np.array([len(self.groups[g].tokens) + 1 for g in used.tolist()], np.int64))
+        base = cumulative(np.array([len(g.tokens) + 1 for g in self.groups], np.int64))
         shifted = np.concatenate(doc_starts) + np.repeat(base[:-1], [len(d) for d in doc_starts])
         begin = base[k] + at
         lo = np.searchsorted(shifted, begin, side="right")
