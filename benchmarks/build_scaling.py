@@ -110,7 +110,7 @@ def open_and_seek(config: Path, step: int) -> tuple[float, float]:
     positions = step * 64 + np.arange(64)
     for j in positions.tolist():
         epoch, k = examples.train_example(j)
-        chunk = int(locate(examples.offsets, np.array([k * 2048]))[0])
+        chunk = int(locate(examples.stream_offsets, np.array([k * 2048]))[0])
         loader.view.row_groups("d", chunk)
     resolved = time.perf_counter()
     loader.close()
@@ -164,7 +164,7 @@ def s3_loader_rates() -> tuple[float, float]:
             rates = []
             for _ in ("cold", "warm"):
                 loader = Loader(config)
-                steps = max(1, int(loader.datasets[0].offsets[-1]) // (64 * 2048))
+                steps = max(1, int(loader.datasets[0].stream_offsets[-1]) // (64 * 2048))
                 started = time.perf_counter()
                 for _, _batch in zip(range(steps), loader.iter_from(0)):
                     pass

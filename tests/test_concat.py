@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakeloader.index.ranges import segments
+from lakeloader.index.ranges import cut_segments
 
 
 def _plain_segments(keys: list[int]) -> tuple[list[int], list[int]]:
@@ -27,13 +27,16 @@ def test_segments_of_a_batch_equal_a_plain_loop_per_row(rows: int, n: int, data:
     runs = [data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)) for _ in range(rows)]
     # Keys of contiguous documents: a run of equal keys per document, keys growing along a row.
     keys = np.array([np.repeat(np.arange(n), r)[:n] if n else [] for r in runs], np.int64).reshape(rows, n)
-    segment_ids, positions = segments(keys)
-    assert segment_ids.shape == positions.shape == (rows, n)
-    assert segment_ids.dtype == positions.dtype == np.int32
+    # Where each document starts: every change of key along a row.
+    cut_rows, cut_at = np.nonzero(np.diff(keys, axis=1)) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    segment_ids, positions = np.full((rows, n), -1, np.int32), np.full((rows, n), -1, np.int32)
+    cut_segments(cut_rows, cut_at + 1, segment_ids, positions)
     for row in range(rows):
         expected_ids, expected_positions = _plain_segments(keys[row].tolist())
         assert segment_ids[row].tolist() == expected_ids
         assert positions[row].tolist() == expected_positions
     if rows:   # one window alone gives what it gives inside a batch
-        one_ids, one_positions = segments(keys[0])
-        assert np.array_equal(one_ids, segment_ids[0]) and np.array_equal(one_positions, positions[0])
+        mine = cut_rows == 0
+        one_ids, one_positions = np.zeros((1, n), np.int32), np.zeros((1, n), np.int32)
+        cut_segments(cut_rows[mine], cut_at[mine] + 1, one_ids, one_positions)
+        assert np.array_equal(one_ids[0], segment_ids[0]) and np.array_equal(one_positions[0], positions[0])

@@ -105,9 +105,9 @@ def test_strided_windows_equal_one_at_a_time(lake_config: Path, tmp_path: Path) 
 def test_concat_eval_pass_covers_every_target_once(lake_config: Path, tmp_path: Path) -> None:
     examples = examples_of(reader_config(lake_config, tmp_path, shuffle=SHUFFLES["full"]), mode="eval")
     count = examples.eval_count()
-    total = int(examples.offsets[-1])
+    total = int(examples.stream_offsets[-1])
     stream = np.concatenate([p.tokens for p in examples.reader.window(examples.chunks, examples.sequence,
-                                                                      examples.offsets, 0, total)])
+                                                                      examples.stream_offsets, 0, total)])
     assert len(stream) == total
     windows = [examples.eval_window(j) for j in range(count)]
     # Window j holds stream tokens [jL, jL+L] (clipped): every target 1..total-1 exactly once.

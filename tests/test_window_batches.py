@@ -25,7 +25,7 @@ from lakeloader.contracts.chunk_file import table_parts
 from lakeloader.feed.concat_examples import Window
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import ArrayPool
-from lakeloader.index.ranges import cut_segments, segments
+from lakeloader.index.ranges import cut_segments
 from lakeloader.index.render import render
 from lakeloader.ingest.driver import build
 
@@ -194,7 +194,7 @@ def test_cached_row_groups_cost_about_two_bytes_per_token(lake: Path) -> None:
     keys and flags) plus the stored row group."""
     loader = Loader(loader_config(lake, "memory", ("t",), cache_bytes="64MB"))
     dataset = loader.datasets[0]
-    stream_tokens = int(dataset.offsets[-1])
+    stream_tokens = int(dataset.stream_offsets[-1])
     for step in range(dataset.train_count() // BATCH + 1):   # a whole epoch: every row group once
         loader.batch(step)
     cache = loader.files.cache
@@ -225,8 +225,11 @@ def test_segments_from_document_starts_equal_segments_from_keys(rows: int, n: in
     cut_at = np.array([x for c in cuts for x in c], np.int64)
     order = data.draw(st.permutations(range(len(cut_at))))   # any order
     segment_ids, positions = np.full((rows, n), 7, np.int32), np.full((rows, n), 7, np.int32)
-    cut_segments(cut_rows[list(order)], cut_at[list(order)], segment_ids, positions, np.full((rows, n), 5, np.int32))
-    expected_ids, expected_positions = segments(keys)
+    cut_segments(cut_rows[list(order)], cut_at[list(order)], segment_ids, positions)
+    # Segment ids count the documents met along a row; positions restart at each.
+    expected_ids = np.array([np.cumsum(np.diff(row, prepend=row[:1] - 1) != 0) for row in keys], np.int64).reshape(rows, n)
+    expected_positions = np.array([[i - int(np.flatnonzero(row == row[i])[0]) for i in range(n)] for row in keys],
+                                  np.int64).reshape(rows, n)
     assert segment_ids.dtype == positions.dtype == np.int32
     assert np.array_equal(segment_ids, expected_ids) and np.array_equal(positions, expected_positions)
 

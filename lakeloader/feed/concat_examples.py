@@ -17,14 +17,25 @@ from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, Row, Segment
 from lakeloader.feed.shuffled import ShuffledDataset
 from lakeloader.index.ranges import cumulative, cut_segments, eval_examples, strided_chunk, train_examples
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
-from lakeloader.read.windows import Piece, StreamReader
+from lakeloader.read.windows import Piece, StreamReader, WindowSet
 
 
 @dataclasses.dataclass
 class Window(Example):
-    """One example's L+1 stream tokens (fewer at the end of an evaluation pass) and provenance."""
+    """One example's L+1 stream tokens (fewer at the end of an evaluation pass) and provenance:
+    its pieces, or where it lies in the windows it was located with (``located[index]``)."""
 
-    pieces: list[Piece]
+    found: list[Piece] | None = None
+    located: WindowSet | None = None
+    index: int = -1
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """The window's pieces, each from one chunk position."""
+        if self.found is None:
+            assert self.located is not None
+            self.found = self.located.pieces(self.index)
+        return self.found
 
     def write(self, tokens: np.ndarray, trainable: np.ndarray) -> tuple[int, np.ndarray]:
         """Copy the window's stream tokens and target flags into row buffers; returns how many
@@ -54,24 +65,23 @@ class Window(Example):
         found: list[Segment] = []
         offset, number, previous = 0, 0, None
         for piece in self.pieces:
-            doc_change = np.flatnonzero(np.diff(piece.docs, prepend=-1))
-            bounds = np.append(doc_change, len(piece.docs))
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                doc = int(piece.docs[a])
+            bounds = np.concatenate([[0], piece.doc_offsets, [len(piece.tokens)]]).tolist()
+            for doc, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), start=piece.first_doc):
+                if a == b:   # a document without tokens here (only its start lies in the piece)
+                    continue
                 if (piece.position, doc) != previous:
                     number += 1
                     previous = (piece.position, doc)
-                found.append(Segment(number, piece.chunk, doc, offset + int(a), offset + int(b),
-                                     {"chunk_stream_start": piece.start + int(a),
-                                      "chunk_stream_stop": piece.start + int(b)}))
-            offset += len(piece.docs)
+                found.append(Segment(number, piece.chunk, doc, offset + a, offset + b,
+                                     {"chunk_stream_start": piece.start + a, "chunk_stream_stop": piece.start + b}))
+            offset += len(piece.tokens)
         return found
 
 
 _scratch = threading.local()
 
 
-def _buffer(name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+def _buffer(name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
     """A work array of this thread, reused from batch to batch (never handed out, so nobody can
     see it reused; fresh arrays of a batch's size cost page faults on every batch)."""
     found = getattr(_scratch, name, None)
@@ -83,8 +93,9 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
 
 def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
     """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
-    first L tokens, targets the last L; segments and masks are computed for all rows together
-    from where documents start (:func:`~lakeloader.index.ranges.cut_segments`)."""
+    first L tokens, targets the last L; tokens are gathered once into one array, and segments
+    and masks computed for all rows together from where documents start
+    (:func:`~lakeloader.index.ranges.cut_segments`). Each output field is written once."""
     if not windows:
         return
     length = batch["input_ids"].shape[1]
@@ -92,32 +103,50 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + len(rows))):
         index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
-    pieces = [w.pieces[0] for w in windows if len(w.pieces) == 1]
-    if len(pieces) == n and all(len(p.tokens) == length + 1 for p in pieces):
-        # The common case, each window one piece: the views of the cached row groups stacked.
-        dtype = np.result_type(*{p.tokens.dtype for p in pieces})
-        tokens = np.stack([p.tokens for p in pieces], out=_buffer(f"tokens_{dtype}", (n, length + 1), dtype))
-        cut_at = [p.doc_offsets for p in pieces]
-        trainable = None
-        if any(p.trainable is not None for p in pieces):
-            trainable = np.stack([p.flags() for p in pieces], out=_buffer("trainable", (n, length + 1), bool))
-        counts = None
-    else:
-        tokens = np.zeros((n, length + 1), np.int32)
-        trainable = np.zeros((n, length + 1), bool)
-        counts, cut_at = np.zeros(n, np.int64), []
-        for i, w in enumerate(windows):
-            counts[i], cuts = w.write(tokens[i], trainable[i])
-            cut_at.append(cuts)
-    whole = counts is None or counts.min() == length + 1   # every window whole (training)
-    cut_rows = np.repeat(np.arange(n), [len(c) for c in cut_at])
+    tokens: list[np.ndarray | None] = [None] * n
+    flags: list[np.ndarray | None] = [None] * n
+    counts = np.full(n, length + 1, np.int64)
+    cut_rows, cut_at = [], []
+    located: dict[int, tuple[WindowSet, list[int], list[int]]] = {}
+    rest = []
+    for i, window in enumerate(windows):
+        where = window.located
+        if window.found is None and where is not None and where.group[window.index] >= 0:
+            _, mine, at = located.setdefault(id(where), (where, [], []))
+            mine.append(window.index)
+            at.append(i)
+        else:
+            rest.append(i)
+    for where, mine, at in located.values():   # windows inside a row group: slices of it
+        views, trainable = where.tokens(mine)
+        for i, view, flag in zip(at, views, trainable):
+            tokens[i], flags[i] = view, flag
+        k, offsets = where.cuts(mine)
+        cut_rows.append(np.asarray(at, np.int64)[k])
+        cut_at.append(offsets)
+    for i in rest:   # windows across row groups or chunks, or short (the end of an evaluation pass)
+        row_tokens, row_flags = np.zeros(length + 1, np.int32), np.zeros(length + 1, bool)
+        counts[i], cuts = windows[i].write(row_tokens, row_flags)
+        tokens[i], flags[i] = row_tokens, row_flags
+        cut_rows.append(np.full(len(cuts), i, np.int64))
+        cut_at.append(cuts)
+    # Rows of equal length back to back: one concatenation (np.stack costs more per row).
+    dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
+    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
+    np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
+    trainable = None
+    if any(f is not None for f in flags):
+        ones = np.ones(length + 1, bool)
+        trainable = _buffer("trainable", (n, length + 1), bool)
+        np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
+    whole = counts.min() == length + 1   # every window whole (training)
     in_place = whole and isinstance(index, slice)   # segments written straight into the batch
     if in_place:
         segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
     else:
         segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
-    cut_segments(cut_rows, np.concatenate(cut_at), segment_ids, positions, _buffer("cuts", (n, length), np.int32))
-    fields = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:],
+    cut_segments(np.concatenate(cut_rows), np.concatenate(cut_at), segment_ids, positions)
+    fields = {"input_ids": stacked[:, :-1], "targets": stacked[:, 1:],
               "loss_mask": None if trainable is None else trainable[:, 1:],
               "segment_ids": segment_ids, "positions": positions}
     if whole:
@@ -125,7 +154,7 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
             if not (in_place and name in ("segment_ids", "positions")):
                 batch[name][index] = 1 if values is None else values
         return
-    assert trainable is not None and counts is not None
+    assert trainable is not None
     valid = np.arange(length) < (counts - 1)[:, None]   # the short end of an evaluation pass
     fields["loss_mask"] = valid & trainable[:, 1:]
     for name in ("segment_ids", "positions"):
@@ -155,34 +184,39 @@ class DatasetExamples(ShuffledDataset):
 
     def _set(self, chunks: DatasetChunks) -> None:
         super()._set(chunks)
+        self._set_offsets(chunks)
         self._periods: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _set_offsets(self, chunks: DatasetChunks) -> None:
+        """The cumulative per-chunk counts examples are located by: here stream tokens."""
+        self.stream_offsets = cumulative(self.reader.chunk_lengths(chunks))
 
     def _too_small(self) -> LakeloaderError:
         return LakeloaderError(
-            f"dataset {self.name!r} has {int(self.offsets[-1])} stream tokens, fewer than one example "
+            f"dataset {self.name!r} has {int(self.stream_offsets[-1])} stream tokens, fewer than one example "
             f"of seq_len {self.seq_len} + 1: lower loader.seq_len or add data"
         )
 
     def eval_count(self) -> int:
         """Examples in one evaluation pass (needs the complete dataset)."""
         self.complete_chunks()
-        return eval_examples(int(self.offsets[-1]), self.seq_len)
+        return eval_examples(int(self.stream_offsets[-1]), self.seq_len)
 
     def _available(self) -> int:
         """Training examples the committed prefix holds whole."""
-        return train_examples(int(self.offsets[-1]), self.seq_len)
+        return train_examples(int(self.stream_offsets[-1]), self.seq_len)
 
     def eval_window(self, j: int) -> Window:
         """Example ``j`` of the evaluation pass: stream tokens [jL, jL+L] clipped at the end."""
         self.complete_chunks()
-        total = int(self.offsets[-1])
+        total = int(self.stream_offsets[-1])
         start = j * self.seq_len
         length = min(self.seq_len + 1, total - start)
-        pieces = self.reader.window(self.chunks, self.sequence, self.offsets, start, length)
+        pieces = self.reader.window(self.chunks, self.sequence, self.stream_offsets, start, length)
         return Window(self.name, 0, j, pieces)
 
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
-        boundaries = self.offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
+        boundaries = self.stream_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
         return -(-boundaries // self.seq_len)
 
     def train_window(self, j: int) -> Window:
@@ -197,9 +231,9 @@ class DatasetExamples(ShuffledDataset):
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[Window]:
         """Windows of examples ``examples`` (of epochs ``epochs``), looked up together."""
-        pieces = self.reader.windows(self.chunks, self.sequence, self.offsets, examples * self.seq_len,
-                                     self.seq_len + 1)
-        return [Window(self.name, e, k, p) for e, k, p in zip(epochs.tolist(), examples.tolist(), pieces)]
+        located = self.reader.windows(self.chunks, self.sequence, self.stream_offsets, examples * self.seq_len,
+                                      self.seq_len + 1)
+        return [Window(self.name, e, k, None, located, i) for i, (e, k) in enumerate(zip(epochs.tolist(), examples.tolist()))]
 
     def _period(self, reader: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunks and cumulative stream offsets of one period of ideal reader ``reader``'s
@@ -209,7 +243,7 @@ class DatasetExamples(ShuffledDataset):
             period = count // math.gcd(count, self.ideal_readers)
             positions = strided_chunk(np.full(period, reader), np.arange(period), self.ideal_readers)
             chunks = positions % count
-            lengths = np.diff(self.offsets)[chunks]
+            lengths = np.diff(self.stream_offsets)[chunks]
             self._periods[reader] = (chunks, cumulative(lengths))
         return self._periods[reader]
 
@@ -220,7 +254,7 @@ class DatasetExamples(ShuffledDataset):
         start, length = k * self.seq_len, self.seq_len + 1
         while not self.chunks.complete:
             positions = np.arange(reader, self.chunks.committed, self.ideal_readers)
-            offsets = cumulative(np.diff(self.offsets)[positions])
+            offsets = cumulative(np.diff(self.stream_offsets)[positions])
             if start + length <= offsets[-1]:
                 return Window(self.name, 0, k, self.reader.window(self.chunks, positions, offsets, start, length))
             self._wait()
@@ -244,9 +278,8 @@ class DatasetExamples(ShuffledDataset):
             repeats = 1 + math.ceil((int(starts.max()) + length) / total)
             sequence = np.tile(chunks, repeats)
             sequence_offsets = cumulative(np.tile(np.diff(offsets), repeats))
-            pieces = self.reader.windows(self.chunks, sequence, sequence_offsets, starts, length)
-            first = np.array([window_pieces[0].position for window_pieces in pieces], np.int64)
-            epochs = strided_chunk(reader, cycles * len(chunks) + first, self.ideal_readers) // self.chunks.committed
-            for n, k, epoch, window_pieces in zip(rest[mine].tolist(), ks[mine].tolist(), epochs.tolist(), pieces):
-                found[n] = Window(self.name, epoch, k, window_pieces)
+            located = self.reader.windows(self.chunks, sequence, sequence_offsets, starts, length)
+            epochs = strided_chunk(reader, cycles * len(chunks) + located.position, self.ideal_readers) // self.chunks.committed
+            for i, (n, k, epoch) in enumerate(zip(rest[mine].tolist(), ks[mine].tolist(), epochs.tolist())):
+                found[n] = Window(self.name, epoch, k, None, located, i)
         return found  # type: ignore[return-value]

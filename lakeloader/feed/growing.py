@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.windows import StreamReader
 
 
 class GrowingDataset:
-    """The committed prefix of dataset ``name`` and its cumulative stream offsets, refreshed
-    from the catalog when more is needed."""
+    """The committed prefix of dataset ``name``, refreshed from the catalog when more is needed
+    (subclasses derive their per-chunk offsets from it in ``_set``)."""
 
     plan_key: str | None = None   # packing plan whose per-chunk counts this reads (pack | pad)
 
@@ -25,7 +24,6 @@ class GrowingDataset:
 
     def _set(self, chunks: DatasetChunks) -> None:
         self.chunks = chunks
-        self.offsets = cumulative(self.reader.chunk_lengths(chunks))
         self.sequence = np.arange(chunks.committed)  # the global order: chunk c is the c-th
 
     def _wait(self) -> None:

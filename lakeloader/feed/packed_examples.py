@@ -112,13 +112,13 @@ class PackedExamples(DatasetExamples):
         self._plans: LRU[tuple[str, int], PackPlan] = LRU(64)
         super().__init__(name, view, reader, **kwargs)
 
-    def _set(self, chunks: DatasetChunks) -> None:
-        super()._set(chunks)
+    def _set_offsets(self, chunks: DatasetChunks) -> None:
+        """The cumulative per-chunk counts examples are located by: here packed examples."""
         assert chunks.num_examples is not None
-        self.offsets = cumulative(chunks.num_examples)   # example offsets, not stream tokens
+        self.example_offsets = cumulative(chunks.num_examples)
 
     def _available(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.example_offsets[-1])
 
     def _too_small(self) -> LakeloaderError:
         return LakeloaderError(f"dataset {self.name!r} has no examples under packing: {self.spec.mode}")
@@ -134,7 +134,7 @@ class PackedExamples(DatasetExamples):
         return self._example(0, j)
 
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
-        return self.offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
+        return self.example_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
 
     def plan(self, chunk: int) -> PackPlan:
         """The packing plan of chunk ``chunk`` (cached)."""
@@ -142,15 +142,15 @@ class PackedExamples(DatasetExamples):
             self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
-        chunks = locate(self.offsets, examples).tolist()
+        chunks = locate(self.example_offsets, examples).tolist()
         self.reader.prefetch_groups(self.chunks, chunks)
         return [self._example(e, k, c) for e, k, c in zip(epochs.tolist(), examples.tolist(), chunks)]
 
     def _example(self, epoch: int, k: int, chunk: int | None = None) -> PackedExample:
         if chunk is None:
-            chunk = int(locate(self.offsets, np.array([k]))[0])
+            chunk = int(locate(self.example_offsets, np.array([k]))[0])
         plan = self.plan(chunk)
-        items = plan.example_items(k - int(self.offsets[chunk]))
+        items = plan.example_items(k - int(self.example_offsets[chunk]))
         docs = plan.item_doc[items]
         _, first_docs = self.reader.groups(self.chunks, chunk)
         groups = np.searchsorted(first_docs, docs, side="right") - 1
@@ -169,16 +169,16 @@ class PackedExamples(DatasetExamples):
         images: list[tuple[int, str]] = []
         split = -1
         if template.image_kind is not None or self.seq2seq:
-            stored = self.reader.files.row_group(self.chunks, chunk, group)
-            parts = stored.parts
+            parts = rendered.parts   # kept with the rendering for these templates: no second read
+            assert parts is not None
             mine = np.arange(*np.searchsorted(parts.part_doc, [local, local + 1]))
             starts = part_starts(template, parts.part_lengths[mine], parts.part_kinds[mine],
                                  np.zeros(len(mine), np.int64))
             kinds = parts.part_kinds[mine]
-            if template.image_kind is not None and stored.refs is not None:
+            if template.image_kind is not None and rendered.refs is not None:
                 for part, offset in zip(mine[kinds == template.image_kind], starts[kinds == template.image_kind]):
                     if start <= offset < stop:
-                        images.append((int(offset) - start, str(stored.refs[part])))
+                        images.append((int(offset) - start, str(rendered.refs[part])))
             if self.seq2seq:
                 responses = starts[kinds == template.kind_names.index("response")]
                 split = int(responses[0]) if len(responses) else end - begin

@@ -11,6 +11,7 @@ targets the last L).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -54,50 +55,34 @@ def strided_example(example: np.ndarray, ideal_readers: int) -> tuple[np.ndarray
     return example % ideal_readers, example // ideal_readers
 
 
-def segments(doc_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(segment_ids from 1, positions restarting at 0) along the last axis of windows whose
-    tokens belong to documents ``doc_keys`` (equal keys = same document; documents are
-    contiguous). Works on one window or a ``[rows, n]`` batch of them."""
-    shape = doc_keys.shape
-    keys = doc_keys.reshape(math.prod(shape[:-1]), shape[-1])
-    starts = np.empty(keys.shape, dtype=bool)
-    starts[:, :1] = True
-    np.not_equal(keys[:, 1:], keys[:, :-1], out=starts[:, 1:])
-    # Number segments across all rows at once, then rebase each row's numbers to start at 1.
-    flat = starts.ravel()
-    number = np.cumsum(flat, dtype=np.int32)
-    first_token = np.flatnonzero(flat).astype(np.int32)
-    positions = np.arange(flat.size, dtype=np.int32) - first_token[number - 1]
-    number = number.reshape(keys.shape)
-    segment_ids = number - number[:, :1] + 1
-    return segment_ids.reshape(shape), positions.reshape(shape)
-
-
-
-def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray,
-                 scratch: np.ndarray) -> None:
-    """:func:`segments` of a ``[rows, n]`` batch of windows written into ``segment_ids`` and
-    ``positions``, given where documents start instead of a key per token: a document starts at
-    offset ``cut_at[i]`` of row ``cut_rows[i]`` (any order; repeats, offsets 0 and offsets past
-    the row change nothing) and every row starts one. ``scratch``: an int32 array of the same
-    shape to work in. A few passes over the batch, whatever the number of documents, and no
-    allocation of the batch's size."""
+def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> None:
+    """Segment ids (from 1) and positions (restarting at 0 with each document) of a ``[rows, n]``
+    batch of windows, written into ``segment_ids`` and ``positions`` (int32, any views), given
+    where documents start: a document starts at offset ``cut_at[i]`` of row ``cut_rows[i]`` (any
+    order; repeats, offsets 0 and offsets past the row change nothing) and every row starts one.
+    A few whole-batch passes, whatever the number of documents."""
     rows, n = segment_ids.shape
+    if not rows or not n:
+        return
     cut_rows, cut_at = np.asarray(cut_rows, np.int64), np.asarray(cut_at, np.int64)
     inside = (cut_at > 0) & (cut_at < n)
-    starts = np.unique(np.concatenate([np.arange(rows, dtype=np.int64) * n, cut_rows[inside] * n + cut_at[inside]]))
-    first = starts % n == 0
-    later = starts[~first]
-    previous = starts[np.flatnonzero(~first) - 1]   # the start before each later one, in its row
-    flat = scratch.reshape(-1)
-    # Segment numbers: a running count of starts along each row.
-    scratch.fill(0)
-    scratch[:, 0] = 1
-    flat[later] = 1
-    np.cumsum(scratch, axis=1, out=segment_ids)
-    # Positions: a running count of ones that each start resets to 0 (it adds minus the length
-    # of the document before it, less one).
-    scratch.fill(1)
-    scratch[:, 0] = 0
-    flat[later] = (previous - later + 1).astype(scratch.dtype)
-    np.cumsum(scratch, axis=1, out=positions)
+    row_starts = np.arange(rows, dtype=np.int64) * n
+    starts = np.sort(np.concatenate([row_starts, cut_rows[inside] * n + cut_at[inside]]))  # flat
+    starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]
+    lengths = np.diff(starts, append=rows * n)
+    # Each start's segment number: its rank among its row's starts, from 1.
+    number = np.arange(1, len(starts) + 1, dtype=np.int64) - np.searchsorted(starts, row_starts)[starts // n]
+    np.copyto(segment_ids, np.repeat(number.astype(np.int32), lengths).reshape(rows, n))
+    # Positions: flat index minus the flat start of its segment (no broadcast: numpy's
+    # broadcasting loops are several times slower than same-shape ones).
+    dtype = np.int32 if rows * n <= np.iinfo(np.int32).max else np.int64
+    np.subtract(_iota(rows * n, dtype).reshape(rows, n), np.repeat(starts.astype(dtype), lengths).reshape(rows, n),
+                out=positions, casting="unsafe")
+
+
+@functools.lru_cache(maxsize=8)
+def _iota(size: int, dtype: type) -> np.ndarray:
+    """``arange(size)``, made once per size and read-only."""
+    found = np.arange(size, dtype=dtype)
+    found.flags.writeable = False
+    return found

@@ -30,6 +30,8 @@ from lakeloader.storage import sha256_of, with_retries
 
 
 def _nbytes(item: Any) -> int:
+    if item is None:   # an optional field left out costs nothing
+        return 0
     if isinstance(item, np.ndarray):
         return item.nbytes
     if dataclasses.is_dataclass(item):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
 from lakeloader.index.ranges import cumulative, locate
 from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, stream_lengths
@@ -29,6 +30,10 @@ class RenderedGroup:
     tokens: np.ndarray              # the stored dtype when every rendered id fits it, else int32
     trainable: np.ndarray | None    # bool per token; None: every token is a training target
     doc_starts: np.ndarray          # int64 [docs + 1]: offset of each document, then the end
+    # Kept only for templates that need the stored parts after rendering (image positions of
+    # interleaved documents, the response split of supervised ones): a few numbers per part.
+    parts: ChunkParts | None = None
+    refs: np.ndarray | None = None  # interleaved: each part's reference (None for text parts)
 
 
 def compact(rendered: Rendered, stored: np.dtype) -> RenderedGroup:
@@ -72,6 +77,69 @@ def _piece(position: int, chunk: int, start: int, rendered: RenderedGroup, first
     trainable = None if rendered.trainable is None else rendered.trainable[a:b]
     return Piece(position, chunk, start, rendered.tokens[a:b], trainable, first_doc + lo - 1,
                  starts[lo:max(lo, hi)] - a)
+
+
+_MANY_DOCS = 4096   # a row group with more documents is searched only where windows lie
+
+
+@dataclasses.dataclass
+class WindowSet:
+    """Windows of one length located together (:meth:`StreamReader.windows`). Nearly every window
+    lies inside one cached row group and stays a slice of it: window ``i`` is tokens
+    ``[at[i], at[i] + length)`` of ``groups[group[i]]``; the others (``group[i] == -1``: across
+    row groups or chunks) keep their pieces in ``others``. Batches are filled from these arrays
+    without a Python object per window (:meth:`tokens`, :meth:`cuts`)."""
+
+    length: int
+    groups: list[RenderedGroup]     # the row groups the windows lie in, each once
+    group_position: list[int]       # chunk-sequence position of each of those row groups
+    group_chunk: list[int]          # its chunk (global index)
+    group_first_doc: list[int]      # document index within the chunk of its first document
+    group: np.ndarray               # int64 per window: index into ``groups``; -1: see ``others``
+    at: np.ndarray                  # int64 per window: first token within its row group
+    start: np.ndarray               # int64 per window: first stream offset within its chunk
+    position: np.ndarray            # int64 per window: chunk-sequence position of its first token
+    others: dict[int, list[Piece]]  # pieces of the windows not inside one row group
+
+    def pieces(self, i: int) -> list[Piece]:
+        """Window ``i``'s pieces (one view of its row group's rendering unless in ``others``)."""
+        g = int(self.group[i])
+        if g < 0:
+            return self.others[i]
+        a = int(self.at[i])
+        return [_piece(self.group_position[g], self.group_chunk[g], int(self.start[i]), self.groups[g],
+                       self.group_first_doc[g], a, a + self.length)]
+
+    def tokens(self, which: list[int]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """Token views and target flags (None: all targets) of windows ``which`` (each inside a row group)."""
+        groups = [self.groups[g] for g in self.group[which].tolist()]
+        ats = self.at[which].tolist()
+        n = self.length
+        return ([r.tokens[a : a + n] for r, a in zip(groups, ats)],
+                [None if r.trainable is None else r.trainable[a : a + n] for r, a in zip(groups, ats)])
+
+    def cuts(self, which: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(k, offset) of every document start strictly inside window ``which[k]`` (each inside
+        a row group): one search for all windows over their row groups' document starts."""
+        k, at = self.group[which], self.at[which]   # every row group of the set holds some window
+        doc_starts = [g.doc_starts for g in self.groups]
+        if max(len(d) for d in doc_starts) > _MANY_DOCS:   # short documents: only those the windows reach
+            reach = np.full((2, len(doc_starts)), [[np.iinfo(np.int64).max], [0]], np.int64)
+            np.minimum.at(reach[0], k, at)
+            np.maximum.at(reach[1], k, at + self.length)
+            for j, (d, a, b) in enumerate(zip(doc_starts, *reach.tolist())):
+                if len(d) > _MANY_DOCS:
+                    doc_starts[j] = d[d.searchsorted(a, side="right") : d.searchsorted(b, side="left")]
+        # Row group j's starts shifted past all earlier ones (by its tokens + 1), one sorted array.
+        base = cumulative(np.array([len(g.tokens) + 1 for g in self.groups], np.int64))
+        shifted = np.concatenate(doc_starts) + np.repeat(base[:-1], [len(d) for d in doc_starts])
+        begin = base[k] + at
+        lo = np.searchsorted(shifted, begin, side="right")
+        count = np.maximum(np.searchsorted(shifted, begin + self.length, side="left") - lo, 0)
+        total = int(count.sum())
+        first = np.repeat(lo - (np.cumsum(count) - count), count)
+        found = shifted[first + np.arange(total)] - np.repeat(begin, count)
+        return np.repeat(np.arange(len(which)), count), found
 
 
 class StreamReader:
@@ -138,6 +206,8 @@ class StreamReader:
         fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
         rendered = compact(render(self.template, stored.values, parts.part_lengths, parts.part_kinds,
                                   parts.part_doc, parts.num_docs, fim), stored.values.dtype)
+        if self.template.image_kind is not None or "response" in self.template.kind_names:
+            rendered = dataclasses.replace(rendered, parts=parts, refs=stored.refs)
         del stored, parts
         # The decoded row group is gone: hand the allocator's freed pages back (Arrow's pool
         # otherwise keeps them, ~100 MB over a lake's first epoch).
@@ -192,28 +262,31 @@ class StreamReader:
         return pieces
 
     def windows(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-                starts: np.ndarray, length: int) -> list[list[Piece]]:
+                starts: np.ndarray, length: int) -> WindowSet:
         """:meth:`window` of many starts. Windows inside one row group (nearly all of them) are
-        located together and become views of its cached rendering; the rest take the general path."""
+        located together and stay slices of its cached rendering; the rest take the general path."""
         starts = np.asarray(starts, np.int64)
-        found: list[list[Piece] | None] = [None] * len(starts)
         position = locate(sequence_offsets, starts)
         inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
         self.prefetch_groups(chunks, np.asarray(sequence)[np.unique(position[position < len(sequence)])])
-        rows = np.flatnonzero(inside)
-        if len(rows):
-            self._views(chunks, sequence, sequence_offsets, starts, length, rows, position[rows], found)
-        for row in range(len(starts)):
-            if found[row] is None:
-                found[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
-        return found  # type: ignore[return-value]
+        found = self._views(chunks, sequence, sequence_offsets, starts, length, np.flatnonzero(inside), position)
+        for row in np.flatnonzero(found.group < 0).tolist():
+            found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
+        return found
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-               starts: np.ndarray, length: int, rows: np.ndarray, positions: np.ndarray,
-               found: list[list[Piece] | None]) -> None:
-        """Windows ``rows`` (each inside the chunk at sequence position ``positions``) that lie in
-        one row group become one-piece views of its cached rendering: the row groups of all the
-        windows are located in one search, then each row group is visited once."""
+               starts: np.ndarray, length: int, rows: np.ndarray, position: np.ndarray) -> WindowSet:
+        """The windows ``rows`` (each inside the chunk at sequence position ``position[row]``)
+        that lie in one row group, as slices of its cached rendering: the row groups of all the
+        windows are located in one search, then each row group is fetched once."""
+        n = len(starts)
+        group_of = np.full(n, -1, np.int64)
+        at = np.zeros(n, np.int64)
+        local_start = np.zeros(n, np.int64)
+        found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
+        if not len(rows):
+            return found
+        positions = position[rows]
         unique, which = np.unique(positions, return_inverse=True)
         tables = [self.groups(chunks, int(sequence[p])) for p in unique.tolist()]
         # Every chunk's row-group starts in one sorted array, chunk u's shifted by u * span.
@@ -223,25 +296,18 @@ class StreamReader:
         local = starts[rows] - sequence_offsets[positions]
         key = which * span + local
         group = np.searchsorted(shifted, key, side="right") - 1
-        whole = np.flatnonzero(group == np.searchsorted(shifted, key + length - 1, side="right") - 1)
-        order = whole[np.argsort(group[whole], kind="stable")]   # windows of one row group together
-        if not len(order):
-            return
-        rows, which, local, group = rows[order], which[order], local[order], group[order]
-        a = local - (shifted[group] - which * span)                 # offset within the row group
-        runs = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(order)]
-        for begin, end in zip(runs[:-1], runs[1:]):
-            u = int(which[begin])
-            g = int(group[begin] - base[u])
-            p, chunk = int(unique[u]), int(sequence[int(unique[u])])
-            rendered = self.rendered_group(chunks, chunk, g)
-            tokens, trainable, doc_starts = rendered.tokens, rendered.trainable, rendered.doc_starts
-            x = a[begin:end]
-            # Documents overlapping each window: [lo - 1, hi) of the row group's.
-            lo = np.searchsorted(doc_starts, x, side="right")
-            hi = np.maximum(np.searchsorted(doc_starts, x + length, side="left"), lo)
-            first = lo - 1 + int(tables[u][1][g])
-            for row, start, y, l, h, f in zip(rows[begin:end].tolist(), local[begin:end].tolist(), x.tolist(),
-                                               lo.tolist(), hi.tolist(), first.tolist()):
-                found[row] = [Piece(p, chunk, start, tokens[y : y + length],
-                                    None if trainable is None else trainable[y : y + length], f, doc_starts[l:h] - y)]
+        whole = group == np.searchsorted(shifted, key + length - 1, side="right") - 1
+        rows, which, local, group = rows[whole], which[whole], local[whole], group[whole]
+        used, inverse = np.unique(group, return_inverse=True)
+        group_of[rows] = inverse
+        at[rows] = local - (shifted[group] - which * span)     # offset within the row group
+        local_start[rows] = local
+        owner = np.searchsorted(base, used, side="right") - 1   # the chunk (of unique) of each used group
+        for u, g in zip(owner.tolist(), (used - base[owner]).tolist()):
+            p = int(unique[u])
+            chunk = int(sequence[p])
+            found.groups.append(self.rendered_group(chunks, chunk, g))
+            found.group_position.append(p)
+            found.group_chunk.append(chunk)
+            found.group_first_doc.append(int(tables[u][1][g]))
+        return found
