@@ -1,23 +1,25 @@
 """Build throughput with each tokenizer backend next to the encoders alone, on the same documents
 and cores, in one run.
 
-For the demo BPE (8,192 ids) and a BPE of more than 65,536 ids trained here on the corpus with
-``tokenizers`` (``BpeTrainer(vocab_size=100_000)`` behind the demo's ByteLevel pre-tokenizer;
-cached in benchmarks/out), it prints tokens/s of:
+For the demo BPE (8,192 ids) and a BPE of more than 65,536 ids trained here on the first two
+shards (32 MB) of the corpus with ``tokenizers`` (``BpeTrainer(vocab_size=100_000)`` behind the
+demo's ByteLevel pre-tokenizer; cached in benchmarks/out), it prints tokens/s of:
 
-- the build (``tokenizer_backend: fastokens``, and ``hf``), with 1 and with 2 local workers
-  (wall clock, planning and cluster start included; and the driver's tokens/s of its task phase);
+- the build (``tokenizer_backend: fastokens``; and ``hf`` with ``--hf``), with 1 and with 2 local
+  workers (wall clock, planning and cluster start included; and the driver's tokens/s of its task
+  phase);
 - (a) ``tokenizers`` ``encode_batch_fast`` and (b) fastokens ``encode_batch_flat`` over the same
   documents already in memory, in one process with as many threads as workers;
 - (c) the rest of a chunk task alone: reading, JSON parsing, building the Arrow table, Parquet
   encoding and writing each split, with its tokens computed beforehand (untimed), in as many
   processes as workers;
 
-and the ratios build/(b) and build/(a). The corpus is the first ``--megabytes`` of the bench
-corpus (lakeloader/demo/corpus.py size="bench": Python sources of the standard library and
-site-packages). The load average of the machine is printed with the figures.
+and the ratios build/(b), build/(a) and 2 workers / 1 worker. The corpus is the first
+``--megabytes`` of the bench corpus (lakeloader/demo/corpus.py size="bench": Python sources of the
+standard library and site-packages). With ``--repeat N`` every figure but (a) (minutes on this
+corpus) is the median of N runs. The load average of the machine is printed with the figures.
 
-    .venv/bin/python benchmarks/tokenizer_backends.py [--megabytes 100] [--workers 2]
+    .venv/bin/python benchmarks/tokenizer_backends.py [--megabytes 100] [--workers 2] [--repeat 3] [--hf]
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -192,15 +196,23 @@ def main() -> None:
     parser.add_argument("--megabytes", type=float, default=100.0, help="corpus size (whole 16 MB shards)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--split-size", default="8MB")
+    parser.add_argument("--repeat", type=int, default=1, help="median of this many runs (all but (a))")
+    parser.add_argument("--hf", action="store_true", help="also build with tokenizer_backend: hf (slow)")
     args = parser.parse_args()
+
+    def median(measure: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
+        runs = [measure() for _ in range(args.repeat)]
+        return tuple(statistics.median(column) for column in zip(*runs))
+
     logging.basicConfig(level=logging.WARNING)
     files = corpus_files(args.megabytes)
     figures: dict[str, object] = {
         "source_MB": round(sum(os.path.getsize(f) for f in files) / 1e6, 1),
+        "runs per figure (median; (a): 1)": args.repeat,
         "load average before": load_average(),
     }
     trained = time.perf_counter()
-    large = large_tokenizer(files, OUT / f"bpe-{LARGE_VOCAB}-{len(files)}shards.json")
+    large = large_tokenizer(files[:2], OUT / f"bpe-{LARGE_VOCAB}-2shards.json")
     figures["seconds to train (or load) the large BPE"] = round(time.perf_counter() - trained, 1)
     from tokenizers import Tokenizer
 
@@ -211,13 +223,13 @@ def main() -> None:
         for workers in counts:
             key = f"{label}, {workers} worker(s)"
             a = encode_alone(tokenizer, files, workers, "a")
-            b = encode_alone(tokenizer, files, workers, "b")
-            fast_wall, fast_task, fast_chunks, tokens = build_rate(tokenizer, files, "fastokens", workers,
-                                                                   args.split_size)
+            (b,) = median(lambda: (encode_alone(tokenizer, files, workers, "b"),))
+            fast_wall, fast_task, fast_chunks, tokens = median(
+                lambda: build_rate(tokenizer, files, "fastokens", workers, args.split_size))
             config = OUT / "backends.yaml"
-            c = rest_alone(config, workers, OUT / "backends-rest")
+            (c,) = median(lambda: (rest_alone(config, workers, OUT / "backends-rest"),))
             figures.update({
-                f"{key}: tokens": tokens,
+                f"{key}: tokens": int(tokens),
                 f"{key}: build fastokens tok/s (wall)": round(fast_wall),
                 f"{key}: build fastokens tok/s (task phase)": round(fast_task),
                 f"{key}: build fastokens tok/s (chunk tasks alone)": round(fast_chunks),
@@ -229,11 +241,13 @@ def main() -> None:
                 f"{key}: build/(a) (wall; task phase; chunk tasks)":
                     f"{fast_wall / a:.2f}; {fast_task / a:.2f}; {fast_chunks / a:.2f}",
             })
-        figures[f"{label}, {args.workers} worker(s): build hf tok/s (wall)"] = round(
-            build_rate(tokenizer, files, "hf", args.workers, args.split_size)[0])
+        if args.hf:
+            figures[f"{label}, {args.workers} worker(s): build hf tok/s (wall)"] = round(
+                build_rate(tokenizer, files, "hf", args.workers, args.split_size)[0])
         if len(counts) == 2:
-            one, two = (f"{label}, {w} worker(s): build fastokens tok/s (wall)" for w in counts)
-            figures[f"{label}: {counts[0]} -> {counts[1]} workers (wall)"] = round(figures[two] / figures[one], 2)  # type: ignore[operator]
+            for phase in ("wall", "chunk tasks alone"):
+                one, two = (figures[f"{label}, {w} worker(s): build fastokens tok/s ({phase})"] for w in counts)
+                figures[f"{label}: {counts[0]} -> {counts[1]} workers ({phase})"] = round(two / one, 2)  # type: ignore[operator]
     figures["load average after"] = load_average()
     report("tokenizer_backends", figures)
 

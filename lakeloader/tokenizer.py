@@ -109,9 +109,11 @@ def _hub_tokenizer(spec: str) -> Tokenizer:
         ) from exc
 
 
-def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """Content hash of the tokenizer (changes whenever its encoding could change)."""
-    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+def tokenizer_fingerprint(tokenizer: Tokenizer, text: str | None = None) -> str:
+    """Content hash of the tokenizer (changes whenever its encoding could change); ``text``: its
+    JSON (``tokenizer.to_str()``) when the caller has it already (serializing a large vocabulary
+    takes tens of milliseconds)."""
+    return hashlib.sha256((tokenizer.to_str() if text is None else text).encode()).hexdigest()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -201,11 +203,12 @@ def backend_of(name: str) -> str:
     return "fastokens" if name.startswith("fastokens ") else "hf"
 
 
-def _fast_tokenizer(tokenizer: Tokenizer) -> object:
-    """``tokenizer`` loaded by fastokens (ImportError or ValueError when it cannot be)."""
+def _fast_tokenizer(tokenizer: Tokenizer, text: str | None = None) -> object:
+    """``tokenizer`` (whose JSON is ``text`` when given) loaded by fastokens (ImportError or
+    ValueError when it cannot be)."""
     import fastokens
 
-    return fastokens.Tokenizer.from_json_str(tokenizer.to_str())
+    return fastokens.Tokenizer.from_json_str(tokenizer.to_str() if text is None else text)
 
 
 def _self_check_texts(tokenizer: Tokenizer) -> list[tuple[str, str]]:
@@ -251,21 +254,23 @@ def _self_check_texts(tokenizer: Tokenizer) -> list[tuple[str, str]]:
     ]
 
 
-def fast_backend_problem(tokenizer: Tokenizer) -> str | None:
-    """Why fastokens cannot encode for ``tokenizer`` exactly (it is not installed, refuses the
-    tokenizer, or gives other ids than the reference on a self-check sample), or None."""
-    fingerprint = tokenizer_fingerprint(tokenizer)
+def fast_backend_problem(tokenizer: Tokenizer, text: str | None = None) -> str | None:
+    """Why fastokens cannot encode for ``tokenizer`` (whose JSON is ``text`` when given) exactly
+    (it is not installed, refuses the tokenizer, or gives other ids than the reference on a
+    self-check sample), or None."""
+    text = tokenizer.to_str() if text is None else text
+    fingerprint = tokenizer_fingerprint(tokenizer, text)
     if fingerprint not in _SELF_CHECKS:   # once per tokenizer and process: every build plans
-        _SELF_CHECKS[fingerprint] = _fast_backend_problem(tokenizer)
+        _SELF_CHECKS[fingerprint] = _fast_backend_problem(tokenizer, text)
     return _SELF_CHECKS[fingerprint]
 
 
 _SELF_CHECKS: dict[str, str | None] = {}   # tokenizer fingerprint -> fast_backend_problem
 
 
-def _fast_backend_problem(tokenizer: Tokenizer) -> str | None:
+def _fast_backend_problem(tokenizer: Tokenizer, text: str) -> str | None:
     try:
-        fast = DocumentEncoder(tokenizer, backend="fastokens")
+        fast = DocumentEncoder(tokenizer, backend="fastokens", text=text)
     except ImportError as exc:
         return f"fastokens is not installed ({exc})"
     except ValueError as exc:
@@ -292,14 +297,14 @@ def _first_difference(expected: list[int], got: np.ndarray) -> str | None:
             f"{expected[at:at + 3]} vs {got_list[at:at + 3]}")
 
 
-def resolve_backend(tokenizer: Tokenizer, backend: str, spec: str) -> str:
-    """The backend that encodes for ``tokenizer`` (``spec``: the config's ``tokenizer``) under the
-    config's ``tokenizer_backend``: ``hf`` as asked; ``fastokens`` when it loads the tokenizer and
-    passes the self-check, else a ConfigError naming the key; ``auto``: fastokens when it passes,
-    else ``hf`` with one log line saying why."""
+def resolve_backend(tokenizer: Tokenizer, backend: str, spec: str, text: str | None = None) -> str:
+    """The backend that encodes for ``tokenizer`` (``spec``: the config's ``tokenizer``; ``text``:
+    its JSON when the caller has it) under the config's ``tokenizer_backend``: ``hf`` as asked;
+    ``fastokens`` when it loads the tokenizer and passes the self-check, else a ConfigError naming
+    the key; ``auto``: fastokens when it passes, else ``hf`` with one log line saying why."""
     if backend == "hf":
         return "hf"
-    problem = fast_backend_problem(tokenizer)
+    problem = fast_backend_problem(tokenizer, text)
     if problem is None:
         return "fastokens"
     if backend == "fastokens":
@@ -320,16 +325,18 @@ class DocumentEncoder:
     whole document. Tokenizers for which such cuts are not exact (a normalizer, a prefix space
     added to every input) encode long documents whole. ``backend`` ``fastokens`` encodes whole
     documents with fastokens (ImportError or ValueError when it cannot load the tokenizer) and
-    checks one document of every batch against ``tokenizers``.
+    checks one document of every batch against ``tokenizers``. ``text``: the tokenizer's JSON when
+    the caller has it (fastokens loads from it; otherwise ``tokenizer.to_str()`` is produced).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_piece_chars: int = MAX_PIECE_CHARS, backend: str = "hf") -> None:
+    def __init__(self, tokenizer: Tokenizer, max_piece_chars: int = MAX_PIECE_CHARS, backend: str = "hf",
+                 text: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_piece_chars = max_piece_chars
         self.dtype = token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
         self.backend = backend
         self.name = encoder_name(backend)
-        self._fast = _fast_tokenizer(tokenizer) if backend == "fastokens" else None
+        self._fast = _fast_tokenizer(tokenizer, text) if backend == "fastokens" else None
         self.splits_long_documents = backend == "hf" and self._cuts_are_exact()
 
     def _ids(self, text: str) -> list[int]:

@@ -240,7 +240,7 @@ def test_unknown_backend_names_the_key(tmp_path: Path) -> None:
         load_config(config)
 
 
-def _off_by_one_merge(tokenizer: Tokenizer) -> object:
+def _off_by_one_merge(tokenizer: Tokenizer, text: str | None = None) -> object:
     """fastokens loaded from ``tokenizer`` without its first merge: a fast encoder that is wrong."""
     data = json.loads(tokenizer.to_str())
     data["model"]["merges"] = data["model"]["merges"][1:]

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import itertools
 import logging
 import os
 import re
@@ -199,6 +200,11 @@ def connect_reader(path: str) -> duckdb.DuckDBPyConnection:
         con.close()
         raise
     return con
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Where each of consecutive runs of ``counts`` items starts."""
+    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def _column_sums(rows: list[list[int]]) -> list[int]:
@@ -454,16 +460,13 @@ class CatalogWriter:
                     self._insert_plan_stats(r.dataset, r.global_index, r.plans)
                     continue
                 committed += 1
-                first_doc = first_token = 0
-                for group, (docs, tokens) in enumerate(zip(r.row_group_docs, r.row_group_tokens)):
-                    self._run("insert_row_group", {
-                        "dataset": r.dataset, "global_index": r.global_index, "row_group": group,
-                        "first_doc": first_doc, "num_docs": docs, "first_token": first_token,
-                        "num_tokens": tokens, "num_parts": r.row_group_parts[group],
-                        "part_tokens": r.row_group_part_tokens[group],
+                if r.row_group_docs:
+                    self._run("insert_row_groups", {
+                        "dataset": r.dataset, "global_index": r.global_index,
+                        "first_docs": _starts(r.row_group_docs), "num_docs": r.row_group_docs,
+                        "first_tokens": _starts(r.row_group_tokens), "num_tokens": r.row_group_tokens,
+                        "num_parts": r.row_group_parts, "part_tokens": r.row_group_part_tokens,
                     })
-                    first_doc += docs
-                    first_token += tokens
                 self._insert_plan_stats(r.dataset, r.global_index, r.plans)
                 for group, (first, docs) in enumerate(r.selection or ()):
                     self._run("insert_selection", {

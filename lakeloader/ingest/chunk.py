@@ -59,9 +59,10 @@ def _encoder(tokenizer_url: str, options: str, encoder: str) -> DocumentEncoder:
     """The encoder the dataset was planned with (``encoder``), loaded once per worker process;
     EncoderMismatchError when this worker's differs (another version installed, say)."""
     fs, path = url_to_fs(tokenizer_url, **json.loads(options))
-    tokenizer = Tokenizer.from_str(fs.cat_file(path).decode())
+    text = fs.cat_file(path).decode()
+    tokenizer = Tokenizer.from_str(text)
     try:
-        loaded = DocumentEncoder(tokenizer, backend=backend_of(encoder))
+        loaded = DocumentEncoder(tokenizer, backend=backend_of(encoder), text=text)
     except (ImportError, ValueError) as exc:
         raise EncoderMismatchError(
             f"worker {os.uname().nodename}:{os.getpid()} cannot load the encoder {encoder!r} the dataset "

@@ -196,6 +196,25 @@ class _Collected:
                 for (name, kind), values in zip(record_format.metadata, columns)}
 
 
+_REJECTED = object()
+
+
+def _json_record(policy: _Policy, index: int, line: bytes) -> Any:
+    """The value of a JSON line that orjson did not parse from its bytes, or ``_REJECTED`` after
+    rejecting it for the first of: invalid UTF-8, an empty line, malformed JSON."""
+    text = _decode(policy, index, line)
+    if text is None:
+        return _REJECTED
+    if not text.strip():
+        policy.reject(index, "empty line (JSON Lines needs one JSON object per line)")
+        return _REJECTED
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        policy.reject(index, f"malformed JSON: {exc}")
+        return _REJECTED
+
+
 def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, out: _Collected) -> None:
     record_format = source.record_format
     plain = source.layout == "text"
@@ -207,10 +226,10 @@ def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, ou
     values_of = record_format.metadata_values if record_format.metadata else None
     add_values = out.metadata_rows.append
     for index, line in enumerate(lines):
-        text = _decode(policy, index, line)
-        if text is None:
-            continue
         if plain:
+            text = _decode(policy, index, line)
+            if text is None:
+                continue
             text = text.removesuffix("\r")
             if not text:
                 policy.reject(index, "empty document (blank line)")
@@ -218,14 +237,12 @@ def _line_documents(lines: list[bytes], source: SplitSource, policy: _Policy, ou
             add_document(text_parts(text))
             add_record(index)
             continue
-        if not text.strip():
-            policy.reject(index, "empty line (JSON Lines needs one JSON object per line)")
-            continue
         try:
-            record = orjson.loads(text)
-        except orjson.JSONDecodeError as exc:
-            policy.reject(index, f"malformed JSON: {exc}")
-            continue
+            record = orjson.loads(line)   # from the bytes (orjson checks the UTF-8): no str of the line
+        except orjson.JSONDecodeError:
+            record = _json_record(policy, index, line)
+            if record is _REJECTED:
+                continue
         if not isinstance(record, dict):
             policy.reject(index, f"expected a JSON object, got {type(record).__name__}")
             continue

@@ -126,8 +126,9 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     and the packing; choose the tasks; run them as one recorded build run; then register a mixture
     weighted in tokens, which needs the complete lake."""
     tokenizer = load_tokenizer(config.tokenizer)
-    encoder = encoder_name(resolve_backend(tokenizer, config.tokenizer_backend, config.tokenizer))
-    tokenizer_path, config = _register_plans(config, lake, writer, tokenizer, encoder)
+    text = tokenizer.to_str()   # once: the fingerprint, the self-check and the lake's copy use it
+    encoder = encoder_name(resolve_backend(tokenizer, config.tokenizer_backend, config.tokenizer, text))
+    tokenizer_path, config = _register_plans(config, lake, writer, tokenizer, encoder, text)
     names = list(config.datasets)
     weighs_tokens = token_weights(config)
     if not weighs_tokens and (config.mixture is not None or len(names) == 1):
@@ -154,12 +155,13 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
 
 
 def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer: Tokenizer,
-                    encoder: str) -> tuple[str, Config]:
+                    encoder: str, text: str) -> tuple[str, Config]:
     """Publish the tokenizer into the lake and register each dataset's plan (its chunks of the
     global order, stored before anything is tokenized; ``encoder``: the resolved encoder's name and
-    version); returns the tokenizer's lake-relative path and the config with the metadata field types the plans fixed."""
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    tokenizer_path = _publish_tokenizer(lake, tokenizer.to_str(), fingerprint)
+    version; ``text``: the tokenizer's JSON); returns the tokenizer's lake-relative path and the config with the
+    metadata field types the plans fixed."""
+    fingerprint = tokenizer_fingerprint(tokenizer, text)
+    tokenizer_path = _publish_tokenizer(lake, text, fingerprint)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     plans: dict[str, DatasetPlan] = {}
     # Every plan before any is registered (a filter's predicate is checked against the metadata
