@@ -123,14 +123,8 @@ def part_lists(column: pa.ListArray | pa.ChunkedArray, kinds: int) -> np.ndarray
 
 
 def part_matrix(column: Any, kinds: int) -> np.ndarray:
-    """A LIST column of per-kind counts (the few row groups of a chunk) as an int64
-    ``[rows, kinds]`` matrix; missing or empty lists count zero."""
-    rows = list(column)
-    out = np.zeros((len(rows), kinds), np.int64)
-    for i, row in enumerate(rows):
-        if row is not None and len(row):
-            out[i, : len(row)] = row
-    return out
+    """:func:`part_lists` of a column fetched as numpy (an object array of lists, or None)."""
+    return part_lists(pa.array(list(column), type=pa.list_(pa.int64())), kinds)
 
 
 class CatalogView:
