@@ -213,11 +213,13 @@ class CatalogView:
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
             prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
         table = self.named_table("reader_chunks", {"name": name, "prefix": prefix})
+        row = np.empty(prefix, np.int64)   # row of the result holding each chunk (global order)
+        row[table.column("global_index").to_numpy()] = np.arange(prefix)
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
-            num_docs=table.column("num_docs").to_numpy().astype(np.int64),
-            num_tokens=table.column("num_tokens").to_numpy().astype(np.int64),
-            token_type=token_type, num_parts=part_lists(table.column("num_parts"), len(kinds)),
+            num_docs=table.column("num_docs").to_numpy().astype(np.int64)[row],
+            num_tokens=table.column("num_tokens").to_numpy().astype(np.int64)[row],
+            token_type=token_type, num_parts=part_lists(table.column("num_parts"), len(kinds))[row],
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
             records=functools.partial(self.chunk_record, name),
         )
