@@ -213,6 +213,10 @@ class CatalogView:
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
             prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
         table = self.named_table("reader_chunks", {"name": name, "prefix": prefix})
+        if table.num_rows != prefix:
+            raise CatalogError(f"the catalog of {self.lake.url} lists {table.num_rows} of the {prefix} chunks "
+                               f"of dataset {name!r}'s committed prefix: it is damaged; restore it with "
+                               "`lakeloader build CONFIG --recover-catalog`")
         row = np.empty(prefix, np.int64)   # row of the result holding each chunk (global order)
         row[table.column("global_index").to_numpy()] = np.arange(prefix)
         return DatasetChunks(
