@@ -1,18 +1,24 @@
 """Loader start-up: open + first batch at step 10 and at step 100,000, in a fresh process, for every
-shuffle kind (none, window, block, full), B=64, L=2048 (target: < 150 ms together).
+shuffle kind (none, window, block, full), B=64, L=2048 (target: < 150 ms together), and as the
+lake grows to many chunks (target: flat).
 
 Builds (once) a single-dataset lake of the benchmark corpus (``--size bench``: 120 MB of sources,
 about 35 M tokens; ``--size demo`` for a quick, smaller one), then for each case starts a new Python
 process that imports lakeloader (not timed), opens a ``Loader`` and reads one batch at the step
-(timed apart), three times; prints medians and the load average of the machine.
+(timed apart), three times; prints medians and the load average of the machine. With ``--chunks
+N ...`` it measures the same on copies of the lake's catalog grown to N chunks each (the built
+chunks repeated: :mod:`lakeloader.demo.many_chunks`; the chunk files are shared).
 
     .venv/bin/python benchmarks/loader_start.py [--size bench|demo] [--verify checksum|size]
+                                                [--chunks 2000 20000 200000]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +55,31 @@ def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 
     return path
 
 
+def grown_config(config: Path, kind: str, chunks: int) -> Path:
+    """``config`` (shuffle ``kind``) on a copy of its lake whose catalog holds ``chunks`` chunks
+    (made once per size; the copy links the lake's chunk folders instead of copying them)."""
+    from lakeloader.catalog.lake import Lake
+    from lakeloader.demo.many_chunks import grow
+
+    settings = yaml.safe_load(config.read_text())
+    source = Path(settings["lake"])
+    lake = source.with_name(f"{source.name}-{chunks}")
+    if kind == KINDS[0]:
+        shutil.rmtree(lake, ignore_errors=True)
+        lake.mkdir()
+        for item in source.iterdir():
+            if item.is_dir() and item.name not in ("_catalog", "_tokenizer"):
+                os.symlink(item, lake / item.name)
+            elif item.is_dir():
+                shutil.copytree(item, lake / item.name)
+            else:
+                shutil.copy(item, lake / item.name)
+        grow(Lake(str(lake)), "code", chunks)
+    path = config.with_name(f"{config.stem}-{chunks}.yaml")
+    path.write_text(yaml.safe_dump({**settings, "lake": str(lake)}))
+    return path
+
+
 def measure(config: str, step: int) -> None:
     """In a fresh process: seconds to open a Loader and to read its first batch at ``step``."""
     started = time.perf_counter()
@@ -69,6 +100,8 @@ def main() -> None:
     parser.add_argument("--verify", choices=("checksum", "size"), default="checksum")
     parser.add_argument("--row-group-tokens", type=int, default=1 << 20,
                         help="build.row_group_tokens of the lake (a first batch decodes whole row groups)")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[],
+                        help="also measure on copies of the lake's catalog grown to these numbers of chunks")
     parser.add_argument("--measure", nargs=2, metavar=("CONFIG", "STEP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -77,18 +110,22 @@ def main() -> None:
     configs = {kind: lake_config(args.size, args.verify, kind, args.row_group_tokens) for kind in KINDS}
     figures: dict[str, object] = {"size": args.size, "verify": args.verify, "row_group_tokens": args.row_group_tokens,
                                   "batch": BATCH, "seq_len": SEQ}
-    for kind in KINDS:
-        for step in STEPS:
-            runs = []
-            for _ in range(ROUNDS):
-                out = subprocess.run([sys.executable, __file__, "--measure", str(configs[kind]), str(step)],
-                                     check=True, capture_output=True, text=True).stdout
-                runs.append(json.loads(out.strip().splitlines()[-1]))
-            opened = statistics.median(r["open"] for r in runs)
-            first = statistics.median(r["first"] for r in runs)
-            total = statistics.median(r["open"] + r["first"] for r in runs)
-            figures[f"{kind} step {step:,}: open + first batch ms"] = round(total * 1000, 1)
-            figures[f"{kind} step {step:,}: open / first batch ms"] = f"{opened * 1000:.1f} / {first * 1000:.1f}"
+    lakes: dict[str, dict[str, Path]] = {"": configs}
+    for chunks in args.chunks:
+        lakes[f"{chunks:,} chunks, "] = {kind: grown_config(configs[kind], kind, chunks) for kind in KINDS}
+    for label, lake in lakes.items():
+        for kind in KINDS:
+            for step in STEPS:
+                runs = []
+                for _ in range(ROUNDS):
+                    out = subprocess.run([sys.executable, __file__, "--measure", str(lake[kind]), str(step)],
+                                         check=True, capture_output=True, text=True).stdout
+                    runs.append(json.loads(out.strip().splitlines()[-1]))
+                opened = statistics.median(r["open"] for r in runs)
+                first = statistics.median(r["first"] for r in runs)
+                total = statistics.median(r["open"] + r["first"] for r in runs)
+                figures[f"{label}{kind} step {step:,}: open + first batch ms"] = round(total * 1000, 1)
+                figures[f"{label}{kind} step {step:,}: open / first batch ms"] = f"{opened * 1000:.1f} / {first * 1000:.1f}"
     figures["loadavg"] = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "n/a"
     report("loader_start", figures)
 

@@ -199,21 +199,17 @@ SET enable_external_access = false;
 SET lock_configuration = true;
 
 -- name: reader_dataset
-SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks, d.source_dataset
+-- A dataset's plan, planned chunks, committed prefix, part kinds (dataset_plans.fields) and, for
+-- a dataset defined by a filter, its source dataset.
+SELECT d.fingerprint, d.token_type, p.planned_chunks, p.num_chunks, d.fields, d.source_dataset
 FROM dataset_plans d JOIN committed_prefix p ON p.dataset = d.name
 WHERE d.name = $name;
 
--- name: reader_dataset_fields
-SELECT fields FROM dataset_plans WHERE name = $name;
-
 -- name: reader_chunks
-SELECT global_index, path, num_docs, num_tokens, num_bytes, checksum, shard_index
-FROM chunks WHERE dataset = $name AND global_index < $prefix ORDER BY global_index;
-
--- name: reader_chunk_parts
--- Parts of each kind per chunk of the prefix, one row per (chunk, kind): unnested here so that
--- a reader builds its [chunks, kinds] matrix without a Python loop over chunks.
-SELECT global_index, generate_subscripts(num_parts, 1) - 1 AS kind, unnest(num_parts) AS count
+-- Per-chunk counts of the committed prefix: all a reader needs to seek (each chunk's path and
+-- checksum come with its row groups when it is read: reader_row_groups_of). Unsorted (a sort of
+-- every chunk costs more than the reader's scatter by global_index).
+SELECT global_index, num_docs, num_tokens, num_parts
 FROM chunks WHERE dataset = $name AND global_index < $prefix;
 
 -- name: packing_plan_registered
@@ -227,15 +223,18 @@ FROM chunk_examples e
 WHERE e.dataset = $name AND e.plan_key = $plan_key AND e.global_index < $prefix
 ORDER BY e.global_index;
 
--- name: reader_row_groups
-SELECT row_group, first_doc, num_docs, first_token, num_tokens, num_parts
-FROM row_groups WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
-
 -- name: reader_row_groups_of
--- reader_row_groups of several chunks at once (the chunks a batch's rows lie in).
-SELECT global_index, row_group, first_doc, num_docs, first_token, num_tokens, num_parts
-FROM row_groups WHERE dataset = $name AND list_contains($global_indexes, global_index)
-ORDER BY global_index, row_group;
+-- The row groups of the chunks a batch's rows lie in, with each chunk's file record.
+SELECT r.global_index, r.row_group, r.first_doc, r.num_docs, r.first_token, r.num_tokens, r.num_parts,
+       c.path, c.num_bytes, c.checksum, c.shard_index
+FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
+WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'
+ORDER BY r.global_index, r.row_group;
+
+-- name: reader_chunk_records
+-- The file records of committed chunks (those not learnt with their row groups).
+SELECT global_index, path, num_bytes, checksum, shard_index
+FROM chunks WHERE dataset = $name AND list_contains($global_indexes, global_index) AND status = 'committed';
 
 -- name: chunk_records
 -- First line (1-based, text/JSONL) or row (0-based, Parquet) of a chunk's split in its source file.
@@ -451,3 +450,19 @@ FROM documents GROUP BY {by} ORDER BY {by};
 SELECT dataset, {value} AS value,
        floor(log2(greatest(num_tokens, 1)) * {per_octave})::INTEGER AS bin, count(*)::BIGINT AS documents
 FROM documents GROUP BY ALL ORDER BY ALL;
+
+-- name: demo_committed_chunks
+-- lakeloader.demo.many_chunks: chunks of a dataset, and how many are committed.
+SELECT count(*), count(*) FILTER (WHERE status = 'committed') FROM chunks WHERE dataset = $name;
+
+-- name: demo_copy_rows
+-- The rows of one table (placeholder: chunks, row_groups or chunk_examples) of a dataset's chunks.
+CREATE OR REPLACE TEMP TABLE demo_rows AS FROM {table} WHERE dataset = $name;
+
+-- name: demo_delete_rows
+DELETE FROM {table} WHERE dataset = $name;
+
+-- name: demo_repeat_rows
+-- Chunk i of the grown dataset is a copy of chunk i % base (its rows; its file is shared).
+INSERT INTO {table} SELECT r.* REPLACE (g.i AS global_index)
+FROM range($chunks) g(i) JOIN demo_rows r ON r.global_index = g.i % $base;

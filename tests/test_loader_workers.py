@@ -96,11 +96,11 @@ def test_a_workers_error_is_raised_by_the_consumer(lake: Path, tmp_path: Path) -
     needed = {p.chunk for e in loader.examples(step).examples for p in e.pieces}
     early = {p.chunk for s0 in range(step) for e in loader.examples(s0).examples for p in e.pieces}
     victim = sorted(needed - early)[0]
-    path = lake / "lake" / chunks.paths[victim]
+    path = lake / "lake" / chunks.record(victim).path
     original = path.read_bytes()
     try:
         path.write_bytes(original[:-10])    # cut short: a ChunkIntegrityError naming the chunk
-        with pytest.raises(ChunkIntegrityError, match=chunks.paths[victim]):
+        with pytest.raises(ChunkIntegrityError, match=chunks.record(victim).path):
             batches = []
             for batch in loader.iter_from(0):
                 batches.append(batch)

@@ -51,7 +51,7 @@ def copy_lake(root: Path, out: Path, **loader: object) -> Path:
 
 def target_chunk(lake: Lake, chunks: DatasetChunks) -> int:
     """An early chunk (not the first) with at least two row groups."""
-    groups = [pq.ParquetFile(lake.path_of(p)).metadata.num_row_groups for p in chunks.paths]
+    groups = [pq.ParquetFile(lake.path_of(p)).metadata.num_row_groups for p in (chunks.record(i).path for i in range(chunks.committed))]
     candidates = [i for i, n in enumerate(groups) if n >= 2]
     assert candidates, groups
     return candidates[min(1, len(candidates) - 1)]
@@ -123,7 +123,7 @@ def test_every_bit_flip_in_token_pages_is_an_error_naming_the_chunk(lake_root: P
     view = CatalogView(lake)
     chunks = view.dataset("d")
     index = target_chunk(lake, chunks)
-    path = Path(lake.path_of(chunks.paths[index]))
+    path = Path(lake.path_of(chunks.record(index).path))
     pristine = path.read_bytes()
     groups = pq.ParquetFile(path).metadata.num_row_groups
     expected = list(read_all(ChunkFiles(lake, "checksum", 2**30, 0), chunks, index, groups))
@@ -160,9 +160,9 @@ def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) ->
     loader = Loader(config)
     chunks = loader.view.dataset("d")
     index = target_chunk(loader.lake, chunks)
-    path = Path(loader.lake.path_of(chunks.paths[index]))
+    path = Path(loader.lake.path_of(chunks.record(index).path))
     steps = steps_of(chunks, index)
-    assert all(str(chunks.paths[index]) in set(loader.explain(s).chunk_path) for s in (steps[0], steps[-1]))
+    assert all(str(chunks.record(index).path) in set(loader.explain(s).chunk_path) for s in (steps[0], steps[-1]))
     for s in steps:
         loader.batch(s)
     for s in range(steps[-1] + 1, steps[-1] + 4):   # evicts the chunk's row groups from the small cache
@@ -177,7 +177,7 @@ def test_loader_never_returns_altered_tokens(lake_root: Path, tmp_path: Path) ->
         assert "CRC" in str(error.value) and "lakeloader verify CONFIG --repair" in str(error.value)
     loader.close()
     fresh = copy_lake(lake_root, tmp_path / "size", verify="size")
-    shutil.copyfile(path, tmp_path / "size" / "lake" / chunks.paths[index])
+    shutil.copyfile(path, tmp_path / "size" / "lake" / chunks.record(index).path)
     sized = Loader(fresh)
     with pytest.raises(ChunkIntegrityError, match=f"chunk {index} of dataset 'd'"):
         for step in steps:
@@ -192,14 +192,14 @@ def test_chunks_written_without_page_checksums_still_read(lake_root: Path, tmp_p
     lake = open_lake(lake_root / "config.yaml")
     chunks = CatalogView(lake).dataset("d")
     index = target_chunk(lake, chunks)
-    current = pq.ParquetFile(lake.path_of(chunks.paths[index]))
+    current = pq.ParquetFile(lake.path_of(chunks.record(index).path))
     table = current.read()
     old = tmp_path / "old.parquet"
     with pq.ParquetWriter(old, table.schema, compression="zstd", compression_level=1, use_dictionary=False,
                           write_statistics=False, store_schema=True) as writer:
         for g in range(current.metadata.num_row_groups):
             writer.write_table(current.read_row_group(g))
-    assert old.stat().st_size < Path(lake.path_of(chunks.paths[index])).stat().st_size   # no CRCs
+    assert old.stat().st_size < Path(lake.path_of(chunks.record(index).path)).stat().st_size   # no CRCs
     reopened = open_chunk(str(old))
     assert reopened.metadata.num_row_groups == current.metadata.num_row_groups
     assert reopened.read().equals(table)
@@ -213,9 +213,9 @@ def test_every_reader_of_a_chunk_checks_its_pages(lake_root: Path, tmp_path: Pat
     loader = Loader(config)
     chunks = loader.view.dataset("d")
     index = target_chunk(loader.lake, chunks)
-    path = loader.lake.path_of(chunks.paths[index])
+    path = loader.lake.path_of(chunks.record(index).path)
     step = steps_of(chunks, index)[0]
-    assert str(chunks.paths[index]) in set(loader.explain(step).chunk_path)
+    assert str(chunks.record(index).path) in set(loader.explain(step).chunk_path)
     _, payload = token_page_ranges(path, column)
     [(offset, bit)] = random_positions(payload[:1], 1, seed=7)
     flip(Path(path), offset, bit)
@@ -226,8 +226,8 @@ def test_every_reader_of_a_chunk_checks_its_pages(lake_root: Path, tmp_path: Pat
     else:
         with pytest.raises(ChunkIntegrityError, match=f"{named}of dataset 'd'.*CRC"):
             ChunkFiles(loader.lake, "size", 2**30, 0).chunk_parts(chunks, index)
-        with pytest.raises(ChunkIntegrityError, match=f"{named}.*{chunks.paths[index]}.*CRC"):
-            plan_committed_chunk(loader.lake.url_of(chunks.paths[index]), {}, index, ())
+        with pytest.raises(ChunkIntegrityError, match=f"{named}.*{chunks.record(index).path}.*CRC"):
+            plan_committed_chunk(loader.lake.url_of(chunks.record(index).path), {}, index, ())
         fresh = Loader(config)   # ``loader`` holds the row group decoded by explain() above
         with pytest.raises(ChunkIntegrityError, match=f"{named}of dataset 'd'.*CRC"):
             fresh.batch(step)
@@ -261,7 +261,7 @@ def test_damaged_local_copy_of_a_remote_chunk_is_named(lake_root: Path, tmp_path
     files.disk = DiskCache(lake, 2**30)
     files.row_group(chunks, index, 0)
     files.cache = RowGroupCache(2**30)
-    copy = files.disk.local_path(chunks.paths[index])
+    copy = files.disk.local_path(chunks.record(index).path)
     _, payload = token_page_ranges(copy)
     [(offset, bit)] = random_positions(payload[:1], 1, seed=11)
     flip(Path(copy), offset, bit)

@@ -7,7 +7,7 @@ import abc
 import dataclasses
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,7 +90,7 @@ class StepExamples:
     step: int
     rows: np.ndarray                    # global row number (within the batch) of each local row
     examples: list[Example | None]      # each local row's example; None: past an evaluation pass
-    shards: dict[str, np.ndarray]       # per dataset: shard index of each committed chunk
+    shards: dict[str, Mapping[int, int]]  # per dataset: shard index of each committed chunk
     dataset_ids: np.ndarray             # each local row's dataset position (-1: padding), as in batches
 
 

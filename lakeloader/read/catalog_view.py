@@ -8,25 +8,29 @@ chunks they have not seen committed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.catalog.sql import query
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
+from lakeloader.read.lru import LRU
 from lakeloader.storage import with_retries
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
+RECORDS_KEPT = 1 << 16   # chunk records (path, size, checksum, shard) kept per view
 T = TypeVar("T")
 
 
@@ -35,28 +39,48 @@ class ChunkWaitTimeout(LakeloaderError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkRecord:
+    """Where one committed chunk's file is and what it must be (fetched only for chunks read)."""
+
+    path: str               # lake-relative path of the chunk file
+    num_bytes: int
+    checksum: str           # sha256 of the file
+    shard_index: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DatasetChunks:
-    """The committed prefix of one dataset's chunks, in global order."""
+    """The committed prefix of one dataset's chunks, in global order: per-chunk counts as int64
+    arrays (what seeking needs); each chunk's file record is looked up only when it is read."""
 
     name: str
     fingerprint: str
     complete: bool                 # every planned chunk is committed
     planned: int                   # chunks in the plan
-    paths: np.ndarray              # object array of lake-relative paths
     num_docs: np.ndarray           # int64 per chunk
     num_tokens: np.ndarray         # int64 per chunk
-    num_bytes: np.ndarray          # int64 per chunk
-    checksums: np.ndarray          # object array
-    shard_index: np.ndarray        # int64 per chunk
     token_type: str
     num_parts: np.ndarray          # int64 [chunks, kinds]: parts of each kind
     num_examples: np.ndarray | None = None   # int64 per chunk under a packing plan (pack | pad)
     filtered: bool = False         # defined by a filter: chunk files hold more than its documents
+    records: Callable[[int], ChunkRecord] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def committed(self) -> int:
         """Number of chunks in the committed prefix."""
-        return len(self.paths)
+        return len(self.num_docs)
+
+    def record(self, index: int) -> ChunkRecord:
+        """Path, size, checksum and shard of committed chunk ``index`` (from the catalog, kept)."""
+        if self.records is None or not 0 <= index < self.committed:
+            raise IndexError(f"chunk {index} of dataset {self.name!r} is not in its committed prefix "
+                             f"({self.committed} chunks)")
+        return self.records(index)
+
+    @property
+    def shard_index(self) -> ChunkShards:
+        """Shard of each committed chunk, by global index (looked up per chunk)."""
+        return ChunkShards(self)
 
     def describe_prefix(self) -> str:
         """The committed prefix in words, for wait messages (a dataset may have none yet)."""
@@ -65,15 +89,43 @@ class DatasetChunks:
         return f"only chunks 0..{self.committed - 1} of {self.planned} are committed"
 
 
-def part_matrix(column: Any, kinds: int) -> np.ndarray:
-    """A LIST column of per-kind counts (the few row groups of a chunk) as an int64
-    ``[rows, kinds]`` matrix; missing or empty lists count zero."""
-    rows = list(column)
-    out = np.zeros((len(rows), kinds), np.int64)
-    for i, row in enumerate(rows):
-        if row is not None and len(row):
-            out[i, : len(row)] = row
+class ChunkShards(Mapping[int, int]):
+    """Shard index of each committed chunk of a dataset, by global index, looked up per chunk."""
+
+    def __init__(self, chunks: DatasetChunks) -> None:
+        self.chunks = chunks
+
+    def __getitem__(self, index: int) -> int:
+        return self.chunks.record(int(index)).shard_index
+
+    def __len__(self) -> int:
+        return self.chunks.committed
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.chunks.committed))
+
+
+def part_lists(column: pa.ListArray | pa.ChunkedArray, kinds: int) -> np.ndarray:
+    """A LIST column of per-kind counts as an int64 ``[rows, kinds]`` matrix without a Python
+    loop over rows; missing or empty lists count zero."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], pa.list_(pa.int64()))
+    out = np.zeros((len(column), kinds), np.int64)
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    lengths = np.diff(offsets)
+    values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]] if len(column) else np.zeros(0)
+    if column.null_count == 0 and (lengths == kinds).all():   # the usual case: every list whole
+        out[:] = values.reshape(len(column), kinds)
+        return out
+    rows = np.repeat(np.arange(len(column)), lengths)
+    position = np.arange(len(rows)) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    out[rows, position] = values
     return out
+
+
+def part_matrix(column: Any, kinds: int) -> np.ndarray:
+    """:func:`part_lists` of a column fetched as numpy (an object array of lists, or None)."""
+    return part_lists(pa.array(list(column), type=pa.list_(pa.int64())), kinds)
 
 
 class CatalogView:
@@ -86,6 +138,7 @@ class CatalogView:
         self.io_retry_deadline = io_retry_deadline
         self._lock = threading.Lock()
         self._version: int | None = None
+        self._records: LRU[tuple[str, int], ChunkRecord] = LRU(RECORDS_KEPT)
         self._con = self._connect()
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
@@ -121,13 +174,20 @@ class CatalogView:
             old.close()
         return True
 
-    def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
-        """Run SQL on the current view (thread-safe)."""
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
         if self._live and not self._build_running():
             self.refresh()
         with self._lock:
-            cursor = self._con.cursor()
+            return self._con.cursor()
+
+    def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
+        """Run SQL on the current view (thread-safe)."""
+        cursor = self._cursor()
         return cursor.execute(sql, params) if params is not None else cursor.execute(sql)
+
+    def named_table(self, name: str, params: dict[str, Any]) -> pa.Table:
+        """The result of a named query of catalog/queries.sql as an Arrow table (thread-safe)."""
+        return self._cursor().sql(query(name), params=params).to_arrow_table()
 
     def named(self, name: str, params: Any = None) -> duckdb.DuckDBPyConnection:
         """Run a named query of catalog/queries.sql."""
@@ -135,15 +195,16 @@ class CatalogView:
 
     def dataset(self, name: str, plan_key: str | None = None) -> DatasetChunks:
         """The committed prefix of dataset ``name``; with a packing ``plan_key``, the prefix of
-        chunks whose example counts under that plan are kept, with those counts."""
+        chunks whose example counts under that plan are kept, with those counts. Per-chunk counts
+        only (int64 arrays, a few queries whatever the number of chunks); the paths and checksums
+        of chunks come with the row groups of the chunks a batch reads (:meth:`row_groups_of`)."""
         plan = self.named("reader_dataset", {"name": name}).fetchone()
         if plan is None:
             raise CatalogError(
                 f"dataset {name!r} is not in the lake {self.lake.url}: build it first "
                 "(lakeloader build CONFIG)"
             )
-        fingerprint, token_type, planned, prefix, source = plan
-        kinds = self.named("reader_dataset_fields", {"name": name}).fetchone()[0]
+        fingerprint, token_type, planned, prefix, kinds, source = plan
         examples = None
         if plan_key is not None:
             examples = self.named("reader_chunk_examples", {"name": name, "plan_key": plan_key,
@@ -152,23 +213,21 @@ class CatalogView:
             # The prefix ends at the first chunk without counts.
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
             prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
-        column = self.named("reader_chunks", {"name": name, "prefix": prefix}).fetchnumpy()
+        table = self.named_table("reader_chunks", {"name": name, "prefix": prefix})
+        if table.num_rows != prefix:
+            raise CatalogError(f"the catalog of {self.lake.url} lists {table.num_rows} of the {prefix} chunks "
+                               f"of dataset {name!r}'s committed prefix: it is damaged; restore it with "
+                               "`lakeloader build CONFIG --recover-catalog`")
+        row = np.empty(prefix, np.int64)   # row of the result holding each chunk (global order)
+        row[table.column("global_index").to_numpy()] = np.arange(prefix)
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
-            paths=column["path"].astype(object), num_docs=column["num_docs"].astype(np.int64),
-            num_tokens=column["num_tokens"].astype(np.int64), num_bytes=column["num_bytes"].astype(np.int64),
-            checksums=column["checksum"].astype(object), shard_index=column["shard_index"].astype(np.int64),
-            token_type=token_type, num_parts=self._chunk_parts(name, prefix, len(kinds)),
+            num_docs=table.column("num_docs").to_numpy().astype(np.int64)[row],
+            num_tokens=table.column("num_tokens").to_numpy().astype(np.int64)[row],
+            token_type=token_type, num_parts=part_lists(table.column("num_parts"), len(kinds))[row],
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
-            filtered=source is not None,
+            filtered=source is not None, records=functools.partial(self.chunk_record, name),
         )
-
-    def _chunk_parts(self, name: str, prefix: int, kinds: int) -> np.ndarray:
-        """Parts of each kind of the prefix's chunks, ``[prefix, kinds]`` (empty chunks: zeros)."""
-        rows = self.named("reader_chunk_parts", {"name": name, "prefix": prefix}).fetchnumpy()
-        out = np.zeros((prefix, kinds), np.int64)
-        out[rows["global_index"].astype(np.int64), rows["kind"].astype(np.int64)] = rows["count"]
-        return out
 
     def selection(self, name: str, global_index: int, row_group: int) -> np.ndarray:
         """The documents (int64 indices within the row group, ascending) that chunk
@@ -192,17 +251,36 @@ class CatalogView:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
         return bool(self.named("packing_plan_registered", {"name": name, "plan_key": plan_key}).fetchone()[0])
 
-    def row_groups(self, name: str, global_index: int) -> dict[str, np.ndarray]:
-        """First doc/token and counts of each row group of one committed chunk."""
-        return self.named("reader_row_groups", {"name": name, "global_index": global_index}).fetchnumpy()
+    def chunk_record(self, name: str, global_index: int) -> ChunkRecord:
+        """Path, size, checksum and shard of one committed chunk of ``name`` (kept: a committed
+        chunk never changes; usually already learnt from :meth:`row_groups_of`)."""
+        return self._records.get((name, global_index), lambda: self._fetch_records(name, [global_index])[0])
+
+    def _fetch_records(self, name: str, global_indexes: list[int]) -> list[ChunkRecord]:
+        rows = self.named("reader_chunk_records", {"name": name, "global_indexes": global_indexes}).fetchall()
+        found = {int(index): ChunkRecord(path, int(size), checksum, int(shard))
+                 for index, path, size, checksum, shard in rows}
+        missing = [i for i in global_indexes if i not in found]
+        if missing:
+            raise CatalogError(f"chunk {missing[0]} of dataset {name!r} is not committed in the catalog of "
+                               f"{self.lake.url}: was the lake re-planned while this reader ran? Open a new loader")
+        return [found[i] for i in global_indexes]
 
     def row_groups_of(self, name: str, global_indexes: list[int]) -> dict[int, dict[str, np.ndarray]]:
-        """:meth:`row_groups` of several committed chunks, from one query."""
+        """First doc/token and counts of each row group of committed chunks ``global_indexes``,
+        from one query that also brings (and keeps) those chunks' records (:meth:`chunk_record`)."""
         rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}).fetchnumpy()
-        index = np.asarray(rows["global_index"], np.int64)
-        bounds = np.searchsorted(index, np.asarray(global_indexes, np.int64), side="left").tolist()
-        ends = np.searchsorted(index, np.asarray(global_indexes, np.int64), side="right").tolist()
-        return {chunk: {k: np.asarray(v)[a:b] for k, v in rows.items() if k != "global_index"}
+        index = np.asarray(rows.pop("global_index"), np.int64)
+        record = {k: rows.pop(k) for k in ("path", "num_bytes", "checksum", "shard_index")}
+        wanted = np.asarray(global_indexes, np.int64)
+        bounds = np.searchsorted(index, wanted, side="left").tolist()
+        ends = np.searchsorted(index, wanted, side="right").tolist()
+        for chunk, a, b in zip(global_indexes, bounds, ends):
+            if b > a:
+                self._records.get((name, chunk), lambda a=a: ChunkRecord(
+                    str(record["path"][a]), int(record["num_bytes"][a]), str(record["checksum"][a]),
+                    int(record["shard_index"][a])))
+        return {chunk: {k: np.asarray(v)[a:b] for k, v in rows.items()}
                 for chunk, a, b in zip(global_indexes, bounds, ends)}
 
     def wait_for(self, name: str, chunk: int, timeout: float, plan_key: str | None = None) -> DatasetChunks:

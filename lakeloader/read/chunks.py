@@ -87,12 +87,12 @@ class ChunkFiles:
 
     def _open(self, chunks: DatasetChunks, index: int) -> pa.NativeFile:
         """An open handle of chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
-        path = chunks.paths[index]
+        path = chunks.record(index).path
         try:
             if self.disk is None:
                 return pa.OSFile(self.lake.path_of(path))
             disk = self.disk
-            return with_retries(lambda: disk.open(path, int(chunks.num_bytes[index])),
+            return with_retries(lambda: disk.open(path, chunks.record(index).num_bytes),
                                 what=f"reading chunk {index} of dataset {chunks.name!r}",
                                 deadline=self.io_retry_deadline)
         except FileNotFoundError:
@@ -104,19 +104,20 @@ class ChunkFiles:
             ) from None
 
     def _check(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
-        path = chunks.paths[index]
+        record = chunks.record(index)
+        path = record.path
         if path in self._verified:
             return
         size = handle.size()
         problem = None
-        if size != chunks.num_bytes[index]:
-            problem = f"has {size} bytes, the catalog says {chunks.num_bytes[index]}"
+        if size != record.num_bytes:
+            problem = f"has {size} bytes, the catalog says {record.num_bytes}"
         elif self.verify == "checksum":
             handle.seek(0)
             digest = sha256_of(handle)
             handle.seek(0)
-            if digest != chunks.checksums[index]:
-                problem = f"has sha256 {digest[:16]}…, the catalog says {chunks.checksums[index][:16]}…"
+            if digest != record.checksum:
+                problem = f"has sha256 {digest[:16]}…, the catalog says {record.checksum[:16]}…"
         if problem:
             raise ChunkIntegrityError(
                 f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) is corrupt: it "
@@ -127,7 +128,7 @@ class ChunkFiles:
             self._verified.add(path)
 
     def _read(self, chunks: DatasetChunks, index: int, groups: list[int] | None, columns: list[str]) -> pa.Table:
-        path = chunks.paths[index]
+        path = chunks.record(index).path
         with self._open(chunks, index) as handle:
             self._check(chunks, index, handle)
             with self._lock:

@@ -171,7 +171,7 @@ class StreamReader:
         """:meth:`groups` of the chunks ``wanted`` that are not cached yet, from one catalog
         query (a shuffled batch's rows can lie in as many chunks as it has rows)."""
         missing = sorted(c for c in {int(c) for c in wanted} if (chunks.fingerprint, c) not in self._row_groups)
-        if len(missing) < 2:
+        if not missing:
             return
         found = self.view.row_groups_of(chunks.name, missing)
         for chunk in missing:
@@ -180,7 +180,7 @@ class StreamReader:
     def _groups(self, chunks: DatasetChunks, chunk: int,
                 groups: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         if groups is None:
-            groups = self.view.row_groups(chunks.name, chunk)
+            groups = self.view.row_groups_of(chunks.name, [chunk])[chunk]
         first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
         num_docs = groups["num_docs"].astype(np.int64)
         fim_docs = np.zeros(len(first_doc), np.int64)

@@ -1,0 +1,152 @@
+"""Instant start as the lake grows: opening a loader fetches per-chunk counts only, and a batch
+fetches the paths and checksums of the chunks it reads only (with their row groups, in one
+query), whatever the number of chunks; batches are bitwise those the loader gave when it fetched
+every chunk's row on open (digests recorded from that code)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.snapshot import publish_snapshot
+from lakeloader.catalog.sql import query
+from lakeloader.catalog.store import CatalogWriter
+from lakeloader.demo.many_chunks import grow
+from lakeloader.feed.loader import Loader
+from lakeloader.read.catalog_view import CatalogView
+
+from conftest import Lakes
+
+KINDS = ("none", "window", "block", "full")
+STEPS = (0, 7, 1234, 100_000)
+GROWN = 3000
+WORDS = ("lake loader chunk token window shuffle block seed step batch catalog row group epoch "
+         "permutation offset stream document parquet duckdb resume process worker build").split()
+
+
+def texts(count: int = 120, seed: int = 5) -> list[str]:
+    """Documents of seeded pseudo-random words (the same on every platform)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(WORDS[i] for i in rng.integers(0, len(WORDS), int(n))) + "."
+            for n in rng.integers(20, 400, count)]
+
+
+def shuffle(kind: str) -> dict[str, Any]:
+    return {"kind": kind, "window_chunks": 3, "block_size": 8, "window_blocks": 3}
+
+
+@pytest.fixture(scope="module")
+def configs(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """Per lake (``small``: as built; ``grown``: its catalog grown to GROWN chunks) the config of
+    each shuffle kind."""
+    corpus, datasets = {"d.jsonl": texts()}, {"d": {"sources": ["d.jsonl"]}}
+    sections = {"build": {"split_size": "8KB", "row_group_tokens": 512},
+                "loader": {"seq_len": 32, "batch_size": 16, "seed": 3}}
+    small = lakes.shared(corpus, datasets, **sections)
+    grown = lakes.copy(tmp_path_factory.mktemp("grown"), corpus, datasets, **sections)
+    grow(Lake(yaml.safe_load(grown.read_text())["lake"]), "d", GROWN)
+    # The same grown lake with its chunk rows stored in reverse global order (a reader must not
+    # rely on the order rows are stored in).
+    reversed_ = lakes.copy(tmp_path_factory.mktemp("reversed"), corpus, datasets, **sections)
+    lake = Lake(yaml.safe_load(reversed_.read_text())["lake"])
+    grow(lake, "d", GROWN)
+    with CatalogWriter(lake.writer_catalog_path) as writer:
+        with writer.transaction():
+            writer.con.execute("CREATE TEMP TABLE backwards AS FROM chunks ORDER BY global_index DESC")
+            writer.con.execute("DELETE FROM chunks")
+            writer.con.execute("INSERT INTO chunks FROM backwards")
+        publish_snapshot(writer.con, lake, None)
+    found: dict[str, dict[str, Path]] = {}
+    for name, config in (("small", small), ("grown", grown), ("reversed", reversed_)):
+        settings = yaml.safe_load(config.read_text())
+        found[name] = {}
+        for kind in KINDS:
+            settings["loader"]["shuffle"] = shuffle(kind)
+            path = config.parent / f"{name}-{kind}.yaml"
+            path.write_text(yaml.safe_dump(settings))
+            found[name][kind] = path
+    return found
+
+
+class Recorder:
+    """Every named catalog query a CatalogView runs (name and parameters)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        for method in ("named", "named_table"):
+            original = getattr(CatalogView, method, None)
+            if original is not None:
+                monkeypatch.setattr(CatalogView, method, self._wrap(original))
+
+    def _wrap(self, original: Any) -> Any:
+        def run(view: CatalogView, name: str, params: Any = None) -> Any:
+            self.calls.append((name, dict(params or {})))
+            return original(view, name, params)
+        return run
+
+    def take(self) -> list[tuple[str, dict[str, Any]]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def record_rows(view: CatalogView, calls: list[tuple[str, dict[str, Any]]]) -> Iterator[tuple[str, set[int] | None]]:
+    """For each query whose result names chunk files (a ``path`` or ``checksum`` column): its name
+    and the chunks (global indexes) of its rows, None when it does not say which."""
+    for name, params in calls:
+        cursor = view.execute(query(name), params)
+        columns = [c[0] for c in cursor.description]
+        rows = cursor.fetchall()
+        if {"path", "checksum"} & set(columns):
+            at = columns.index("global_index") if "global_index" in columns else None
+            yield name, None if at is None else {int(row[at]) for row in rows}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunk_records_are_fetched_only_for_the_chunks_a_batch_reads(
+        configs: dict[str, dict[str, Path]], monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    recorder = Recorder(monkeypatch)
+    with Loader(configs["grown"][kind]) as loader:
+        assert loader.datasets[0].chunks.committed == GROWN
+        opened = recorder.take()
+        assert opened and not list(record_rows(loader.view, opened)), "opening fetched chunk files' records"
+        for step in STEPS:
+            loader.batch(step)
+            calls = recorder.take()
+            read = {p.chunk for e in loader.examples(step).examples for p in e.pieces}
+            fetched = list(record_rows(loader.view, calls))
+            assert fetched or step != STEPS[0], calls   # the first batch learns its chunks' records
+            for name, chunks in fetched:
+                assert chunks is not None and chunks <= read, (step, name, sorted(chunks or [])[:10], sorted(read))
+            recorder.take()
+
+
+def digest(batches: list[dict[str, np.ndarray]]) -> str:
+    h = hashlib.sha256()
+    for batch in batches:
+        for name in sorted(batch):
+            h.update(name.encode() + np.ascontiguousarray(batch[name]).tobytes())
+    return h.hexdigest()[:16]
+
+
+# Recorded from the loader before this change (every chunk's row fetched on open).
+EXPECTED = {
+    ("small", "none"): "c5cb27c015af6912", ("grown", "none"): "ee40949dc24db7be",
+    ("small", "window"): "7fcd6d5a28349681", ("grown", "window"): "e1634f069385cfab",
+    ("small", "block"): "395d032b5d8047bc", ("grown", "block"): "f8681cb2bba14953",
+    ("small", "full"): "c9c32bc82799a7f4", ("grown", "full"): "d428f7f7d3fa6b16",
+}
+
+
+@pytest.mark.parametrize("lake", ["small", "grown", "reversed"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_batches_are_those_of_the_loader_before(configs: dict[str, dict[str, Path]], lake: str, kind: str) -> None:
+    with Loader(configs[lake][kind]) as loader:
+        found = digest([loader.batch(step) for step in STEPS])
+    assert found == EXPECTED["small" if lake == "small" else "grown", kind]
