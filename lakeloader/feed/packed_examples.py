@@ -5,6 +5,8 @@ seq2seq ones."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -12,10 +14,10 @@ import numpy as np
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.feed.concat_examples import DatasetExamples
-from lakeloader.feed.rows import Example, Row, Segment
+from lakeloader.feed.rows import Batch, Example, Row, Segment
 from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
-from lakeloader.index.ranges import cumulative, locate
+from lakeloader.index.ranges import _iota, cumulative, locate
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
@@ -41,6 +43,7 @@ class PackedExample(Example):
     """An example of whole documents (``packing: pack | pad``) with provenance."""
 
     items: list[Item]
+    pad_id: int = 0             # the loader's padding token (written by :func:`fill_packed`)
 
     def fill(self, row: Row) -> None:
         """Write the example into a batch row: items back to back, each its own segment with
@@ -63,6 +66,13 @@ class PackedExample(Example):
                     row.extra["image_refs"][filled] = ref
                     filled += 1
             at += n
+
+    @classmethod
+    def fill_rows(cls, batch: Batch, rows: list[int], examples: Sequence[Example]) -> None:
+        """All packed examples' rows at once (:func:`fill_packed`); seq2seq rows one by one."""
+        if "inputs" in batch:
+            return super().fill_rows(batch, rows, examples)
+        fill_packed(batch, rows, examples)  # type: ignore[arg-type]
 
     def segments(self) -> list[Segment]:
         """A segment per item, in row order."""
@@ -91,17 +101,95 @@ class PackedExample(Example):
             at_in, at_out = at_in + len(prompt), at_out + len(response)
 
 
+def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]) -> None:
+    """Write packed examples into rows ``rows`` of ``batch`` at once, padding included, as each
+    one's :meth:`PackedExample.fill` into a padded row: every field of the rows is written once,
+    by one concatenation of views (the items' tokens where they lie in their rendered row groups,
+    constant runs for padding and positions); segment ids come from where the items start."""
+    if not examples:
+        return
+    length = batch["input_ids"].shape[1]
+    items = [item for example in examples for item in example.items]
+    counts = np.array([len(example.items) for example in examples], np.int64)
+    sizes = [item.stop - item.start for item in items]                 # tokens written per item
+    short = [item.stop - item.start + 1 - len(item.tokens) for item in items]   # 1: no last target
+    used = np.add.reduceat(np.asarray(sizes, np.int64), cumulative(counts)[:-1]) if items else counts
+    pads = (length - used).tolist()
+    ends = cumulative(counts)[1:].tolist()             # one past the last item of each row
+    pad, zeros = _run(examples[0].pad_id, length, np.int32), _run(0, length, np.int32)
+
+    def pieces(item_piece: Any, gap: Any, tail: np.ndarray) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        k = 0
+        for end, rest in zip(ends, pads):
+            while k < end:
+                out.append(item_piece(k))
+                if gap is not None and short[k]:
+                    out.append(gap[:1])
+                k += 1
+            out.append(tail[:rest])
+        return out
+
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))
+    n = len(examples)
+
+    def write(name: str, parts: list[np.ndarray]) -> None:
+        target = batch[name]
+        if isinstance(index, slice):
+            np.concatenate(parts, out=target[index].reshape(-1), casting="unsafe")
+        else:
+            target[index] = np.concatenate(parts).reshape(n, length)
+
+    write("input_ids", pieces(lambda k: items[k].tokens[: sizes[k]], None, pad))
+    write("targets", pieces(lambda k: items[k].tokens[1 : sizes[k] + 1], pad, pad))
+    ones, off = _run(1, length, np.float32), _run(0, length, np.float32)
+    write("loss_mask", pieces(lambda k: ones[: sizes[k] - short[k]] if items[k].trainable is None
+                              else items[k].trainable[1 : sizes[k] + 1], off, off))
+    iota = _iota(length, np.int32)
+    write("positions", pieces(lambda k: iota[: sizes[k]], None, zeros))
+    number = np.arange(len(items), dtype=np.int64) - np.repeat(cumulative(counts)[:-1], counts) + 1
+    runs = np.zeros(len(items) + n, np.int64)
+    values = np.zeros(len(items) + n, np.int32)
+    slots = np.arange(len(items), dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
+    runs[slots], values[slots] = sizes, number
+    runs[cumulative(counts)[1:] + np.arange(n)] = pads
+    write("segment_ids", [np.repeat(values, runs)])
+    if "image_refs" in batch:   # few: only the items of interleaved documents carry images
+        item_row = np.repeat(np.asarray(rows, np.int64), counts)
+        item_at = cumulative(np.asarray(sizes, np.int64))[:-1]
+        in_row = item_at - np.repeat(item_at[cumulative(counts)[:-1]], counts)
+        for k in [k for k, item in enumerate(items) if item.images]:
+            row = int(item_row[k])
+            filled = int((batch["image_positions"][row] >= 0).sum())
+            for offset, ref in items[k].images:
+                batch["image_positions"][row, filled] = int(in_row[k]) + offset
+                batch["image_refs"][row, filled] = ref
+                filled += 1
+
+
+@functools.lru_cache(maxsize=16)
+def _run(value: int, length: int, dtype: type) -> np.ndarray:
+    """``length`` copies of ``value``, made once and read-only (runs of padding and masks)."""
+    found = np.full(length, value, dtype)
+    found.flags.writeable = False
+    return found
+
+
 class PackedExamples(DatasetExamples):
     """Example ``j`` of a dataset under ``packing: pack | pad``: whole documents per the packing
     plan of the chunk holding it. Per-chunk example counts come from the catalog, so a seek is a
     binary search over chunks; the chunk's plan is recomputed from its part layout when read."""
 
-    fills_whole_rows = False   # packed examples leave padding at the end of their rows
 
     def __init__(self, name: str, view: CatalogView, reader: StreamReader, spec: PackingSpec, *,
-                 seq2seq: bool = False, **kwargs: Any) -> None:
+                 seq2seq: bool = False, pad_id: int = 0, **kwargs: Any) -> None:
         self.spec = spec
         self.seq2seq = seq2seq
+        self.pad_id = pad_id
+        # Training rows of plain packed examples are written whole, padding included (fill_packed).
+        self.fills_whole_rows = not seq2seq
         self.plan_key = spec.plan_key
         if not view.plan_registered(name, spec.plan_key):
             raise LakeloaderError(
@@ -157,7 +245,7 @@ class PackedExamples(DatasetExamples):
         return PackedExample(self.name, epoch, k, [
             self._item(chunk, group, doc - int(first_docs[group]), doc, start, stop)
             for group, doc, start, stop in zip(groups.tolist(), docs.tolist(), plan.item_start[items].tolist(),
-                                               plan.item_stop[items].tolist())])
+                                               plan.item_stop[items].tolist())], self.pad_id)
 
     def _item(self, chunk: int, group: int, local: int, doc: int, start: int, stop: int) -> Item:
         """Item of document ``doc`` of the chunk (``local`` within its row group ``group``)."""
