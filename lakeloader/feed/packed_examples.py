@@ -230,9 +230,45 @@ class PackedExamples(DatasetExamples):
             self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
-        chunks = locate(self.example_offsets, examples).tolist()
+        chunks = locate(self.example_offsets, examples)
         self.reader.prefetch_groups(self.chunks, chunks)
-        return [self._example(e, k, c) for e, k, c in zip(epochs.tolist(), examples.tolist(), chunks)]
+        found: list[PackedExample] = [None] * len(examples)  # type: ignore[list-item]
+        for chunk in np.unique(chunks).tolist():
+            which = np.flatnonzero(chunks == chunk)
+            for i, example in zip(which.tolist(), self._chunk_examples(chunk, epochs[which], examples[which])):
+                found[i] = example
+        return found
+
+    def _chunk_examples(self, chunk: int, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:
+        """Examples ``examples`` (all in chunk ``chunk``): their documents located with array
+        operations, each row group looked up once."""
+        plan = self.plan(chunk)
+        items, counts = plan.items_of(examples - int(self.example_offsets[chunk]))
+        docs, starts, stops = plan.item_doc[items], plan.item_start[items], plan.item_stop[items]
+        _, first_docs = self.reader.groups(self.chunks, chunk)
+        groups = np.searchsorted(first_docs, docs, side="right") - 1
+        local = docs - first_docs[groups]
+        if self.reader.template.image_kind is not None or self.seq2seq:   # items that need their parts
+            made = [self._item(chunk, group, doc_local, doc, start, stop) for group, doc_local, doc, start, stop
+                    in zip(groups.tolist(), local.tolist(), docs.tolist(), starts.tolist(), stops.tolist())]
+        else:
+            begin, end = np.empty_like(docs), np.empty_like(docs)
+            rendered = {}
+            for group in np.unique(groups).tolist():
+                mine = groups == group
+                rendered[group] = self.reader.rendered_group(self.chunks, chunk, group)
+                doc_starts = rendered[group].doc_starts
+                begin[mine], end[mine] = doc_starts[local[mine]], doc_starts[local[mine] + 1]
+            cut_start, cut_stop = begin + starts, np.minimum(begin + stops + 1, end)
+            made = []
+            for group, doc, start, stop, a, b in zip(groups.tolist(), docs.tolist(), starts.tolist(), stops.tolist(),
+                                                     cut_start.tolist(), cut_stop.tolist()):
+                group_tokens = rendered[group]
+                made.append(Item(chunk, doc, start, stop, group_tokens.tokens[a:b],
+                                 None if group_tokens.trainable is None else group_tokens.trainable[a:b], [], -1))
+        ends = np.cumsum(counts).tolist()
+        return [PackedExample(self.name, e, k, made[stop - n : stop], self.pad_id)
+                for e, k, stop, n in zip(epochs.tolist(), examples.tolist(), ends, counts.tolist())]
 
     def _example(self, epoch: int, k: int, chunk: int | None = None) -> PackedExample:
         if chunk is None:
