@@ -103,63 +103,82 @@ class PackedExample(Example):
 
 def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]) -> None:
     """Write packed examples into rows ``rows`` of ``batch`` at once, padding included, as each
-    one's :meth:`PackedExample.fill` into a padded row: every field of the rows is written once,
-    by one concatenation of views (the items' tokens where they lie in their rendered row groups,
-    constant runs for padding and positions); segment ids come from where the items start."""
+    one's :meth:`PackedExample.fill` into a padded row. Each field is written once for all rows:
+    inputs and positions by one concatenation of views (the items' tokens where they lie in their
+    rendered row groups, constant runs for padding), segment ids from where the items start, and
+    targets and loss masks as the inputs shifted by one, corrected at each item's last token (the
+    document's next token, or padding at its end)."""
     if not examples:
         return
     length = batch["input_ids"].shape[1]
+    n = len(examples)
     items = [item for example in examples for item in example.items]
     counts = np.array([len(example.items) for example in examples], np.int64)
-    sizes = [item.stop - item.start for item in items]                 # tokens written per item
-    short = [item.stop - item.start + 1 - len(item.tokens) for item in items]   # 1: no last target
-    used = np.add.reduceat(np.asarray(sizes, np.int64), cumulative(counts)[:-1]) if items else counts
+    first = cumulative(counts)[:-1]                   # first item of each row
+    sizes = np.array([item.stop - item.start for item in items], np.int64)   # tokens written per item
+    item_at = cumulative(sizes)[:-1]
+    in_row = item_at - np.repeat(item_at[first], counts)        # where each item starts in its row
+    used = np.add.reduceat(sizes, first)
     pads = (length - used).tolist()
-    ends = cumulative(counts)[1:].tolist()             # one past the last item of each row
-    pad, zeros = _run(examples[0].pad_id, length, np.int32), _run(0, length, np.int32)
+    starts, ends = first.tolist(), cumulative(counts)[1:].tolist()
+    pad_id = examples[0].pad_id
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + n)):
+        index = slice(rows[0], rows[0] + n)   # a block of rows: write into views of the batch
 
-    def pieces(item_piece: Any, gap: Any, tail: np.ndarray) -> list[np.ndarray]:
+    def pieces(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
         out: list[np.ndarray] = []
-        k = 0
-        for end, rest in zip(ends, pads):
-            while k < end:
-                out.append(item_piece(k))
-                if gap is not None and short[k]:
-                    out.append(gap[:1])
-                k += 1
+        for a, b, rest in zip(starts, ends, pads):
+            out += per_item[a:b]
             out.append(tail[:rest])
         return out
 
-    index: slice | np.ndarray = np.asarray(rows)
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        index = slice(rows[0], rows[0] + len(rows))
-    n = len(examples)
+    def rows_of(name: str, dtype: type) -> np.ndarray:
+        """Where the rows of field ``name`` are built: the batch's own rows, or a work array."""
+        return batch[name][index] if isinstance(index, slice) else np.empty((n, length), dtype)
 
-    def write(name: str, parts: list[np.ndarray]) -> None:
-        target = batch[name]
-        if isinstance(index, slice):
-            np.concatenate(parts, out=target[index].reshape(-1), casting="unsafe")
-        else:
-            target[index] = np.concatenate(parts).reshape(n, length)
-
-    write("input_ids", pieces(lambda k: items[k].tokens[: sizes[k]], None, pad))
-    write("targets", pieces(lambda k: items[k].tokens[1 : sizes[k] + 1], pad, pad))
-    ones, off = _run(1, length, np.float32), _run(0, length, np.float32)
-    write("loss_mask", pieces(lambda k: ones[: sizes[k] - short[k]] if items[k].trainable is None
-                              else items[k].trainable[1 : sizes[k] + 1], off, off))
+    built: dict[str, np.ndarray] = {}
+    lengths = sizes.tolist()
+    inputs = built["input_ids"] = rows_of("input_ids", np.int32)
+    np.concatenate(pieces([item.tokens[:size] for item, size in zip(items, lengths)], _run(pad_id, length, np.int32)),
+                   out=inputs.reshape(-1), casting="unsafe")
+    positions = built["positions"] = rows_of("positions", np.int32)
     iota = _iota(length, np.int32)
-    write("positions", pieces(lambda k: iota[: sizes[k]], None, zeros))
-    number = np.arange(len(items), dtype=np.int64) - np.repeat(cumulative(counts)[:-1], counts) + 1
-    runs = np.zeros(len(items) + n, np.int64)
+    np.concatenate(pieces([iota[:size] for size in lengths], _run(0, length, np.int32)), out=positions.reshape(-1))
+    runs = np.zeros(len(items) + n, np.int64)          # each row: its items, then its padding
     values = np.zeros(len(items) + n, np.int32)
     slots = np.arange(len(items), dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
-    runs[slots], values[slots] = sizes, number
+    runs[slots], values[slots] = sizes, np.arange(len(items), dtype=np.int64) - np.repeat(first, counts) + 1
     runs[cumulative(counts)[1:] + np.arange(n)] = pads
-    write("segment_ids", [np.repeat(values, runs)])
+    segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
+    np.copyto(segment_ids.reshape(-1), np.repeat(values, runs))
+    # Each item's last token: its target is the document's next token if the item holds one.
+    last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
+    has_next = [len(item.tokens) > size for item, size in zip(items, lengths)]
+    targets = built["targets"] = rows_of("targets", np.int32)
+    np.copyto(targets[:, :-1], inputs[:, 1:])
+    targets[:, -1] = pad_id
+    targets.reshape(-1)[last] = [int(item.tokens[size]) if more else pad_id
+                                 for item, size, more in zip(items, lengths, has_next)]
+    loss_mask = built["loss_mask"] = rows_of("loss_mask", np.float32)
+    if all(item.trainable is None for item in items):
+        np.not_equal(segment_ids, 0, out=loss_mask, casting="unsafe")
+        loss_mask.reshape(-1)[last] = has_next
+    else:
+        trainable = np.empty((n, length), bool)
+        everything = np.ones(length, bool)
+        np.concatenate(pieces([everything[:size] if item.trainable is None else item.trainable[:size]
+                               for item, size in zip(items, lengths)], np.zeros(length, bool)),
+                       out=trainable.reshape(-1))
+        np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
+        loss_mask[:, -1] = 0
+        loss_mask.reshape(-1)[last] = [more and (item.trainable is None or bool(item.trainable[size]))
+                                       for item, size, more in zip(items, lengths, has_next)]
+    if not isinstance(index, slice):
+        for name, values in built.items():
+            batch[name][index] = values
     if "image_refs" in batch:   # few: only the items of interleaved documents carry images
         item_row = np.repeat(np.asarray(rows, np.int64), counts)
-        item_at = cumulative(np.asarray(sizes, np.int64))[:-1]
-        in_row = item_at - np.repeat(item_at[cumulative(counts)[:-1]], counts)
         for k in [k for k, item in enumerate(items) if item.images]:
             row = int(item_row[k])
             filled = int((batch["image_positions"][row] >= 0).sum())
