@@ -273,8 +273,9 @@ class PackedExamples(DatasetExamples):
         else:
             begin, end = np.empty_like(docs), np.empty_like(docs)
             rendered = {}
-            for group in np.unique(groups).tolist():
-                mine = groups == group
+            single = bool((groups == groups[0]).all())
+            for group in ([int(groups[0])] if single else np.unique(groups).tolist()):
+                mine = slice(None) if single else groups == group   # one row group: no mask
                 rendered[group] = self.reader.rendered_group(self.chunks, chunk, group)
                 doc_starts = rendered[group].doc_starts
                 begin[mine], end[mine] = doc_starts[local[mine]], doc_starts[local[mine] + 1]

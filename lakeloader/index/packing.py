@@ -63,7 +63,8 @@ class PackPlan:
         if len(examples) and not (0 <= examples.min() and examples.max() < self.num_examples):
             bad = int(examples[(examples < 0) | (examples >= self.num_examples)][0])
             raise IndexError(f"example {bad} is out of range: the plan has {self.num_examples}")
-        first, counts = self.example_bounds[examples], np.diff(self.example_bounds)[examples]
+        first = self.example_bounds[examples]
+        counts = self.example_bounds[examples + 1] - first
         ends = np.cumsum(counts)
         items = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
         return items, counts
