@@ -147,7 +147,7 @@ class Loader:
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
         self._arrays = ArrayPool()
-        # Training concat windows always cover their rows: no padding to write first.
+        # Training rows are written whole (concat windows; packed examples with their padding).
         self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
 
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
@@ -158,7 +158,8 @@ class Loader:
         spec = packing_spec(name, self.config, self.templates[name])
         if spec is None:
             return DatasetExamples(name, self.view, reader, **common)
-        return PackedExamples(name, self.view, reader, spec, seq2seq=dataset.seq2seq, **common)
+        return PackedExamples(name, self.view, reader, spec, seq2seq=dataset.seq2seq, pad_id=self.pad_id,
+                              **common)
 
     def _fingerprint(self) -> str:
         loader = self.config.loader

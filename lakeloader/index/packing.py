@@ -51,6 +51,24 @@ class PackPlan:
             raise IndexError(f"example {example} is out of range: the plan has {self.num_examples}")
         return slice(self.example_starts[example], self.example_starts[example + 1])
 
+    @functools.cached_property
+    def example_bounds(self) -> np.ndarray:
+        """int64 [num_examples + 1]: :attr:`example_starts` as an array."""
+        return np.asarray(self.example_starts, np.int64)
+
+    def items_of(self, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the items of every example of ``examples`` back to back, the number of each one's
+        items): :meth:`example_items` of many examples in a few array operations."""
+        examples = np.asarray(examples, np.int64)
+        if len(examples) and not (0 <= examples.min() and examples.max() < self.num_examples):
+            bad = int(examples[(examples < 0) | (examples >= self.num_examples)][0])
+            raise IndexError(f"example {bad} is out of range: the plan has {self.num_examples}")
+        first = self.example_bounds[examples]
+        counts = self.example_bounds[examples + 1] - first
+        ends = np.cumsum(counts)
+        items = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
+        return items, counts
+
     @property
     def example_tokens(self) -> np.ndarray:
         """int64 [num_examples]: non-padding tokens of each example."""

@@ -1,0 +1,93 @@
+"""The ``packing: pack`` batch path works on whole batches: a batch's packed examples are located
+with array operations (each rendered row group looked up once per batch, not once per document),
+and their rows are filled together, padding included, exactly as each example filling its own
+padded row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lakeloader.feed.loader import Loader
+from lakeloader.feed.packed_examples import PackedExample, fill_packed
+from lakeloader.feed.rows import ROW_FIELDS, row_of
+from lakeloader.ingest.driver import build
+
+from conftest import write_config
+from test_formats import write_corpora
+
+SEQ_LEN, BATCH = 96, 16
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """Plain text, chat (loss only on some tokens), FIM code and interleaved pages (images), packed."""
+    tmp = tmp_path_factory.mktemp("pack-hot-path")
+    datasets = write_corpora(tmp / "data")
+    datasets = {name: datasets[name] for name in ("web", "chat", "code", "pages")}
+    config = write_config(tmp, datasets, build={"split_size": "16KB"},
+                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "packing": "pack",
+                                  "pack": {"long_documents": "split"}, "shuffle": {"kind": "full"}},
+                          mixture={"weights": {name: 1 for name in datasets}})
+    build(config, scheduler=dask_scheduler, progress=False)
+    return config
+
+
+def _padded(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Arrays shaped like ``batch``'s with ``rows`` rows of padding (as an evaluation batch starts)."""
+    fill = {"input_ids": pad_id, "targets": pad_id, "image_positions": -1, "image_refs": ""}
+    return {name: np.full((rows, *values.shape[1:]), fill.get(name, 0), values.dtype)
+            for name, values in batch.items() if name not in ("dataset_ids", "example_mask")}
+
+
+def test_packed_rows_filled_together_equal_one_at_a_time(lake: Path) -> None:
+    """Training rows (written whole, padding included, into reused arrays) equal each example's
+    :meth:`PackedExample.fill` into a padded row, and so do rows filled in any order."""
+    with Loader(lake) as loader:
+        assert loader._whole_rows, "training rows of packed examples are written once, padding included"
+        trainable = images = 0
+        for step in range(8):
+            batch = loader.batch(step)
+            examples = loader.examples(step).examples
+            assert all(isinstance(e, PackedExample) for e in examples)
+            alone = _padded(batch, len(examples), loader.pad_id)
+            for number, example in enumerate(examples):
+                example.fill(row_of(alone, number))   # type: ignore[union-attr]
+            for name in alone:
+                assert np.array_equal(alone[name], batch[name]), (step, name)
+            # Rows scattered in another order (not a block) come out the same.
+            order = list(range(len(examples)))[::-1]
+            scattered = _padded(batch, len(examples), loader.pad_id)
+            fill_packed(scattered, order, [examples[i] for i in order])  # type: ignore[misc]
+            for name in alone:
+                assert np.array_equal(scattered[name], batch[name]), (step, name, "scattered")
+            trainable += int(((batch["segment_ids"] > 0) & (batch["loss_mask"] == 0)).sum())
+            images += int((batch["image_positions"] >= 0).sum())
+            assert (batch["input_ids"][batch["segment_ids"] == 0] == loader.pad_id).all()
+        assert trainable and images, "the batches should hold untrained tokens and images"
+
+
+def test_each_row_group_looked_up_once_per_batch(lake: Path) -> None:
+    """Locating a batch's documents asks the reader for each rendered row group once, however
+    many of the batch's documents it holds (not once per document)."""
+    with Loader(lake) as loader:
+        web = loader.datasets[loader.mixer.names.index("web")]
+        calls: list[tuple[int, int]] = []
+        rendered_group = web.reader.rendered_group
+
+        def counted(chunks: Any, chunk: int, group: int) -> Any:
+            calls.append((chunk, group))
+            return rendered_group(chunks, chunk, group)
+
+        web.reader.rendered_group = counted   # type: ignore[method-assign]
+        documents = 0
+        for step in range(6):
+            calls.clear()
+            examples = [e for e in loader.examples(step).examples if e is not None and e.dataset == "web"]
+            documents += sum(len(e.items) for e in examples)   # type: ignore[attr-defined]
+            assert len(calls) == len(set(calls)), (step, calls)
+        assert documents > 6 * 2, "some rows should hold several documents"
+        loader.batch(0)
