@@ -13,7 +13,7 @@ import pytest
 
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExample, fill_packed
-from lakeloader.feed.rows import ROW_FIELDS, row_of
+from lakeloader.feed.rows import row_of
 from lakeloader.ingest.driver import build
 
 from conftest import write_config

@@ -15,7 +15,6 @@ from lakeloader.index.shuffle import shuffle_block, shuffle_full, shuffle_none, 
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.windows import StreamReader
 
-
 SHUFFLE_BLOCK = 4096   # training positions shuffled (and cached) together
 
 

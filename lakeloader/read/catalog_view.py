@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
-from lakeloader.catalog.store import LiveCatalog
 from lakeloader.catalog.sql import query
+from lakeloader.catalog.store import LiveCatalog
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.read.lru import LRU
 from lakeloader.storage import with_retries
