@@ -21,6 +21,8 @@ import yaml
 import zstandard
 
 from lakeloader.catalog.store import LiveCatalog
+from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -272,3 +274,14 @@ def start_build_thread(config: Path, timeout: float = 60, **options: Any
         assert time.monotonic() < deadline, "the build did not open its catalog"
         time.sleep(0.01)
     return builder, live, errors
+
+
+def loader_during_build(config: Path, builder: threading.Thread, live: LiveCatalog) -> Loader:
+    """A Loader on a running build's live catalog, opened as soon as the build has registered the
+    plans it reads; fails if the build ends first (a reader started after it would test nothing)."""
+    while builder.is_alive():
+        try:
+            return Loader(config, catalog=live)
+        except LakeloaderError:  # the plans are not registered yet
+            time.sleep(0.01)
+    raise AssertionError("the build finished before a reader could start")

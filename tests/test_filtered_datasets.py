@@ -18,7 +18,6 @@ import yaml
 
 import json
 import shutil
-import time
 
 import duckdb
 import pyarrow.parquet as pq
@@ -39,6 +38,7 @@ from conftest import (
     DEMO_TOKENIZER,
     assert_batches_equal,
     global_batches,
+    loader_during_build,
     start_build_thread,
     stdlib_texts,
     write_config,
@@ -294,13 +294,7 @@ def test_read_while_building_equals_after(tmp_path: Path, dask_scheduler: str) -
     corpus(tmp_path / "data")
     config = lake_config(tmp_path, packing="pack", shuffle={"kind": "window", "window_chunks": 2}, wait_timeout=120)
     builder, live, errors = start_build_thread(config, scheduler=dask_scheduler, progress=False)
-    during_loader = None
-    while during_loader is None and builder.is_alive():
-        try:
-            during_loader = Loader(config, catalog=live)
-        except Exception:  # the plans are not registered yet
-            time.sleep(0.01)
-    assert during_loader is not None, "the build finished before a reader could start"
+    during_loader = loader_during_build(config, builder, live)
     committed_at_start = {d.name: d.chunks.committed for d in during_loader.datasets}
     during = [during_loader.batch(step) for step in range(8)]
     builder.join()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from conftest import (
     Lakes,
     assert_batches_equal,
     global_batches,
+    loader_during_build,
     start_build_thread,
     stdlib_texts,
     write_config,
@@ -86,13 +86,7 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
     batches read after the build."""
     config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120, packing=packing)
     builder, live, errors = start_build_thread(config, workers=1, progress=False)
-    during_loader = None
-    while during_loader is None and builder.is_alive():
-        try:
-            during_loader = Loader(config, catalog=live)
-        except Exception:  # the plan is not registered yet
-            time.sleep(0.01)
-    assert during_loader is not None, "the build finished before a reader could start"
+    during_loader = loader_during_build(config, builder, live)
     committed_at_start = [d.chunks.committed for d in during_loader.datasets]
     during = [during_loader.batch(step) for step in range(STEPS)]
     builder.join()
