@@ -90,7 +90,7 @@ class LiveCatalog:
                 raise LakeloaderError(
                     f"the live-catalog handle follows the build of {writer.path}, but this reader "
                     f"opens the catalog {path}: pass the handle only to readers of that build's lake")
-            return writer.con.cursor()
+            return writer.reader_source.cursor()   # under this handle's lock: one reader at a time
 
 
 def is_lock_error(exc: BaseException) -> bool:
@@ -239,6 +239,10 @@ class CatalogWriter:
             if isinstance(exc, duckdb.Error):
                 raise catalog_failure(path, exc) or exc
             raise
+        # Readers in this process (LiveCatalog) take their cursors from this one, never from
+        # self.con: a connection used by two threads at once refuses the second call, and the
+        # build's own statements must not be the ones refused.
+        self.reader_source = self.con.cursor()
         if live is not None:
             live.attach(self)
 

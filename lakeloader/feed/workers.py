@@ -31,6 +31,7 @@ import pickle
 import secrets
 import signal
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
@@ -285,12 +286,14 @@ class WorkerPool:
                 conn.send(("stop",))
             except (BrokenPipeError, ConnectionResetError, OSError):
                 pass  # that worker has exited already
+        # The workers stop together: one deadline for all, then for the stragglers' SIGTERM.
+        _join_all(processes, JOIN_SECONDS)
         for process in processes:
-            process.join(JOIN_SECONDS)
             if process.is_alive():
                 log.warning("loader worker pid %s did not stop in %gs; terminating it", process.pid, JOIN_SECONDS)
                 process.terminate()
-                process.join(JOIN_SECONDS)
+        _join_all(processes, JOIN_SECONDS)
+        for process in processes:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -301,6 +304,13 @@ class WorkerPool:
         attached.clear()
         for name in names:
             _unlink(name)   # a worker that was killed could not remove its own
+
+
+def _join_all(processes: list[multiprocessing.process.BaseProcess], seconds: float) -> None:
+    """Wait until every process of ``processes`` has ended or ``seconds`` have passed in all."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
 
 
 def worker_batches(make_loader: Callable[[], BatchSource], workers: int, start: int, total: int | None,
