@@ -5,18 +5,20 @@ padded row."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
 from lakeloader.ingest.driver import build
 
-from conftest import write_config
+from conftest import assert_batches_equal, write_config
 from test_formats import write_corpora
 
 SEQ_LEN, BATCH = 96, 16
@@ -91,3 +93,34 @@ def test_each_row_group_looked_up_once_per_batch(lake: Path) -> None:
             assert len(calls) == len(set(calls)), (step, calls)
         assert documents > 6 * 2, "some rows should hold several documents"
         loader.batch(0)
+
+
+@pytest.mark.parametrize("packing", ["pack", "concat"])
+def test_a_batch_decodes_its_missing_row_groups_concurrently(lake: Path, tmp_path: Path, packing: str) -> None:
+    """A shuffled first batch needs many row groups none of which is cached: they are decoded in
+    the reader's decode threads, not one after another in the thread building the batch, and the
+    batch is the same as one built from row groups decoded one at a time."""
+    config = yaml.safe_load(lake.read_text())
+    config["loader"]["packing"] = packing
+    if packing == "concat":   # concat windows cannot hold images: the other datasets
+        del config["datasets"]["pages"], config["mixture"]["weights"]["pages"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with Loader(path) as loader:
+        threads: list[str] = []
+        for examples in loader.datasets:
+            render = examples.reader._render_group
+
+            def recorded(*args: Any, render: Any = render) -> Any:
+                threads.append(threading.current_thread().name)
+                return render(*args)
+
+            examples.reader._render_group = recorded   # type: ignore[method-assign]
+        together = loader.batch(0)
+        # (a dataset missing a single row group decodes it in place)
+        assert sum(name.startswith("lakeloader-decode") for name in threads) >= 2, threads
+    with Loader(path) as loader:
+        for examples in loader.datasets:
+            examples.reader.rendered_groups = lambda chunks, wanted, reader=examples.reader: [  # type: ignore[method-assign]
+                reader.rendered_group(chunks, chunk, group) for chunk, group in wanted]
+        assert_batches_equal([together], [loader.batch(0)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from lakeloader.index.ranges import _iota, cumulative, locate
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
-from lakeloader.read.windows import StreamReader
+from lakeloader.read.windows import RenderedGroup, StreamReader
 
 
 @dataclasses.dataclass
@@ -196,6 +196,15 @@ def _run(value: int, length: int, dtype: type) -> np.ndarray:
     return found
 
 
+class LocatedItems(NamedTuple):
+    """The items (placed documents) of some examples of one chunk."""
+
+    items: np.ndarray       # indices into the chunk's packing plan, example by example
+    counts: np.ndarray      # items of each example
+    docs: np.ndarray        # document of each item within the chunk
+    groups: np.ndarray      # row group holding each item's document
+
+
 class PackedExamples(DatasetExamples):
     """Example ``j`` of a dataset under ``packing: pack | pad``: whole documents per the packing
     plan of the chunk holding it. Per-chunk example counts come from the catalog, so a seek is a
@@ -251,32 +260,45 @@ class PackedExamples(DatasetExamples):
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
         chunks = locate(self.example_offsets, examples)
         self.reader.prefetch_groups(self.chunks, chunks)
+        located = {chunk: self._locate(chunk, examples[chunks == chunk]) for chunk in np.unique(chunks).tolist()}
+        # Every row group of the batch looked up once, up front: those not cached decode concurrently.
+        wanted = [(chunk, group) for chunk, where in located.items() for group in np.unique(where.groups).tolist()]
+        rendered: dict[int, dict[int, RenderedGroup]] = {chunk: {} for chunk in located}
+        for (chunk, group), value in zip(wanted, self.reader.rendered_groups(self.chunks, wanted)):
+            rendered[chunk][group] = value
         found: list[PackedExample] = [None] * len(examples)  # type: ignore[list-item]
-        for chunk in np.unique(chunks).tolist():
+        for chunk, where in located.items():
             which = np.flatnonzero(chunks == chunk)
-            for i, example in zip(which.tolist(), self._chunk_examples(chunk, epochs[which], examples[which])):
+            made = self._chunk_examples(chunk, epochs[which], examples[which], where, rendered[chunk])
+            for i, example in zip(which.tolist(), made):
                 found[i] = example
         return found
 
-    def _chunk_examples(self, chunk: int, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:
-        """Examples ``examples`` (all in chunk ``chunk``): their documents located with array
-        operations, each row group looked up once."""
+    def _locate(self, chunk: int, examples: np.ndarray) -> LocatedItems:
+        """The items of examples ``examples`` (all in chunk ``chunk``), with array operations."""
         plan = self.plan(chunk)
         items, counts = plan.items_of(examples - int(self.example_offsets[chunk]))
-        docs, starts, stops = plan.item_doc[items], plan.item_start[items], plan.item_stop[items]
+        docs = plan.item_doc[items]
         _, first_docs = self.reader.groups(self.chunks, chunk)
-        groups = np.searchsorted(first_docs, docs, side="right") - 1
+        return LocatedItems(items, counts, docs, np.searchsorted(first_docs, docs, side="right") - 1)
+
+    def _chunk_examples(self, chunk: int, epochs: np.ndarray, examples: np.ndarray,
+                        located: LocatedItems, rendered: dict[int, RenderedGroup]) -> list[PackedExample]:
+        """Examples ``examples`` (all in chunk ``chunk``, located by :meth:`_locate`) from the
+        chunk's row groups ``rendered`` (by row group)."""
+        plan = self.plan(chunk)
+        items, counts, docs, groups = located
+        starts, stops = plan.item_start[items], plan.item_stop[items]
+        _, first_docs = self.reader.groups(self.chunks, chunk)
         local = docs - first_docs[groups]
         if self.reader.template.image_kind is not None or self.seq2seq:   # items that need their parts
             made = [self._item(chunk, group, doc_local, doc, start, stop) for group, doc_local, doc, start, stop
                     in zip(groups.tolist(), local.tolist(), docs.tolist(), starts.tolist(), stops.tolist())]
         else:
             begin, end = np.empty_like(docs), np.empty_like(docs)
-            rendered = {}
             single = bool((groups == groups[0]).all())
             for group in ([int(groups[0])] if single else np.unique(groups).tolist()):
                 mine = slice(None) if single else groups == group   # one row group: no mask
-                rendered[group] = self.reader.rendered_group(self.chunks, chunk, group)
                 doc_starts = rendered[group].doc_starts
                 begin[mine], end[mine] = doc_starts[local[mine]], doc_starts[local[mine] + 1]
             cut_start, cut_stop = begin + starts, np.minimum(begin + stops + 1, end)

@@ -8,7 +8,9 @@ offsets (no per-token document key). Windows are slices of it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +23,12 @@ from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, st
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.lru import LRU
+
+# Row groups a batch needs that no cache holds are decoded and rendered this many at a time
+# (Parquet decoding and most numpy work run without the GIL): a shuffled first batch can need as
+# many row groups as it has rows. One pool for every reader of the process; idle threads cost nothing.
+_DECODE_POOL = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1),
+                                                     thread_name_prefix="lakeloader-decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +207,17 @@ class StreamReader:
         key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
         return self.files.cache.get(key, lambda: self._render_group(chunks, chunk, group))
 
+    def rendered_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[RenderedGroup]:
+        """:meth:`rendered_group` of each ``(chunk, group)`` of ``wanted``; those not cached yet
+        are decoded concurrently (in the process's decode threads)."""
+        missing = [i for i, (chunk, group) in enumerate(wanted)
+                   if ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint) not in self.files.cache]
+        decoding = {i: _DECODE_POOL.submit(self.rendered_group, chunks, *wanted[i]) for i in missing} if len(
+            missing) > 1 else {}
+        # A decoding error is raised here, as reading that row group in this thread would raise it.
+        return [decoding[i].result() if i in decoding else self.rendered_group(chunks, chunk, group)
+                for i, (chunk, group) in enumerate(wanted)]
+
     def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
         stored = self.files.read_row_group(chunks, chunk, group)
         parts = stored.parts
@@ -303,11 +322,11 @@ class StreamReader:
         at[rows] = local - (shifted[group] - which * span)     # offset within the row group
         local_start[rows] = local
         owner = np.searchsorted(base, used, side="right") - 1   # the chunk (of unique) of each used group
-        for u, g in zip(owner.tolist(), (used - base[owner]).tolist()):
+        local_groups = (used - base[owner]).tolist()
+        for u, g in zip(owner.tolist(), local_groups):
             p = int(unique[u])
-            chunk = int(sequence[p])
-            found.groups.append(self.rendered_group(chunks, chunk, g))
             found.group_position.append(p)
-            found.group_chunk.append(chunk)
+            found.group_chunk.append(int(sequence[p]))
             found.group_first_doc.append(int(tables[u][1][g]))
+        found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, local_groups))))
         return found
