@@ -156,7 +156,11 @@ def test_no_worker_or_segment_outlives_the_parent(lake: Path, tmp_path: Path, ho
         workers = children(parent.pid)
         assert len(workers) >= 2 and shm_segments(parent.pid)
         parent.send_signal(getattr(signal, how))
-        parent.wait(timeout=30)
+        try:   # communicate, not wait: a parent blocked writing to a full pipe never exits
+            parent.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            parent.kill()
+            raise AssertionError(f"the parent did not exit 30 s after {how}; its stderr:\n{parent.communicate()[1]}")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (shm_segments(parent.pid) or any(alive(p) for p in workers)):
             time.sleep(0.1)
