@@ -112,9 +112,12 @@ def test_a_workers_error_is_raised_by_the_consumer(lake: Path, tmp_path: Path) -
 
 
 PARENT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from lakeloader.feed.loader import Loader
     if __name__ == "__main__":
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when this test runs where SIGINT
+        # is ignored (a job started with & by a non-interactive shell: children inherit that).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         loader = Loader(sys.argv[1])
         iterator = iter(loader)
         next(iterator)
