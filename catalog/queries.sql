@@ -198,6 +198,10 @@ CREATE VIEW {table} AS SELECT *, {columns} FROM lake.main.{table};
 SET enable_external_access = false;
 SET lock_configuration = true;
 
+-- name: dataset_source
+-- The dataset a dataset defined by a filter selects from (NULL for any other dataset).
+SELECT source_dataset FROM dataset_plans WHERE name = $name;
+
 -- name: reader_dataset
 -- A dataset's plan, planned chunks, committed prefix, part kinds (dataset_plans.fields) and, for
 -- a dataset defined by a filter, its source dataset.

@@ -25,7 +25,7 @@ def _records(view: CatalogView, dataset: str, chunk: int) -> tuple[np.ndarray, d
             raise unreadable_chunk(f"chunk {chunk} of dataset {dataset!r} ({lake.url_of(path)})",
                                    exc) from exc
     documents = None
-    if view.named("reader_dataset", {"name": dataset}).fetchone()[5] is not None:
+    if view.is_filtered(dataset):
         documents = view.chunk_selection(dataset, chunk)
         records = records[documents]
     if kind == "row_group":

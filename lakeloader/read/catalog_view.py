@@ -229,6 +229,11 @@ class CatalogView:
             filtered=source is not None, records=functools.partial(self.chunk_record, name),
         )
 
+    def is_filtered(self, name: str) -> bool:
+        """Whether dataset ``name`` is defined by a filter of another (``from``, ``where``)."""
+        row = self.named("dataset_source", {"name": name}).fetchone()
+        return row is not None and row[0] is not None
+
     def selection(self, name: str, global_index: int, row_group: int) -> np.ndarray:
         """The documents (int64 indices within the row group, ascending) that chunk
         ``global_index`` of dataset ``name``, defined by a filter, selects from row group
