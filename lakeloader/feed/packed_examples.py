@@ -316,10 +316,8 @@ class PackedExamples(DatasetExamples):
         if chunk is None:
             chunk = int(locate(self.example_offsets, np.array([k]))[0])
         plan = self.plan(chunk)
-        items = plan.example_items(k - int(self.example_offsets[chunk]))
-        docs = plan.item_doc[items]
+        items, _, docs, groups = self._locate(chunk, np.array([k]))
         _, first_docs = self.reader.groups(self.chunks, chunk)
-        groups = np.searchsorted(first_docs, docs, side="right") - 1
         return PackedExample(self.name, epoch, k, [
             self._item(chunk, group, doc - int(first_docs[group]), doc, start, stop)
             for group, doc, start, stop in zip(groups.tolist(), docs.tolist(), plan.item_start[items].tolist(),
