@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loader_throughput.py
 	$(BIN)/python benchmarks/loader_start.py
 	$(BIN)/python benchmarks/jax_feed.py
+	$(BIN)/python benchmarks/loader_workers.py
 	$(BIN)/python benchmarks/build_scaling.py
 	$(BIN)/python benchmarks/integrity_overhead.py
 	$(BIN)/python benchmarks/packing.py

@@ -33,6 +33,8 @@ import pyarrow.parquet as pq
 import yaml
 from _common import OUT, REPO, report
 
+from lakeloader.demo.corpus import prepare_corpus
+
 BATCH, SEQ = 64, 2048
 CONFIGS = [(packing, shuffle) for packing in ("concat", "pack") for shuffle in ("none", "full")]
 
@@ -41,18 +43,33 @@ def lake_dir(size: str) -> Path:
     return OUT / f"loader-lake-{size}"
 
 
-def config_for(size: str, packing: str, shuffle: str) -> Path:
-    """A config reading the ``size`` lake with the given packing and shuffle (defaults otherwise:
-    prefetch 2, verify checksum, cache_bytes as documented)."""
-    from lakeloader.demo.corpus import prepare_corpus
+def is_built(size: str) -> bool:
+    """Whether the ``size`` lake has a published catalog."""
+    return (lake_dir(size) / "_catalog" / "CURRENT").exists()
 
-    corpus = prepare_corpus(OUT / f"{size}-corpus", size=size)  # type: ignore[arg-type]
-    path = OUT / f"loader-{size}-{packing}-{shuffle}.yaml"
+
+def build_lake(size: str, packings: tuple[str, ...] = ("concat",)) -> None:
+    """Build (or bring up to date) the ``size`` lake with the counts of ``packings``."""
+    from lakeloader.ingest.driver import build  # only here: a built lake reads without Dask
+
+    for packing in packings:   # a second packing only adds its plan's counts
+        build(config_for(size, packing, "none"), workers=2, progress=False)
+
+
+def config_for(size: str, packing: str, shuffle: str, workers: int = 0) -> Path:
+    """A config reading the ``size`` lake with the given packing, shuffle and ``loader.workers``
+    (defaults otherwise: prefetch 2, verify checksum, cache_bytes as documented). The corpus is
+    written only while the lake is not built: a built lake copied to another machine (a GPU
+    host, say) reads without it."""
+    corpus = OUT / f"{size}-corpus"
+    if not is_built(size):
+        prepare_corpus(corpus, size=size)  # type: ignore[arg-type]
+    path = OUT / f"loader-{size}-{packing}-{shuffle}{f'-workers{workers}' if workers else ''}.yaml"
     path.write_text(yaml.safe_dump({
         "lake": str(lake_dir(size)), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
-        "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
+        "datasets": {"code": {"sources": [str(corpus / "code" / "*.jsonl")]}},
         "build": {"split_size": "8MB"},
-        "loader": {"seq_len": SEQ, "batch_size": BATCH, "packing": packing, "shuffle": shuffle},
+        "loader": {"seq_len": SEQ, "batch_size": BATCH, "packing": packing, "shuffle": shuffle, "workers": workers},
     }))
     return path
 
@@ -128,6 +145,8 @@ def in_subprocess(*args: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("bench", "demo"), default="bench")
+    parser.add_argument("--built", action="store_true",
+                        help="the lake is built already (copied to this machine, say): no build check, no Dask")
     parser.add_argument("--measure", help=argparse.SUPPRESS)   # internal: one configuration
     parser.add_argument("--baseline", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -141,11 +160,9 @@ def main() -> None:
                                           args.baseline, args.steps)))
         return
 
-    from lakeloader.ingest.driver import build
-
     started = time.perf_counter()
-    for packing in ("concat", "pack"):   # the second build only adds the packing plan's counts
-        build(config_for(args.size, packing, "none"), workers=2, progress=False)
+    if not args.built:
+        build_lake(args.size, ("concat", "pack"))
     figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}", "corpus": args.size,
                                   "build_or_check_s": round(time.perf_counter() - started, 1),
                                   "loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}

@@ -137,3 +137,20 @@ def test_orbax_checkpoint_restores_the_same_batches(lake_config: Path, tmp_path:
     assert_batches_equal(resumed, uninterrupted[3:], "restored from the checkpoint at step 3", steps=range(3, 6))
     with pytest.raises(Exception, match="fingerprint"):
         next(JaxFeed(lake_config, mesh, PartitionSpec("data")).restore({"step": 0, "fingerprint": "0" * 32}))
+
+
+def test_device_batches_kept_by_the_caller_stay_as_they_were(lake_config: Path) -> None:
+    """Device batches held across many later steps equal the loader's batches: a host array
+    the transfer may share with a device array (all rows in this process) is never reused."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from lakeloader.feed.jax import JaxFeed
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    with JaxFeed(lake_config, mesh, PartitionSpec("data"), prefetch=2) as feed:
+        held = [b for _, b in zip(range(40), feed.iter_from(0))]
+        assert len(feed.rows) == 16   # one process: the whole batch in one transfer
+    expected = [Loader(lake_config).batch(step) for step in range(40)]
+    assert_batches_equal([jax.device_get(b) for b in held], expected, "device batches held by the caller",
+                         steps=range(40))

@@ -47,6 +47,7 @@ class JaxFeed:
         self.loader = Loader(self.config, process_index=jax.process_index(),
                              process_count=jax.process_count(), mode=mode, rows=self.rows)
         self.prefetch = prefetch
+        self._row_slices: dict[tuple[int, int, int], slice | np.ndarray] = {}
         self._producers: list[tuple[threading.Thread, threading.Event]] = []
 
     @property
@@ -57,21 +58,30 @@ class JaxFeed:
     def to_global(self, local: Batch) -> dict[str, jax.Array]:
         """Global arrays from this process's rows (in ``self.rows`` order). Fields that are not
         numbers (``image_refs``) stay host numpy arrays of this process's rows."""
-        arrays: dict[str, Any] = {}
-        for name, values in local.items():
-            if values.dtype == object:
-                arrays[name] = values
-                continue
-            shape = (self.batch_size, *values.shape[1:])
-            per_token = values.ndim == 2 and values.shape[1] == self.seq_len
-            sharding = self.sharding if per_token else self.row_sharding
+        arrays: dict[str, Any] = {name: values for name, values in local.items() if values.dtype == object}
+        numeric = {name: values for name, values in local.items() if values.dtype != object}
+        shardings = {name: self.sharding if values.ndim == 2 and values.shape[1] == self.seq_len else self.row_sharding
+                     for name, values in numeric.items()}
+        if len(self.rows) == self.batch_size:   # every row is here: one transfer of all fields
+            arrays.update(jax.device_put(numeric, shardings))
+            return arrays
+        for name, values in numeric.items():
 
             def piece(index: tuple[slice, ...], values: np.ndarray = values) -> np.ndarray:
-                wanted = np.arange(*index[0].indices(self.batch_size))
-                return values[np.searchsorted(self.rows, wanted)][(slice(None), *index[1:])]
+                return values[(self._local_rows(index[0]), *index[1:])]
 
-            arrays[name] = jax.make_array_from_callback(shape, sharding, piece)
+            arrays[name] = jax.make_array_from_callback((self.batch_size, *values.shape[1:]), shardings[name], piece)
         return arrays
+
+    def _local_rows(self, index: slice) -> slice | np.ndarray:
+        """Where the global rows ``index`` lie among this process's rows: a slice (views, no copy)
+        when they are consecutive there, as they are under a batch-axis sharding."""
+        key = index.indices(self.batch_size)
+        if key not in self._row_slices:
+            local = np.searchsorted(self.rows, np.arange(*key))
+            consecutive = len(local) > 0 and bool((np.diff(local) == 1).all())
+            self._row_slices[key] = slice(int(local[0]), int(local[-1]) + 1) if consecutive else local
+        return self._row_slices[key]
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """Global batch ``step`` as sharded arrays."""

@@ -8,8 +8,9 @@ consumer one message over its pipe: ``("batch", step, slot, layout, objects)`` (
 fields' dtype, shape and offset in the slot, and the few object arrays, pickled), or
 ``("error", step, exception)`` after which it builds nothing more. The consumer reads the next
 message of the worker owning each step (:func:`owner`), so batches come out in step order and are
-exactly the batches of one process; it copies the fields out of the slot into fresh arrays (a
-batch the caller keeps is never overwritten) and sends ``("release", slot)`` back.
+exactly the batches of one process; it copies the fields out of the slot into arrays nobody else
+holds (:class:`~lakeloader.feed.rows.ArrayPool`: a batch the caller keeps is never overwritten)
+and sends ``("release", slot)`` back.
 
 Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collection and at exit)
 sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
@@ -41,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.feed.rows import Batch
+from lakeloader.feed.rows import ArrayPool, Batch
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class WorkerPool:
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._attached: dict[str, shared_memory.SharedMemory] = {}
         self._names: set[str] = set()
+        self._arrays = ArrayPool()   # what batches are copied into: no fresh pages per batch
         for worker in range(workers):
             mine, theirs = context.Pipe()
             process = context.Process(
@@ -249,7 +251,7 @@ class WorkerPool:
                 "under `if __name__ == \"__main__\":` (as any multiprocessing program)") from None
 
     def batch(self, step: int) -> Batch:
-        """Batch ``step`` (the next one in order) as fresh arrays owned by the caller."""
+        """Batch ``step`` (the next one in order) as arrays owned by the caller."""
         worker = owner(step - self.start, self.workers)
         message = self._receive(worker)
         if message[0] == "error":
@@ -268,7 +270,8 @@ class WorkerPool:
         batch: Batch = {}
         for field, dtype, shape, offset in layout:
             count = int(np.prod(shape))
-            batch[field] = np.frombuffer(segment.buf, np.dtype(dtype), count, offset).reshape(shape).copy()
+            batch[field] = self._arrays.empty(shape, dtype)
+            np.copyto(batch[field], np.frombuffer(segment.buf, np.dtype(dtype), count, offset).reshape(shape))
         batch.update(objects)
         self._conns[worker].send(("release", slot))
         return batch

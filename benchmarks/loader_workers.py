@@ -1,0 +1,56 @@
+"""Loader throughput with ``loader.workers`` = 0, 1, 2, ... worker processes.
+
+For B=64, L=2048, ``packing: concat``, each shuffle asked for, each worker count in a fresh
+subprocess (``loader_throughput.py --measure``): tokens/s over the second epoch (row groups
+cached in every worker), rounds interleaved, medians reported with the load average, and the
+ratio of 2 workers to 1 (issue 15's target: >= 1.7; it needs spare cores: run it where the
+workers do not share cores with each other or with other work).
+
+    .venv/bin/python benchmarks/loader_workers.py [--size bench|demo] [--workers 0 1 2 4]
+        [--shuffle none full] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+from pathlib import Path
+
+from _common import report
+from loader_throughput import BATCH, SEQ, build_lake, config_for, in_subprocess, is_built
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("bench", "demo"), default="bench")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--shuffle", nargs="+", default=["none", "full"])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if not is_built(args.size):
+        build_lake(args.size)
+    rates: dict[tuple[str, int], list[float]] = {}
+    loads = [Path("/proc/loadavg").read_text().split()[0]]
+    for _ in range(args.repeat):   # rounds interleaved: a change of load hits every count alike
+        for shuffle in args.shuffle:
+            for workers in args.workers:
+                measured = in_subprocess("--measure", str(config_for(args.size, "concat", shuffle, workers)))
+                rates.setdefault((shuffle, workers), []).append(measured["tokens_per_s"])
+        loads.append(Path("/proc/loadavg").read_text().split()[0])
+    figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}", "corpus": args.size, "cores": os.cpu_count(),
+                                  "repeat": args.repeat, "loadavg_1min_per_round": " ".join(loads)}
+    for (shuffle, workers), found in rates.items():
+        figures[f"concat_{shuffle}_workers{workers}_tokens_per_s (median)"] = round(statistics.median(found))
+        figures[f"concat_{shuffle}_workers{workers}_tokens_per_s (all)"] = " ".join(f"{r / 1e6:.1f}M" for r in found)
+    for shuffle in args.shuffle:
+        if {(shuffle, 1), (shuffle, 2)} <= rates.keys():
+            figures[f"concat_{shuffle}_2_vs_1_workers (target >= 1.7)"] = round(
+                statistics.median(rates[shuffle, 2]) / statistics.median(rates[shuffle, 1]), 2)
+    report("loader_workers" if args.size == "bench" else f"loader_workers_{args.size}", figures)
+
+
+if __name__ == "__main__":
+    main()
