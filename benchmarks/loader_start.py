@@ -35,22 +35,28 @@ ROUNDS = 3
 
 
 def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 20) -> Path:
-    """The config of the benchmark lake (built once) with shuffle ``kind``."""
+    """The config of the benchmark lake (built once) with shuffle ``kind``. A built lake (one
+    copied to another machine, say) is read as it is: no corpus, no build, no Dask."""
     from lakeloader.demo.corpus import prepare_corpus
-    from lakeloader.ingest.driver import build
 
-    corpus = prepare_corpus(OUT / f"{size}-corpus", size=size)   # type: ignore[arg-type]
+    corpus = OUT / f"{size}-corpus"
     name = f"{size}" if row_group_tokens == 1 << 20 else f"{size}-rg{row_group_tokens}"
+    lake = OUT / f"start-{name}-lake"
+    built = (lake / "_catalog" / "CURRENT").exists()
+    if not built:
+        prepare_corpus(corpus, size=size)   # type: ignore[arg-type]
     path = OUT / f"start-{name}-{verify}-{kind}.yaml"
     path.write_text(yaml.safe_dump({
-        "lake": str(OUT / f"start-{name}-lake"), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
-        "datasets": {"code": {"sources": [str(p) for p in corpus["code"]]}},
+        "lake": str(lake), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
+        "datasets": {"code": {"sources": [str(corpus / "code" / "*.jsonl")]}},
         "build": {"split_size": "8MB" if size == "bench" else "1MB",   # demo: ~10 chunks, not 2
                   "row_group_tokens": row_group_tokens},
         "loader": {"seq_len": SEQ, "batch_size": BATCH, "verify": verify, "prefetch": 0,
                    "shuffle": {"kind": kind, "window_chunks": 4, "block_size": 64, "window_blocks": 8}},
     }))
-    if kind == KINDS[0]:
+    if kind == KINDS[0] and not built:
+        from lakeloader.ingest.driver import build  # only to build: a built lake reads without Dask
+
         build(str(path), progress=False)
     return path
 
