@@ -268,7 +268,11 @@ def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, c
         page = raw
         if decompress is not None:
             try:
-                page = memoryview(decompress(raw, max_output_size=header.uncompressed_page_size))
+                # The frame's own size is what gets allocated: it must be the header's (Arrow's
+                # writer always stores it), whatever a page without a CRC may have had altered.
+                if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
+                    raise _NotDecoded("zstd frame of another size than its page header says")
+                page = memoryview(decompress(raw))
             except zstandard.ZstdError as exc:
                 raise _NotDecoded(f"zstd: {exc}") from exc
         if len(page) != header.uncompressed_page_size:
