@@ -1,5 +1,5 @@
 """Chunk files: verified once against the catalog, every page read checked against its CRC-32,
-row groups read zero-copy and cached."""
+row groups read (the tokens' pages decoded by :mod:`lakeloader.read.pages`) and cached."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ class ChunkFiles:
             return parquet.read_row_groups(groups, columns=present)
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
-        """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy), cached."""
+        """Tokens and part layout of one row group of chunk ``index`` (tokens read-only), cached."""
         return self.cache.get((chunks.fingerprint, index, group), lambda: self.read_row_group(chunks, index, group))
 
     def read_row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
