@@ -248,7 +248,7 @@ def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, c
     if len(data) != size:
         raise _NotDecoded(f"{len(data)} of the column chunk's {size} bytes read")
     max_rep, max_def = schema.max_repetition_level, schema.max_definition_level
-    codec = pa.Codec("zstd") if chunk.compression == "ZSTD" else None
+    decompress = zstandard.ZstdDecompressor().decompress if chunk.compression == "ZSTD" else None
     out = np.empty(count, dtype)
     filled = levels = ordinal = 0
     pos = 0
@@ -266,15 +266,14 @@ def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, c
         if page_header.encoding != ENCODING_PLAIN:
             raise _NotDecoded(f"values of encoding {page_header.encoding}")
         page = raw
-        if codec is not None:
-            # The header's size (not covered by the CRC) is allocated only when the frame's own
-            # (covered) says the same; Arrow's writer always stores it. pyarrow's zstd decodes these
-            # pages faster than the zstandard package's.
+        if decompress is not None:
             try:
+                # The frame's own size is what gets allocated: it must be the header's (Arrow's
+                # writer always stores it), whatever a page without a CRC may have had altered.
                 if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
                     raise _NotDecoded("zstd frame of another size than its page header says")
-                page = memoryview(codec.decompress(raw, decompressed_size=header.uncompressed_page_size))
-            except (zstandard.ZstdError, OSError, pa.ArrowException) as exc:
+                page = memoryview(decompress(raw))
+            except zstandard.ZstdError as exc:
                 raise _NotDecoded(f"zstd: {exc}") from exc
         if len(page) != header.uncompressed_page_size:
             raise _NotDecoded(f"page of {len(page)} bytes, its header says {header.uncompressed_page_size}")
