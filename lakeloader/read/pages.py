@@ -18,7 +18,7 @@ import zstandard
 log = logging.getLogger(__name__)
 
 # Parquet's PageType, Encoding and Thrift compact-protocol type codes (parquet.thrift, the Thrift spec).
-PAGE_DATA, PAGE_DICTIONARY, PAGE_DATA_V2 = 0, 2, 3
+PAGE_DATA = 0   # dictionary pages (2) and data pages v2 (3) are left to pyarrow
 ENCODING_PLAIN, ENCODING_RLE = 0, 3
 _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(1, 13)
 _MAX_DEPTH = 32   # nesting of skipped structs; page headers nest 3 deep
