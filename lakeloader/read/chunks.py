@@ -1,14 +1,17 @@
 """Chunk files: verified once against the catalog, every page read checked against its CRC-32,
-row groups read zero-copy and cached."""
+row groups read (the tokens' pages decoded by :mod:`lakeloader.read.pages`) and cached."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.contracts.chunk_file import (
@@ -26,6 +29,7 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
 from lakeloader.read.lru import LRU
+from lakeloader.read.pages import leaf_column, read_column_values
 from lakeloader.storage import sha256_of, with_retries
 
 
@@ -127,38 +131,54 @@ class ChunkFiles:
         with self._lock:
             self._verified.add(path)
 
-    def _read(self, chunks: DatasetChunks, index: int, groups: list[int] | None, columns: list[str]) -> pa.Table:
+    @contextlib.contextmanager
+    def _parquet(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, pq.ParquetFile]]:
+        """Chunk ``index`` checked (:meth:`_check`) and opened; what fails to read in the block is
+        an error naming the chunk."""
         path = chunks.record(index).path
         with self._open(chunks, index) as handle:
             self._check(chunks, index, handle)
             with self._lock:
                 self.files_opened.add(path)
             try:
-                parquet = open_chunk(handle)
-                present = [c for c in columns if c in parquet.schema_arrow.names]
-                if groups is None:
-                    return parquet.read(columns=present)
-                return parquet.read_row_groups(groups, columns=present)
+                yield handle, open_chunk(handle)
             except (OSError, pa.ArrowException) as exc:
                 raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
                                        exc, None if self.disk is None else self.disk.local_path(path)) from exc
 
+    def _read(self, chunks: DatasetChunks, index: int, groups: list[int] | None, columns: list[str]) -> pa.Table:
+        with self._parquet(chunks, index) as (_, parquet):
+            present = [c for c in columns if c in parquet.schema_arrow.names]
+            if groups is None:
+                return parquet.read(columns=present)
+            return parquet.read_row_groups(groups, columns=present)
+
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
-        """Tokens and part layout of one row group of chunk ``index`` (tokens zero-copy), cached."""
+        """Tokens and part layout of one row group of chunk ``index`` (tokens read-only), cached."""
         return self.cache.get((chunks.fingerprint, index, group), lambda: self.read_row_group(chunks, index, group))
 
     def read_row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         """:meth:`row_group` read from the file and not cached (for what is cached derived from it)."""
-        table = self._read(chunks, index, [group], [TOKENS_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN,
-                                                    PART_REFS_COLUMN])
-        column = table.column(TOKENS_COLUMN)
-        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-        offsets = array.offsets.to_numpy(zero_copy_only=True)
-        values = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
+        with self._parquet(chunks, index) as (handle, parquet):
+            names = parquet.schema_arrow.names
+            table = parquet.read_row_groups(
+                [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names])
+            parts = table_parts(table)
+            # The tokens' pages decoded here (their levels skipped), or by pyarrow when stored otherwise.
+            leaf = leaf_column(parquet.metadata, TOKENS_COLUMN)
+            values = None if leaf is None else read_column_values(
+                handle, parquet.metadata, group, leaf, parquet.schema_arrow.field(TOKENS_COLUMN).type.value_type,
+                int(parts.part_lengths.sum()))
+            if values is None:
+                column = parquet.read_row_groups([group], columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN)
+        if values is None:
+            array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+            offsets = array.offsets.to_numpy(zero_copy_only=True)
+            values = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
         refs = None
         if PART_REFS_COLUMN in table.column_names:
             refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
-        stored = RowGroup(values, table_parts(table), refs)
+        stored = RowGroup(values, parts, refs)
         if chunks.filtered:
             return _selected(stored, self._view(chunks).selection(chunks.name, int(index), group))
         return stored

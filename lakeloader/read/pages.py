@@ -1,0 +1,299 @@
+"""The data pages of one Parquet column chunk decoded to a numpy array, for the way chunk files store
+tokens: PLAIN INT32 values, RLE levels, ZSTD or no compression, data pages v1. One read of the
+column chunk, each page's CRC-32 checked, the levels skipped (a list column's are most of what a
+general reader spends its time on), the values cast once. A column stored any other way is None:
+the caller reads it with pyarrow, so every valid file still reads, to the same values."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+log = logging.getLogger(__name__)
+
+# Parquet's PageType, Encoding and Thrift compact-protocol type codes (parquet.thrift, the Thrift spec).
+PAGE_DATA = 0   # dictionary pages (2) and data pages v2 (3) are left to pyarrow
+ENCODING_PLAIN, ENCODING_RLE = 0, 3
+_TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(1, 13)
+_MAX_DEPTH = 32   # nesting of skipped structs; page headers nest 3 deep
+
+# Arrow value types read from INT32 as numpy casts them (pyarrow truncates the same way, unchecked).
+_DTYPES = {pa.int8(): np.int8, pa.uint8(): np.uint8, pa.int16(): np.int16, pa.uint16(): np.uint16,
+           pa.int32(): np.int32, pa.uint32(): np.uint32}
+
+
+class PageChecksumError(OSError):
+    """A page whose bytes do not match the CRC-32 its writer stored. Worded as pyarrow's checked
+    read words it, so a chunk's error reads the same whichever reader found the damage."""
+
+    def __init__(self, ordinal: int) -> None:
+        super().__init__(f"could not verify page integrity, CRC checksum verification failed for page_ordinal {ordinal}")
+
+
+class _NotDecoded(Exception):
+    """Why a column chunk is left to pyarrow (a layout not decoded here, or bytes that make no sense:
+    pyarrow then reports them as it always has)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPageHeader:
+    num_values: int                 # level entries (values, nulls and empty lists), not values
+    encoding: int
+    definition_level_encoding: int
+    repetition_level_encoding: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPageHeaderV2:
+    num_values: int
+    num_nulls: int
+    num_rows: int
+    encoding: int
+    definition_levels_byte_length: int
+    repetition_levels_byte_length: int
+    is_compressed: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PageHeader:
+    type: int
+    uncompressed_page_size: int
+    compressed_page_size: int
+    crc: int | None                 # signed 32-bit as stored; None for a page written without one
+    data_page_header: DataPageHeader | None = None
+    data_page_header_v2: DataPageHeaderV2 | None = None
+
+
+class _CompactReader:
+    """The Thrift compact protocol, as much as page headers need; any other field is skipped."""
+
+    def __init__(self, data: bytes | memoryview, pos: int) -> None:
+        self.data = data
+        self.pos = pos
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            raise _NotDecoded("page header runs past the column chunk")
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def varint(self) -> int:
+        value = shift = 0
+        while True:
+            b = self.byte()
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value
+            shift += 7
+            if shift > 63:
+                raise _NotDecoded("varint longer than 10 bytes in a page header")
+
+    def zigzag(self) -> int:
+        n = self.varint()
+        return (n >> 1) ^ -(n & 1)
+
+    def advance(self, count: int) -> None:
+        if count < 0 or self.pos + count > len(self.data):
+            raise _NotDecoded("page header runs past the column chunk")
+        self.pos += count
+
+    def fields(self) -> dict[int, int | bool | tuple[int, int]]:
+        """One struct's fields by id: integers and booleans as values, nested structs as
+        ``(start, end)`` positions of their fields (read again with :meth:`at`), others skipped."""
+        found: dict[int, int | bool | tuple[int, int]] = {}
+        field_id = 0
+        while True:
+            head = self.byte()
+            if head == 0:
+                return found
+            kind, delta = head & 0x0F, head >> 4
+            field_id = field_id + delta if delta else self.zigzag()
+            if kind in (_TRUE, _FALSE):
+                found[field_id] = kind == _TRUE
+            elif kind in (_I16, _I32, _I64):
+                found[field_id] = self.zigzag()
+            elif kind == _STRUCT:
+                start = self.pos
+                self.skip(_STRUCT, 1)
+                found[field_id] = (start, self.pos)
+            else:
+                self.skip(kind, 0)
+
+    def skip(self, kind: int, depth: int, in_collection: bool = False) -> None:
+        if depth > _MAX_DEPTH:
+            raise _NotDecoded("page header nests too deep")
+        if kind in (_TRUE, _FALSE):
+            if in_collection:   # a struct field's boolean is in its type; a list's takes a byte
+                self.advance(1)
+        elif kind == _BYTE:
+            self.advance(1)
+        elif kind in (_I16, _I32, _I64):
+            self.varint()
+        elif kind == _DOUBLE:
+            self.advance(8)
+        elif kind == _BINARY:
+            self.advance(self.varint())
+        elif kind in (_LIST, _SET):
+            head = self.byte()
+            size = head >> 4 if head >> 4 != 15 else self.varint()
+            for _ in range(size):   # each element takes at least a byte: bounded by the data
+                self.skip(head & 0x0F, depth + 1, True)
+        elif kind == _MAP:
+            size = self.varint()
+            types = self.byte() if size else 0
+            for _ in range(size):
+                self.skip(types >> 4, depth + 1, True)
+                self.skip(types & 0x0F, depth + 1, True)
+        elif kind == _STRUCT:
+            while (head := self.byte()) != 0:
+                if not head >> 4:
+                    self.zigzag()
+                self.skip(head & 0x0F, depth + 1)
+        else:
+            raise _NotDecoded(f"unknown Thrift type {kind} in a page header")
+
+
+def _int(fields: dict[int, int | bool | tuple[int, int]], field_id: int, name: str,
+         default: int | None = None) -> int:
+    value = fields.get(field_id, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _NotDecoded(f"page header without a valid {name}")
+    return value
+
+
+def read_page_header(data: bytes | memoryview, pos: int) -> tuple[PageHeader, int]:
+    """The page header starting at ``data[pos]`` and where the page's bytes start."""
+    reader = _CompactReader(data, pos)
+    fields = reader.fields()
+    end = reader.pos
+
+    def nested(field_id: int) -> dict[int, int | bool | tuple[int, int]] | None:
+        span = fields.get(field_id)
+        if span is None:
+            return None
+        if not isinstance(span, tuple):
+            raise _NotDecoded(f"page header field {field_id} is not a struct")
+        return _CompactReader(data, span[0]).fields()
+
+    v1, v2 = nested(5), nested(8)
+    crc = fields.get(4)
+    header = PageHeader(
+        type=_int(fields, 1, "type"),
+        uncompressed_page_size=_int(fields, 2, "uncompressed_page_size"),
+        compressed_page_size=_int(fields, 3, "compressed_page_size"),
+        crc=None if crc is None else _int(fields, 4, "crc"),
+        data_page_header=None if v1 is None else DataPageHeader(
+            _int(v1, 1, "num_values"), _int(v1, 2, "encoding"), _int(v1, 3, "definition_level_encoding"),
+            _int(v1, 4, "repetition_level_encoding")),
+        data_page_header_v2=None if v2 is None else DataPageHeaderV2(
+            _int(v2, 1, "num_values"), _int(v2, 2, "num_nulls"), _int(v2, 3, "num_rows"), _int(v2, 4, "encoding"),
+            _int(v2, 5, "definition_levels_byte_length"), _int(v2, 6, "repetition_levels_byte_length"),
+            bool(v2.get(7, True))),
+    )
+    return header, end
+
+
+def leaf_column(metadata: pq.FileMetaData, name: str) -> int | None:
+    """The index of the one leaf column under top-level column ``name`` (None: absent or nested
+    into several leaves)."""
+    leaves = [i for i in range(metadata.num_columns) if metadata.schema.column(i).path.split(".")[0] == name]
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def _skip_level_block(page: memoryview, pos: int, encoding: int, max_level: int) -> int:
+    """Where a v1 page's levels of one kind end (an RLE block: 4-byte length, then the runs)."""
+    if max_level == 0:
+        return pos
+    if encoding != ENCODING_RLE:
+        raise _NotDecoded(f"levels of encoding {encoding}, not RLE")
+    if pos + 4 > len(page):
+        raise _NotDecoded("level block runs past the page")
+    return pos + 4 + int.from_bytes(page[pos:pos + 4], "little")
+
+
+def read_column_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
+                       value_type: pa.DataType, count: int) -> np.ndarray | None:
+    """The ``count`` values of leaf column ``column`` in row group ``group`` (read-only, of the numpy
+    type of ``value_type``, the column's Arrow value type), bitwise what pyarrow decodes, read with
+    one read of ``handle``. Raises :class:`PageChecksumError` for a page that fails its CRC-32. None
+    when the column chunk is stored in a way not decoded here (a dictionary, another encoding, codec
+    or page version, nulls among the values, a value type wider than INT32) or its pages make no
+    sense: read it with pyarrow then."""
+    try:
+        return _read_values(handle, metadata, group, column, value_type, count)
+    except _NotDecoded as reason:
+        log.debug("row group %d, column %d left to pyarrow: %s", group, column, reason)
+        return None
+
+
+def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
+                 value_type: pa.DataType, count: int) -> np.ndarray:
+    chunk = metadata.row_group(group).column(column)
+    schema = metadata.schema.column(column)
+    dtype = _DTYPES.get(value_type)
+    if chunk.physical_type != "INT32" or dtype is None:
+        raise _NotDecoded(f"{chunk.physical_type} values of Arrow type {value_type}")
+    if chunk.has_dictionary_page:
+        raise _NotDecoded("dictionary page")
+    if chunk.compression not in ("ZSTD", "UNCOMPRESSED"):
+        raise _NotDecoded(f"{chunk.compression} compression")
+    size = chunk.total_compressed_size
+    data = memoryview(handle.read_at(size, chunk.data_page_offset))
+    if len(data) != size:
+        raise _NotDecoded(f"{len(data)} of the column chunk's {size} bytes read")
+    max_rep, max_def = schema.max_repetition_level, schema.max_definition_level
+    decompress = zstandard.ZstdDecompressor().decompress if chunk.compression == "ZSTD" else None
+    out = np.empty(count, dtype)
+    filled = levels = ordinal = 0
+    pos = 0
+    while pos < size:
+        header, start = read_page_header(data, pos)
+        stop = start + header.compressed_page_size
+        if header.compressed_page_size < 0 or stop > size:
+            raise _NotDecoded("page runs past the column chunk")
+        raw = data[start:stop]
+        if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
+            raise PageChecksumError(ordinal)
+        page_header = header.data_page_header
+        if header.type != PAGE_DATA or page_header is None:
+            raise _NotDecoded(f"page of type {header.type}")
+        if page_header.encoding != ENCODING_PLAIN:
+            raise _NotDecoded(f"values of encoding {page_header.encoding}")
+        page = raw
+        if decompress is not None:
+            try:
+                # The frame's own size is what gets allocated: it must be the header's (Arrow's
+                # writer always stores it), whatever a page without a CRC may have had altered.
+                if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
+                    raise _NotDecoded("zstd frame of another size than its page header says")
+                page = memoryview(decompress(raw))
+            except zstandard.ZstdError as exc:
+                raise _NotDecoded(f"zstd: {exc}") from exc
+        if len(page) != header.uncompressed_page_size:
+            raise _NotDecoded(f"page of {len(page)} bytes, its header says {header.uncompressed_page_size}")
+        at = _skip_level_block(page, 0, page_header.repetition_level_encoding, max_rep)
+        at = _skip_level_block(page, at, page_header.definition_level_encoding, max_def)
+        values = len(page) - at
+        if values < 0 or values % 4:
+            raise _NotDecoded(f"{values} bytes of INT32 values")
+        values //= 4
+        # Level entries count values, nulls and empty lists: never fewer than the values stored.
+        if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
+            raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
+        if filled + values > count:
+            raise _NotDecoded(f"more than the {count} values expected")
+        out[filled:filled + values] = np.frombuffer(page, "<i4", values, at)
+        filled += values
+        levels += page_header.num_values
+        ordinal += 1
+        pos = stop
+    if filled != count or levels != chunk.num_values:
+        raise _NotDecoded(f"{filled} values in {levels} level entries, expected {count} in {chunk.num_values}")
+    out.flags.writeable = False
+    return out

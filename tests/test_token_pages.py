@@ -1,0 +1,251 @@
+"""Token pages decoded by lakeloader itself (lakeloader.read.pages): bitwise what pyarrow decodes,
+every page's CRC-32 checked, and pyarrow for any column chunk stored otherwise."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lakeloader.ingest.chunk as chunk_module
+import lakeloader.read.chunks as chunks_module
+from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.chunk_file import TOKENS_COLUMN, ChunkParts, open_chunk
+from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.feed.loader import Loader
+from lakeloader.ingest.chunk import EncodedParts, chunk_table, encode_chunk_file, row_group_bounds
+from lakeloader.read.catalog_view import CatalogView
+from lakeloader.read.chunks import ChunkFiles
+from lakeloader.read.pages import PageChecksumError, leaf_column, read_column_values
+
+from conftest import Lakes, assert_batches_equal, small_lake_request
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def chunk_bytes(docs: list[list[list[int]]], dtype: type, row_group_tokens: int, **writer: object) -> bytes:
+    """A chunk file of ``docs`` (each a list of parts, each a list of token ids) written by the
+    build's own :func:`encode_chunk_file`, ``writer`` options replacing or added to its ParquetWriter's."""
+    lengths = np.array([len(p) for d in docs for p in d], np.int64)
+    parts = ChunkParts(lengths, np.zeros(len(lengths), np.int64),
+                       np.repeat(np.arange(len(docs), dtype=np.int64), [len(d) for d in docs]), len(docs))
+    ids = np.array([t for d in docs for p in d for t in p], dtype)
+    table = chunk_table(list(range(len(docs))), EncodedParts(ids, parts, [None] * len(lengths)), False)
+    bounds = row_group_bounds(parts.content_lengths, row_group_tokens)
+    real = pq.ParquetWriter
+
+    def writer_with_options(*args: Any, **options: Any) -> pq.ParquetWriter:
+        return real(*args, **{**options, **writer})
+
+    with mock.patch.object(chunk_module.pq, "ParquetWriter", writer_with_options):
+        return encode_chunk_file(table, bounds)
+
+
+def pyarrow_tokens(parquet: pq.ParquetFile, group: int) -> np.ndarray:
+    """A row group's tokens as ChunkFiles read them with pyarrow."""
+    array = parquet.read_row_group(group, columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN).combine_chunks()
+    offsets = array.offsets.to_numpy()
+    return array.values.to_numpy()[offsets[0]:offsets[-1]]
+
+
+def decoded(data: bytes, group: int, count: int | None = None) -> np.ndarray | None:
+    """Row group ``group``'s tokens decoded by read_column_values (``count`` of them: by default
+    as many as pyarrow reads)."""
+    parquet = open_chunk(pa.BufferReader(data))
+    metadata = parquet.metadata
+    count = len(pyarrow_tokens(parquet, group)) if count is None else count
+    return read_column_values(pa.BufferReader(data), metadata, group, leaf_column(metadata, TOKENS_COLUMN),
+                              parquet.schema_arrow.field(TOKENS_COLUMN).type.value_type, count)
+
+
+def num_pages(data: bytes, group: int) -> int:
+    column = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(group).column(1)
+    start = column.data_page_offset
+    return data[start:start + column.total_compressed_size].count(ZSTD_MAGIC)
+
+
+DOCS = st.lists(st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=60), min_size=1, max_size=3),
+                min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=DOCS, dtype=st.sampled_from([np.uint16, np.uint32]), row_group_tokens=st.integers(1, 800),
+       page_bytes=st.integers(8, 2000), batch=st.integers(1, 300))
+def test_pages_decode_bitwise_as_pyarrow(docs: list[list[list[int]]], dtype: type, row_group_tokens: int,
+                                        page_bytes: int, batch: int) -> None:
+    """Chunk files as the build writes them (any documents, empty ones too, any row groups, many
+    pages each): every row group's tokens decode here, same dtype and bits as pyarrow's."""
+    docs = [[[t % (np.iinfo(dtype).max + 1) for t in part] for part in doc] for doc in docs]
+    data = chunk_bytes(docs, dtype, row_group_tokens, data_page_size=page_bytes, write_batch_size=batch)
+    parquet = pq.ParquetFile(io.BytesIO(data))
+    for group in range(parquet.metadata.num_row_groups):
+        expected = pyarrow_tokens(parquet, group)
+        got = decoded(data, group)
+        assert got is not None, f"row group {group} left to pyarrow"
+        assert got.dtype == expected.dtype == dtype and np.array_equal(got, expected)
+        assert not got.flags.writeable   # cached and shared, as pyarrow's zero-copy arrays are
+
+
+def test_written_files_have_many_pages() -> None:
+    """The property above covers column chunks of many pages (the writer options it draws work)."""
+    docs = [[list(range(i, i + 50))] for i in range(40)]
+    data = chunk_bytes(docs, np.uint16, 10_000, data_page_size=64, write_batch_size=16)
+    assert num_pages(data, 0) > 20
+    assert np.array_equal(decoded(data, 0), pyarrow_tokens(pq.ParquetFile(io.BytesIO(data)), 0))
+
+
+def corrupt_page_bytes(data: bytes, seed: int) -> list[bytes]:
+    """Copies of ``data`` with one bit flipped in the compressed bytes of one of the tokens' pages."""
+    column = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0).column(1)
+    start, stop = column.data_page_offset, column.data_page_offset + column.total_compressed_size
+    payloads = [i for i in range(start, stop) if data[i:i + 4] == ZSTD_MAGIC]
+    rng = np.random.default_rng(seed)
+    out = []
+    for page in payloads:
+        end = next((p for p in payloads if p > page), stop)
+        offset = int(rng.integers(page, end))
+        out.append(data[:offset] + bytes([data[offset] ^ (1 << int(rng.integers(8)))]) + data[offset + 1:])
+    return out
+
+
+def test_a_damaged_page_fails_its_crc_as_pyarrow_says() -> None:
+    """A flipped bit in any token page is PageChecksumError, worded exactly as pyarrow's checked read
+    (so ``unreadable_chunk`` tells the user the same), never tokens."""
+    docs = [[[(i * 7919 + j) % 65536 for j in range(200)]] for i in range(30)]
+    data = chunk_bytes(docs, np.uint16, 10_000, data_page_size=1024, write_batch_size=64)
+    damaged = corrupt_page_bytes(data, seed=3)
+    assert len(damaged) > 3
+    for copy in damaged:
+        with pytest.raises(OSError, match="CRC checksum verification failed") as pyarrow_error:
+            open_chunk(pa.BufferReader(copy)).read_row_group(0, columns=[TOKENS_COLUMN])
+        with pytest.raises(PageChecksumError) as error:
+            decoded(copy, 0, count=30 * 200)
+        assert str(error.value) == str(pyarrow_error.value)
+
+
+def test_pages_without_checksums_decode() -> None:
+    """Chunks written before page checksums (no CRC in their headers) decode here too."""
+    docs = [[[i, i + 1, 65535]] for i in range(100)]
+    data = chunk_bytes(docs, np.uint16, 10_000, write_page_checksum=False, data_page_size=100)
+    assert np.array_equal(decoded(data, 0), pyarrow_tokens(pq.ParquetFile(io.BytesIO(data)), 0))
+
+
+OTHER_LAYOUTS = {
+    "dictionary": dict(use_dictionary=True),
+    "snappy": dict(compression="snappy", compression_level=None),
+    "data pages v2": dict(data_page_version="2.0"),
+    "delta encoding": dict(column_encoding={"tokens.list.element": "DELTA_BINARY_PACKED"}),
+}
+
+
+@pytest.mark.parametrize("writer", OTHER_LAYOUTS.values(), ids=OTHER_LAYOUTS.keys())
+def test_other_layouts_are_left_to_pyarrow(writer: dict[str, object]) -> None:
+    """A column chunk stored in a way not decoded here is None (the caller then reads it with pyarrow)."""
+    docs = [[[i % 300, 7, i]] for i in range(200)]
+    assert decoded(chunk_bytes(docs, np.uint16, 10_000, **writer), 0) is None
+
+
+def test_nulls_and_wide_types_are_left_to_pyarrow() -> None:
+    """Null tokens are not stored, so fewer values than the lists' four slots: None (pyarrow then
+    reads the nulls, which ChunkFiles refuses as before); INT64 values: None."""
+    table = pa.table({TOKENS_COLUMN: pa.array([[1, None, 3], [4]], pa.large_list(pa.uint16()))})
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd", use_dictionary=False)
+    assert decoded(sink.getvalue(), 0, count=4) is None
+    wide = pa.table({TOKENS_COLUMN: pa.array([[1, 2, 3], [4]], pa.large_list(pa.int64()))})
+    sink = io.BytesIO()
+    pq.write_table(wide, sink, compression="zstd", use_dictionary=False)
+    assert decoded(sink.getvalue(), 0, count=4) is None
+
+
+@pytest.fixture(scope="module")
+def lake_config(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' small shared lake, read with a full shuffle and a cache too small to keep a row group."""
+    spec = small_lake_request()
+    shared = lakes.shared(spec.pop("corpus"), spec.pop("datasets"), **spec)
+    config = yaml.safe_load(shared.read_text())
+    config["loader"] = {"seq_len": 64, "batch_size": 8, "shuffle": "full", "prefetch": 0, "cache_bytes": "1KB"}
+    path = tmp_path_factory.mktemp("pages") / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, force_pyarrow: bool) -> list[bool]:
+    """Patches ChunkFiles' page decoder to record whether each call decoded (and, with
+    ``force_pyarrow``, to leave every row group to pyarrow)."""
+    calls: list[bool] = []
+    real = read_column_values
+
+    def spy(*args: object) -> np.ndarray | None:
+        values = None if force_pyarrow else real(*args)  # type: ignore[arg-type]
+        calls.append(values is not None)
+        return values
+
+    monkeypatch.setattr(chunks_module, "read_column_values", spy)
+    return calls
+
+
+def test_loader_batches_equal_with_pyarrow_fallback(lake_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shuffled Loader's batches (its cache too small to keep a row group: every one decoded again
+    and again) are bitwise the same whether the tokens' pages are decoded here or by pyarrow."""
+    fast_calls = counting(monkeypatch, force_pyarrow=False)
+    loader = Loader(lake_config)
+    steps = range(min(loader.num_batches() or 30, 30))
+    fast = [loader.batch(s) for s in steps]
+    loader.close()
+    assert len(fast_calls) > 30 and all(fast_calls), fast_calls   # every row group decoded here
+    slow_calls = counting(monkeypatch, force_pyarrow=True)
+    loader = Loader(lake_config)
+    slow = [loader.batch(s) for s in steps]
+    loader.close()
+    assert len(slow_calls) == len(fast_calls)
+    assert_batches_equal(fast, slow, "pages vs pyarrow", steps)
+
+
+def test_files_of_other_layouts_read_the_same(built_lake: Path) -> None:
+    """A chunk file stored otherwise (dictionary-encoded here) reads through ChunkFiles to the same
+    row group, by pyarrow (its check against the catalog passed before it was rewritten)."""
+    lake = open_lake(built_lake)   # a private copy of the small lake
+    view = CatalogView(lake)
+    chunks = view.dataset("d")
+    files = ChunkFiles(lake, "size", 0, 0)
+    expected = files.read_row_group(chunks, 0, 0)
+    path = Path(lake.path_of(chunks.record(0).path))
+    table = pq.read_table(path)
+    with pq.ParquetWriter(path, table.schema, compression="zstd", use_dictionary=True, store_schema=True,
+                          write_page_checksum=True) as writer:
+        writer.write_table(table)
+    assert decoded(path.read_bytes(), 0) is None
+    got = files.read_row_group(chunks, 0, 0)
+    view.close()
+    assert got.values.dtype == expected.values.dtype and np.array_equal(got.values, expected.values)
+    assert np.array_equal(got.parts.part_lengths, expected.parts.part_lengths)
+
+
+def test_damaged_token_page_message_is_unchanged(built_lake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error for a chunk whose token page fails its CRC is the same word for word whether the
+    pages are decoded here or by pyarrow."""
+    lake = open_lake(built_lake)   # a private copy of the small lake
+    view = CatalogView(lake)
+    chunks = view.dataset("d")
+    path = Path(lake.path_of(chunks.record(0).path))
+    path.write_bytes(corrupt_page_bytes(path.read_bytes(), seed=5)[0])
+    messages = []
+    for force_pyarrow in (False, True):
+        calls = counting(monkeypatch, force_pyarrow)
+        with pytest.raises(ChunkIntegrityError, match="a page failed its CRC-32 checksum") as error:
+            ChunkFiles(lake, "size", 0, 0).read_row_group(chunks, 0, 0)
+        if not force_pyarrow:
+            assert calls == []   # the decoder raised: it returned nothing
+        messages.append(str(error.value))
+    view.close()
+    assert messages[0] == messages[1]
