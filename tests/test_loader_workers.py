@@ -79,6 +79,31 @@ def test_workers_give_the_batches_of_one_process(lake: Path, packing: str, shuff
     assert not shm_segments(os.getpid())
 
 
+def test_batches_lent_from_shared_memory_stay_intact_while_referenced(lake: Path) -> None:
+    """Batches are handed out over the workers' shared memory where it can be lent: a slot goes
+    back to its worker only once nothing refers to its arrays, so whole batches kept, slices
+    kept after the batch was dropped, and batches dropped at once all read as one process's."""
+    steps = 40
+    reference = one_process(config_of(lake, "lend-0", shuffle="full"), range(steps))
+    config = config_of(lake, "lend-2", shuffle="full", workers=2, prefetch=2)
+    kept, slices = {}, {}
+    with Loader(config) as loader:
+        iterator = loader.iter_from(0)
+        for step, batch in zip(range(steps), iterator):
+            if step % 3 == 0:
+                kept[step] = batch
+            elif step % 3 == 1:
+                slices[step] = batch["input_ids"][:, 3:9]   # the batch itself is dropped
+            del batch
+        lent = sum(b["input_ids"].base is not None for b in kept.values())   # pool copies own their memory
+        iterator.close()
+    assert lent > 0   # some batches were memory of the workers' slots, not copies
+    assert_batches_equal([kept[s] for s in sorted(kept)], [reference[s] for s in sorted(kept)], steps=sorted(kept))
+    for step, values in slices.items():
+        assert np.array_equal(values, reference[step]["input_ids"][:, 3:9]), step
+    assert not shm_segments(os.getpid())
+
+
 def test_resume_with_workers_equals_the_tail(lake: Path) -> None:
     reference = one_process(config_of(lake, "resume-0", shuffle="full"), range(STEPS))
     config = config_of(lake, "resume-2", shuffle="full", workers=2, prefetch=1)

@@ -8,9 +8,13 @@ consumer one message over its pipe: ``("batch", step, slot, layout, objects)`` (
 fields' dtype, shape and offset in the slot, and the few object arrays, pickled), or
 ``("error", step, exception)`` after which it builds nothing more. The consumer reads the next
 message of the worker owning each step (:func:`owner`), so batches come out in step order and are
-exactly the batches of one process; it copies the fields out of the slot into arrays nobody else
-holds (:class:`~lakeloader.feed.rows.ArrayPool`: a batch the caller keeps is never overwritten)
-and sends ``("release", slot)`` back.
+exactly the batches of one process. Where shared memory is a file of /dev/shm (Linux) it hands
+out the fields as arrays over the slot itself and sends ``("release", slot)`` back only once
+nothing refers to them any more (the caller dropped the batch and its slices: no copy); elsewhere
+it copies every batch out. While :data:`LENT` slots of a worker are still held by the caller, it copies the
+next batches out into arrays nobody else holds instead (:class:`~lakeloader.feed.rows.ArrayPool`)
+and releases their slots at once, so a caller keeping every batch never stalls the workers. A
+batch the caller keeps is never overwritten.
 
 Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collection and at exit)
 sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
@@ -25,12 +29,15 @@ with the pool's ``prefix`` (``lakeloader_<pid>_<random>``), so leaks can be foun
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import secrets
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -50,6 +57,8 @@ ALIGN = 64
 WATCH_SECONDS = 0.2
 JOIN_SECONDS = 5.0
 BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
+LENT = 2    # slots per worker the caller may hold as its batches' memory (the ring has these extra)
+_SHM_FOLDER = "/dev/shm"
 Layout = list[tuple[str, str, tuple[int, ...], int]]   # (field, dtype, shape, offset in the slot)
 
 
@@ -211,9 +220,10 @@ class WorkerPool:
         context = multiprocessing.get_context("spawn")   # no fork of a process running threads
         self._conns: list[multiprocessing.connection.Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
-        self._attached: dict[str, shared_memory.SharedMemory] = {}
+        self._attached: dict[str, mmap.mmap | shared_memory.SharedMemory] = {}
         self._names: set[str] = set()
         self._arrays = ArrayPool()   # what batches are copied into: no fresh pages per batch
+        self._lent: list[list[tuple[int, list[np.ndarray]]]] = [[] for _ in range(workers)]
         for worker in range(workers):
             mine, theirs = context.Pipe()
             process = context.Process(
@@ -263,18 +273,38 @@ class WorkerPool:
         segment = self._attached.get(name)
         if segment is None:
             for old in [n for n in self._attached if n.rsplit("_", 1)[0] == name.rsplit("_", 1)[0]]:
-                self._attached.pop(old).close()   # a regrown slot's old segment
-            # Attaching registers the name with the resource tracker that spawned workers share
-            # with this process: a no-op, the worker's unlink unregisters it.
-            segment = self._attached[name] = shared_memory.SharedMemory(name=name)
+                _close(self._attached.pop(old))   # a regrown slot's old segment
+            segment = self._attached[name] = _attach(name)
+        self._release_unused()
+        lend = isinstance(segment, mmap.mmap) and len(self._lent[worker]) < LENT
+        buffer = segment if isinstance(segment, mmap.mmap) else segment.buf
         batch: Batch = {}
+        flats = []
         for field, dtype, shape, offset in layout:
-            count = int(np.prod(shape))
-            batch[field] = self._arrays.empty(shape, dtype)
-            np.copyto(batch[field], np.frombuffer(segment.buf, np.dtype(dtype), count, offset).reshape(shape))
+            # Every view of the field (the caller's slices too) has ``flat`` as its base.
+            flat = np.frombuffer(buffer, np.dtype(dtype), math.prod(shape), offset)
+            if lend:
+                flats.append(flat)
+                batch[field] = flat.reshape(shape)
+            else:
+                batch[field] = self._arrays.empty(shape, dtype)
+                np.copyto(batch[field], flat.reshape(shape))
+        if lend:
+            self._lent[worker].append((slot, flats))
+        else:
+            self._conns[worker].send(("release", slot))
         batch.update(objects)
-        self._conns[worker].send(("release", slot))
         return batch
+
+    def _release_unused(self) -> None:
+        """Give the workers back the lent slots whose arrays nobody refers to any more."""
+        for worker, lent in enumerate(self._lent):
+            for slot, flats in list(lent):
+                # References: the list, the loop's name and getrefcount's argument; any array or
+                # view of the caller's adds its own.
+                if all(sys.getrefcount(flat) == 3 for flat in flats):
+                    lent.remove((slot, flats))
+                    self._conns[worker].send(("release", slot))
 
     def close(self) -> None:
         """Stop the workers and remove every shared-memory segment (idempotent)."""
@@ -283,7 +313,7 @@ class WorkerPool:
     @staticmethod
     def _shutdown(conns: list[multiprocessing.connection.Connection],
                   processes: list[multiprocessing.process.BaseProcess],
-                  attached: dict[str, shared_memory.SharedMemory], names: set[str]) -> None:
+                  attached: dict[str, mmap.mmap | shared_memory.SharedMemory], names: set[str]) -> None:
         for conn in conns:
             try:
                 conn.send(("stop",))
@@ -303,10 +333,36 @@ class WorkerPool:
         for conn in conns:
             conn.close()
         for segment in attached.values():
-            segment.close()
+            _close(segment)
         attached.clear()
         for name in names:
             _unlink(name)   # a worker that was killed could not remove its own
+
+
+def _attach(name: str) -> mmap.mmap | shared_memory.SharedMemory:
+    """Map segment ``name`` (a worker's) here: where POSIX shared memory is a file of /dev/shm
+    (Linux) with a plain mmap, which stays mapped while arrays over it live and is unmapped with
+    the last of them (so its memory can be lent to the caller); elsewhere as SharedMemory (its
+    batches are copied out)."""
+    path = os.path.join(_SHM_FOLDER, name)
+    if not os.path.exists(path):
+        # Attaching registers the name with the resource tracker that spawned workers share
+        # with this process: a no-op, the worker's unlink unregisters it.
+        return shared_memory.SharedMemory(name=name)
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(descriptor, 0)
+    finally:
+        os.close(descriptor)
+
+
+def _close(segment: mmap.mmap | shared_memory.SharedMemory) -> None:
+    """Unmap ``segment`` here unless batches the caller still holds are arrays over it: their
+    mapping then ends with the last of them (its name is unlinked all the same)."""
+    try:
+        segment.close()
+    except BufferError:
+        pass   # lent to arrays the caller holds: unmapped when the last of them is collected
 
 
 def _join_all(processes: list[multiprocessing.process.BaseProcess], seconds: float) -> None:
@@ -320,7 +376,7 @@ def worker_batches(make_loader: Callable[[], BatchSource], workers: int, start: 
                    prefetch: int) -> Iterator[Batch]:
     """Batches ``start, start + 1, ...`` (before ``total``) built by ``workers`` processes, about
     ``prefetch`` ahead in all (at least one per worker); the workers stop when this closes."""
-    ring = BLOCK + max(1, -(-prefetch // workers))
+    ring = BLOCK + max(1, -(-prefetch // workers)) + LENT
     pool = WorkerPool(make_loader, workers, start, total, ring)
     try:
         step = start
