@@ -75,10 +75,6 @@ JOIN chunks s ON s.dataset = d.source_dataset AND s.global_index = c.global_inde
 WHERE (c.status = 'committed') = $committed AND s.status = 'committed' AND list_contains($datasets, c.dataset)
 ORDER BY c.global_index, list_position($datasets, c.dataset);
 
--- name: reader_selection
--- The selected documents of one row group of a filtered dataset's chunk (within the row group).
-SELECT docs FROM selections WHERE dataset = $name AND global_index = $global_index AND row_group = $row_group;
-
 -- name: chunk_selection
 -- The selected documents of a filtered dataset's chunk, per row group of its file.
 SELECT row_group, source_first_doc, docs FROM selections

@@ -32,6 +32,7 @@ from lakeloader.contracts.errors import ConfigError, LakeloaderError, SourceErro
 from lakeloader.contracts.selection import where_problem
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
+from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.verify import verify_lake
 
 from conftest import (
@@ -378,3 +379,28 @@ def test_a_predicate_failing_on_a_value_names_the_key_and_chunk(tmp_path: Path, 
     with pytest.raises(ConfigError, match=r"datasets\.web_sel\.where = .* fails on the documents of chunk \d+ of "
                                           r"dataset 'web' .*Could not convert"):
         build(config, scheduler=dask_scheduler, progress=False)
+
+
+def test_a_chunks_selections_are_fetched_once_for_all_its_row_groups(lake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a filter's chunk file row group by row group asks the catalog for the chunk's
+    selections once (one query per chunk, not per row group)."""
+    root, _ = lake
+    asked: list[tuple[str, int]] = []
+    real = CatalogView.named
+
+    def counting(self: CatalogView, name: str, params: Any = None) -> Any:
+        if "selection" in name:   # any query of the selections table
+            asked.append((params["name"], params["global_index"]))
+        return real(self, name, params)
+
+    monkeypatch.setattr(CatalogView, "named", counting)
+    with Loader(root / "main.yaml") as loader:
+        examples = next(d for d in loader.datasets if d.name == "web_sel")
+        chunks, files = examples.chunks, examples.reader.files
+        groups = {c: len(examples.reader.groups(chunks, c)[1]) for c in range(chunks.committed)}
+        assert max(groups.values()) > 1   # chunks of several row groups
+        for chunk, count in groups.items():
+            for group in range(count):
+                files.read_row_group(chunks, chunk, group)
+            files.chunk_parts(chunks, chunk)
+    assert sorted(asked) == sorted(set(asked)) and len(asked) == chunks.committed

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
 RECORDS_KEPT = 1 << 16   # chunk records (path, size, checksum, shard) kept per view
+SELECTIONS_KEPT = 256    # chunks of filtered datasets whose selected documents are kept (arrays of them)
 T = TypeVar("T")
 
 
@@ -139,6 +140,7 @@ class CatalogView:
         self._lock = threading.Lock()
         self._version: int | None = None
         self._records: LRU[tuple[str, int], ChunkRecord] = LRU(RECORDS_KEPT)
+        self._selections: LRU[tuple[str, int], dict[int, tuple[int, np.ndarray]]] = LRU(SELECTIONS_KEPT)
         self._con = self._connect()
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
@@ -238,19 +240,26 @@ class CatalogView:
         """The documents (int64 indices within the row group, ascending) that chunk
         ``global_index`` of dataset ``name``, defined by a filter, selects from row group
         ``row_group`` of its file."""
-        row = self.named("reader_selection", {"name": name, "global_index": global_index,
-                                              "row_group": row_group}).fetchone()
-        if row is None:
+        found = self._selections_of(name, global_index).get(row_group)
+        if found is None:
             raise CatalogError(f"chunk {global_index} of dataset {name!r} has no selection of row group {row_group} "
                                f"in the catalog of {self.lake.url}: the catalog is damaged; build the lake again")
-        return np.asarray(row[0], np.int64)
+        return found[1]
 
     def chunk_selection(self, name: str, global_index: int) -> np.ndarray:
         """The documents (int64 indices within the file, ascending) that chunk ``global_index`` of
         dataset ``name``, defined by a filter, selects from its file."""
-        rows = self.named("chunk_selection", {"name": name, "global_index": global_index}).fetchall()
-        docs = [first + np.asarray(selected, np.int64) for _, first, selected in rows]
+        docs = [first + selected for first, selected in self._selections_of(name, global_index).values()]
         return np.concatenate(docs) if docs else np.zeros(0, np.int64)
+
+    def _selections_of(self, name: str, global_index: int) -> dict[int, tuple[int, np.ndarray]]:
+        """Per row group of the file, in order: its first document in the file and the documents
+        selected within it; one query per chunk, kept (a chunk's rows never change once committed)."""
+        def fetch() -> dict[int, tuple[int, np.ndarray]]:
+            rows = self.named("chunk_selection", {"name": name, "global_index": global_index}).fetchall()
+            return {int(group): (int(first), np.asarray(selected, np.int64)) for group, first, selected in rows}
+
+        return self._selections.get((name, global_index), fetch)
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
