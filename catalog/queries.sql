@@ -231,10 +231,10 @@ FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.
 WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'
 ORDER BY r.global_index, r.row_group;
 
--- name: reader_chunk_records
--- The file records of committed chunks (those not learnt with their row groups).
-SELECT global_index, path, num_bytes, checksum, shard_index
-FROM chunks WHERE dataset = $name AND list_contains($global_indexes, global_index) AND status = 'committed';
+-- name: reader_chunk_record
+-- The file record of one committed chunk (one not learnt with its row groups).
+SELECT path, num_bytes, checksum, shard_index
+FROM chunks WHERE dataset = $name AND global_index = $global_index AND status = 'committed';
 
 -- name: chunk_records
 -- First line (1-based, text/JSONL) or row (0-based, Parquet) of a chunk's split in its source file.

@@ -268,17 +268,15 @@ class CatalogView:
     def chunk_record(self, name: str, global_index: int) -> ChunkRecord:
         """Path, size, checksum and shard of one committed chunk of ``name`` (kept: a committed
         chunk never changes; usually already learnt from :meth:`row_groups_of`)."""
-        return self._records.get((name, global_index), lambda: self._fetch_records(name, [global_index])[0])
+        return self._records.get((name, global_index), lambda: self._fetch_record(name, global_index))
 
-    def _fetch_records(self, name: str, global_indexes: list[int]) -> list[ChunkRecord]:
-        rows = self.named("reader_chunk_records", {"name": name, "global_indexes": global_indexes}).fetchall()
-        found = {int(index): ChunkRecord(path, int(size), checksum, int(shard))
-                 for index, path, size, checksum, shard in rows}
-        missing = [i for i in global_indexes if i not in found]
-        if missing:
-            raise CatalogError(f"chunk {missing[0]} of dataset {name!r} is not committed in the catalog of "
+    def _fetch_record(self, name: str, global_index: int) -> ChunkRecord:
+        row = self.named("reader_chunk_record", {"name": name, "global_index": global_index}).fetchone()
+        if row is None:
+            raise CatalogError(f"chunk {global_index} of dataset {name!r} is not committed in the catalog of "
                                f"{self.lake.url}: was the lake re-planned while this reader ran? Open a new loader")
-        return [found[i] for i in global_indexes]
+        path, size, checksum, shard = row
+        return ChunkRecord(path, int(size), checksum, int(shard))
 
     def row_groups_of(self, name: str, global_indexes: list[int]) -> dict[int, dict[str, np.ndarray]]:
         """First doc/token and counts of each row group of committed chunks ``global_indexes``,
