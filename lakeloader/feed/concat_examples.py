@@ -91,21 +91,15 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.nda
     return found
 
 
-def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
-    """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
-    first L tokens, targets the last L; tokens are gathered once into one array, and segments
-    and masks computed for all rows together from where documents start
-    (:func:`~lakeloader.index.ranges.cut_segments`). Each output field is written once."""
-    if not windows:
-        return
-    length = batch["input_ids"].shape[1]
+def _gather(windows: list[Window], length: int, counts: np.ndarray) -> tuple[
+        list[np.ndarray], list[np.ndarray | None], np.ndarray, np.ndarray]:
+    """Each window's tokens and target flags (None: all targets) and where documents start in
+    it (row, offset), for windows of any kind: slices of row groups of located sets, or written
+    from their pieces (across row groups or chunks, or short at the end of an evaluation pass;
+    their lengths go into ``counts``)."""
     n = len(windows)
-    index: slice | np.ndarray = np.asarray(rows)
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
     tokens: list[np.ndarray | None] = [None] * n
     flags: list[np.ndarray | None] = [None] * n
-    counts = np.full(n, length + 1, np.int64)
     cut_rows, cut_at = [], []
     located: dict[int, tuple[WindowSet, list[int], list[int]]] = {}
     rest = []
@@ -130,12 +124,40 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
         tokens[i], flags[i] = row_tokens, row_flags
         cut_rows.append(np.full(len(cuts), i, np.int64))
         cut_at.append(cuts)
+    return tokens, flags, np.concatenate(cut_rows), np.concatenate(cut_at)  # type: ignore[return-value]
+
+
+def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
+    """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
+    first L tokens, targets the last L; tokens are gathered once into one array, and segments
+    and masks computed for all rows together from where documents start
+    (:func:`~lakeloader.index.ranges.cut_segments`). Each output field is written once."""
+    if not windows:
+        return
+    length = batch["input_ids"].shape[1]
+    n = len(windows)
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
+    counts = np.full(n, length + 1, np.int64)
+    one = windows[0].located
+    which = [w.index for w in windows] if one is not None and all(
+        w.located is one and w.found is None for w in windows) else None
+    if one is not None and which is not None and bool((one.group[which] >= 0).all()):
+        # The common case (training): every window a slice of a row group of one located set.
+        tokens, flags = one.tokens(which)
+        cut_rows, cut_at = one.cuts(which)
+        dtype = np.result_type(*{g.tokens.dtype for g in one.groups})
+        some_flags = any(g.trainable is not None for g in one.groups)
+    else:
+        tokens, flags, cut_rows, cut_at = _gather(windows, length, counts)
+        dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
+        some_flags = any(f is not None for f in flags)
     # Rows of equal length back to back: one concatenation (np.stack costs more per row).
-    dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
     stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
     np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
     trainable = None
-    if any(f is not None for f in flags):
+    if some_flags:
         ones = np.ones(length + 1, bool)
         trainable = _buffer("trainable", (n, length + 1), bool)
         np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
@@ -145,7 +167,7 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
         segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
     else:
         segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
-    cut_segments(np.concatenate(cut_rows), np.concatenate(cut_at), segment_ids, positions)
+    cut_segments(cut_rows, cut_at, segment_ids, positions)
     fields = {"input_ids": stacked[:, :-1], "targets": stacked[:, 1:],
               "loss_mask": None if trainable is None else trainable[:, 1:],
               "segment_ids": segment_ids, "positions": positions}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -72,6 +73,10 @@ class Example(abc.ABC):
 def fill_batch(batch: Batch, examples: Sequence[Example | None]) -> None:
     """Write example ``i`` into row ``i`` of ``batch`` (None leaves the row as it is), each kind
     of example filling its rows together (:meth:`Example.fill_rows`)."""
+    one = type(examples[0]) if examples else type(None)
+    if one is not type(None) and all(type(example) is one for example in examples):   # one kind, no gaps
+        one.fill_rows(batch, list(range(len(examples))), examples)  # type: ignore[arg-type]
+        return
     kinds: dict[type[Example], tuple[list[int], list[Example]]] = {}
     for number, example in enumerate(examples):
         if example is not None:
@@ -116,7 +121,7 @@ class ArrayPool:
     def empty(self, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
         """An array of ``shape`` and ``dtype`` with unspecified contents that nobody else holds."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             kept = self._kept.setdefault((shape, dtype.str), [])
             for i in range(len(kept)):
