@@ -129,13 +129,13 @@ class ArrayPool:
                 # (every view of a handed-out array refers to it as its base).
                 if sys.getrefcount(kept[i][0]) == 2:
                     owner, start = kept[i]
-                    return owner[start : start + nbytes].view(dtype).reshape(shape)
+                    return np.ndarray(shape, dtype, owner, start)
             owner = np.empty(nbytes + 2 * _PAGE, np.uint8)
             start = -owner.ctypes.data % _PAGE + self._made * _STAGGER % _PAGE
             self._made += 1
             if len(kept) < self.keep:
                 kept.append((owner, start))
-            return owner[start : start + nbytes].view(dtype).reshape(shape)
+            return np.ndarray(shape, dtype, owner, start)
 
     def full(self, shape: tuple[int, ...], value: Any, dtype: type | np.dtype) -> np.ndarray:
         """:meth:`empty` filled with ``value``."""
