@@ -223,23 +223,51 @@ def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]
     if not examples:
         return
     pad_id = examples[0].pad_id
-    located = examples[0].items
-    if isinstance(located, LazyItems) and all(
-            isinstance(e.items, LazyItems) and e.items.located is located.located for e in examples):
-        parts = located.located.fill_parts([e.items.index for e in examples], pad_id)  # type: ignore[union-attr]
-    else:
-        parts = _parts_of_items(examples, pad_id)
+    sources: dict[int, tuple[PackedSet | None, list[int]]] = {}   # by located set (None: Item lists)
+    for i, example in enumerate(examples):
+        located = example.items.located if isinstance(example.items, LazyItems) else None
+        sources.setdefault(id(located), (located, []))[1].append(i)
+    found = [_parts_of_items([examples[i] for i in mine], pad_id) if located is None else
+             located.fill_parts([examples[i].items.index for i in mine], pad_id)  # type: ignore[attr-defined]
+             for located, mine in sources.values()]
+    parts = found[0] if len(found) == 1 else _merged(found, [mine for _, mine in sources.values()], len(examples))
     in_row = _write_packed(batch, rows, parts, pad_id)
     if "image_refs" in batch:   # few: only the items of interleaved documents carry images
-        items = [item for example in examples for item in example.items]
-        item_row = np.repeat(np.asarray(rows, np.int64), parts.counts)
-        for k in [k for k, item in enumerate(items) if item.images]:
-            row = int(item_row[k])
+        firsts = cumulative(parts.counts)[:-1].tolist()
+        for row, first, example in zip(rows, firsts, examples):
+            if isinstance(example.items, LazyItems):
+                continue   # located together: no images (documents with parts are made item by item)
             filled = int((batch["image_positions"][row] >= 0).sum())
-            for offset, ref in items[k].images:
-                batch["image_positions"][row, filled] = int(in_row[k]) + offset
-                batch["image_refs"][row, filled] = ref
-                filled += 1
+            for k, item in enumerate(example.items):
+                for offset, ref in item.images:
+                    batch["image_positions"][row, filled] = int(in_row[first + k]) + offset
+                    batch["image_refs"][row, filled] = ref
+                    filled += 1
+
+
+def _merged(found: list[FillParts], positions: list[list[int]], n: int) -> FillParts:
+    """One :class:`FillParts` of ``n`` examples from parts ``found[g]`` of the examples at
+    ``positions[g]``."""
+    counts, first = np.empty(n, np.int64), np.empty(n, np.int64)
+    base = 0
+    for parts, mine in zip(found, positions):
+        counts[mine] = parts.counts
+        first[mine] = base + cumulative(parts.counts)[:-1]
+        base += len(parts.sizes)
+    order = spans(first, counts).tolist()   # every item, example by example
+
+    def pick(lists: list[list[Any]]) -> list[Any]:
+        every = [value for values in lists for value in values]
+        return [every[k] for k in order]
+
+    sizes = np.concatenate([parts.sizes for parts in found])
+    trainable = None
+    if any(parts.trainable is not None for parts in found):
+        everything = np.ones(int(sizes.max()), bool)
+        trainable = pick([[everything[:size] for size in parts.sizes.tolist()] if parts.trainable is None
+                          else parts.trainable for parts in found])
+    return FillParts(counts, sizes[order], pick([parts.tokens for parts in found]), trainable,
+                     pick([parts.next_token for parts in found]), pick([parts.last_mask for parts in found]))
 
 
 def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) -> np.ndarray:
