@@ -412,9 +412,10 @@ class PackedExamples(DatasetExamples):
         return self._plans.get((self.chunks.fingerprint, chunk), lambda: plan_chunk(
             self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
 
-    def _items(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first item of each example of chunk ``chunk``'s plan then the item count, and its
-        items as rows document, start, stop, row group, document within the row group) (cached)."""
+    def _item_table(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``chunk``'s plan as two arrays (cached): the first item of each example then the
+        item count (``PackPlan.example_bounds``), and int64 [5, items]: each item's document,
+        start, stop, row group and document within that row group."""
         def make() -> tuple[np.ndarray, np.ndarray]:
             plan = self.plan(chunk)
             _, first_docs = self.reader.groups(self.chunks, chunk)
@@ -438,7 +439,7 @@ class PackedExamples(DatasetExamples):
         first, counts = np.empty(len(order), np.int64), np.empty(len(order), np.int64)
         tables = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            example_bounds, table = self._items(int(chunks[order[a]]))
+            example_bounds, table = self._item_table(int(chunks[order[a]]))
             first[a:b] = example_bounds[local[a:b]]
             counts[a:b] = example_bounds[local[a:b] + 1] - first[a:b]
             tables.append(table)
