@@ -138,22 +138,26 @@ def test_located_items_are_each_examples_items_from_its_plan(lake: Path) -> None
 
 @pytest.mark.parametrize("shuffle", ["none", "full"])
 def test_windows_of_one_located_set_fill_as_the_general_path(lake: Path, shuffle: str) -> None:
-    """Concat training windows all located by one set take the direct path; the same windows
-    given by their pieces (the general path) fill the same rows."""
+    """Concat training windows all located by one set take the direct path (consecutive windows
+    in one row group: one run of its tokens); the same windows given by their pieces (the
+    general path) fill the same rows."""
     config = _variant(lake, f"concat-{shuffle}", ["chat"], packing="concat", shuffle={"kind": shuffle})
-    direct = 0
+    direct = consecutive = 0
     with Loader(config) as loader:
-        for step in range(12):
+        for step in range(24):
             batch = loader.batch(step)
             windows = loader.examples(step).examples
             one = windows[0].located   # type: ignore[union-attr]
             direct += all(w.located is one and int(one.group[w.index]) >= 0 for w in windows)  # type: ignore[union-attr]
+            which = [w.index for w in windows]   # type: ignore[union-attr]
+            consecutive += len(set(one.group[which].tolist())) == 1 and bool((np.diff(one.at[which]) == SEQ_LEN).all())
             pieces = [Window(w.dataset, w.epoch, w.example, list(w.pieces)) for w in windows]  # type: ignore[union-attr]
             general = _blank(batch, BATCH, loader.pad_id)
             fill_windows(general, list(range(BATCH)), pieces)
             for name in ROW_FIELDS:
                 assert np.array_equal(general[name], batch[name]), (step, name)
     assert direct >= 3, "some batches should take the direct path"
+    assert (consecutive >= 3) == (shuffle == "none"), "unshuffled batches should be runs of a row group"
 
 
 @settings(max_examples=200, deadline=None)

@@ -143,24 +143,39 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
     one = windows[0].located
     which = [w.index for w in windows] if one is not None and all(
         w.located is one and w.found is None for w in windows) else None
+    run: tuple[np.ndarray, np.ndarray | None] | None = None   # the windows back to back in one row group
     if one is not None and which is not None and bool((one.group[which] >= 0).all()):
         # The common case (training): every window a slice of a row group of one located set.
-        tokens, flags = one.tokens(which)
-        cut_rows, cut_at = one.cuts(which)
-        dtype = np.result_type(*{g.tokens.dtype for g in one.groups})
-        some_flags = any(g.trainable is not None for g in one.groups)
+        groups, at = one.group[which], one.at[which]
+        if bool((groups == groups[0]).all()) and bool((np.diff(at) == length).all()):
+            # Consecutive windows (no shuffle): the rows are one run of the row group's tokens.
+            group, begin = one.groups[int(groups[0])], int(at[0])
+            stop = begin + n * length + 1
+            run = group.tokens[begin:stop], None if group.trainable is None else group.trainable[begin:stop]
+            starts = group.doc_starts
+            inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
+            cut_rows, cut_at = np.divmod(inside - begin, length)   # (offset 0: a row's own start)
+        else:
+            tokens, flags = one.tokens(which)
+            cut_rows, cut_at = one.cuts(which)
+            dtype = np.result_type(*{g.tokens.dtype for g in one.groups})
+            some_flags = any(g.trainable is not None for g in one.groups)
     else:
         tokens, flags, cut_rows, cut_at = _gather(windows, length, counts)
         dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
         some_flags = any(f is not None for f in flags)
-    # Rows of equal length back to back: one concatenation (np.stack costs more per row).
-    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
-    np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
     trainable = None
-    if some_flags:
-        ones = np.ones(length + 1, bool)
-        trainable = _buffer("trainable", (n, length + 1), bool)
-        np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
+    if run is not None:   # row i is the run's tokens [i*L, i*L + L] (rows overlap by a token)
+        stacked, trainable = (None if values is None else np.lib.stride_tricks.as_strided(
+            values, (n, length + 1), (length * values.itemsize, values.itemsize), writeable=False) for values in run)
+    else:
+        # Rows of equal length back to back: one concatenation (np.stack costs more per row).
+        stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
+        np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
+        if some_flags:
+            ones = np.ones(length + 1, bool)
+            trainable = _buffer("trainable", (n, length + 1), bool)
+            np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
     whole = counts.min() == length + 1   # every window whole (training)
     in_place = whole and isinstance(index, slice)   # segments written straight into the batch
     if in_place:
