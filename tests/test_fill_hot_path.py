@@ -211,3 +211,34 @@ def test_pool_arrays_start_at_different_page_offsets() -> None:
     assert pool.empty((64, 2048), np.int32).ctypes.data != address
     del view
     assert pool.empty((64, 2048), np.int32).ctypes.data == address
+
+
+def _content(example: Window | PackedExample) -> tuple[object, ...]:
+    """What an example holds: provenance and every token."""
+    if isinstance(example, Window):
+        parts = [(p.chunk, p.start, p.tokens.tolist(), p.docs.tolist()) for p in example.pieces]
+    else:
+        parts = [(i.chunk, i.doc, i.start, i.stop, i.tokens.tolist(), i.images, i.split) for i in example.items]
+    return example.dataset, example.epoch, example.example, parts
+
+
+@pytest.mark.parametrize("packing", ["pack", "concat"])
+def test_eval_windows_located_together_equal_one_at_a_time(lake: Path, packing: str) -> None:
+    """An evaluation batch's examples are located together (the short last window alone); they
+    are the examples of ``eval_window`` one at a time, and so are the batches they fill."""
+    config = _variant(lake, f"eval-{packing}", ["chat"], packing=packing)
+    with Loader(config, mode="eval") as loader:
+        (dataset,) = loader.datasets
+        count = dataset.eval_count()
+        js = np.concatenate([np.arange(0, count, 7), [count - 1, count - 2, 0]])
+        assert [_content(e) for e in dataset.eval_windows(js)] == [_content(dataset.eval_window(int(j))) for j in js]
+        total = loader.num_batches() or 0
+        for step in (0, total - 1):   # the last batch: a short window and padding rows
+            batch = loader.batch(step)
+            examples = loader.examples(step).examples
+            alone = _blank(batch, BATCH, loader.pad_id)
+            for row, j in enumerate(e.example for e in examples if e is not None):
+                one = dataset.eval_window(j)
+                type(one).fill_rows(alone, [row], [one])
+            for name in ROW_FIELDS:
+                assert np.array_equal(alone[name], batch[name]), (step, name)

@@ -252,6 +252,23 @@ class DatasetExamples(ShuffledDataset):
         pieces = self.reader.window(self.chunks, self.sequence, self.stream_offsets, start, length)
         return Window(self.name, 0, j, pieces)
 
+    def eval_windows(self, js: np.ndarray) -> list[Window]:
+        """:meth:`eval_window` of many examples: the whole ones located together (as training
+        windows), the short last one alone."""
+        self.complete_chunks()
+        js = np.asarray(js, np.int64)
+        whole = js * self.seq_len + self.seq_len + 1 <= int(self.stream_offsets[-1])
+        found: list[Window | None] = [None] * len(js)
+        if whole.any():
+            mine = np.flatnonzero(whole)
+            located = self.reader.windows(self.chunks, self.sequence, self.stream_offsets, js[mine] * self.seq_len,
+                                          self.seq_len + 1)
+            for i, (n, j) in enumerate(zip(mine.tolist(), js[mine].tolist())):
+                found[n] = Window(self.name, 0, j, None, located, i)
+        for n in np.flatnonzero(~whole).tolist():
+            found[n] = self.eval_window(int(js[n]))
+        return found  # type: ignore[return-value]
+
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
         boundaries = self.stream_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
         return -(-boundaries // self.seq_len)

@@ -404,6 +404,12 @@ class PackedExamples(DatasetExamples):
         self.complete_chunks()
         return self._example(0, j)
 
+    def eval_windows(self, js: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+        """:meth:`eval_window` of many examples, located together."""
+        self.complete_chunks()
+        js = np.asarray(js, np.int64)
+        return self._examples(np.zeros(len(js), np.int64), js)
+
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
         return self.example_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
 
