@@ -113,7 +113,7 @@ class ArrayPool:
 
     def __init__(self, keep: int = 64) -> None:
         self.keep = keep    # arrays kept per shape and dtype
-        # Per shape and dtype: the memory (owned by the pool) and the view handed out of it.
+        # Per shape and dtype: each array's memory (owned by the pool) and where the array starts in it.
         self._kept: dict[tuple[tuple[int, ...], str], list[tuple[np.ndarray, int]]] = {}
         self._made = 0
         self._lock = threading.Lock()
