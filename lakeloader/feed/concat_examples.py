@@ -91,21 +91,15 @@ def _buffer(name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.nda
     return found
 
 
-def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
-    """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
-    first L tokens, targets the last L; tokens are gathered once into one array, and segments
-    and masks computed for all rows together from where documents start
-    (:func:`~lakeloader.index.ranges.cut_segments`). Each output field is written once."""
-    if not windows:
-        return
-    length = batch["input_ids"].shape[1]
+def _gather(windows: list[Window], length: int, counts: np.ndarray) -> tuple[
+        list[np.ndarray], list[np.ndarray | None], np.ndarray, np.ndarray]:
+    """Each window's tokens and target flags (None: all targets) and where documents start in
+    it (row, offset), for windows of any kind: slices of row groups of located sets, or written
+    from their pieces (across row groups or chunks, or short at the end of an evaluation pass;
+    their lengths go into ``counts``)."""
     n = len(windows)
-    index: slice | np.ndarray = np.asarray(rows)
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
     tokens: list[np.ndarray | None] = [None] * n
     flags: list[np.ndarray | None] = [None] * n
-    counts = np.full(n, length + 1, np.int64)
     cut_rows, cut_at = [], []
     located: dict[int, tuple[WindowSet, list[int], list[int]]] = {}
     rest = []
@@ -130,22 +124,65 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
         tokens[i], flags[i] = row_tokens, row_flags
         cut_rows.append(np.full(len(cuts), i, np.int64))
         cut_at.append(cuts)
-    # Rows of equal length back to back: one concatenation (np.stack costs more per row).
-    dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
-    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
-    np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
+    return tokens, flags, np.concatenate(cut_rows), np.concatenate(cut_at)  # type: ignore[return-value]
+
+
+def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
+    """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
+    first L tokens, targets the last L; tokens are gathered once into one array, and segments
+    and masks computed for all rows together from where documents start
+    (:func:`~lakeloader.index.ranges.cut_segments`). Each output field is written once."""
+    if not windows:
+        return
+    length = batch["input_ids"].shape[1]
+    n = len(windows)
+    index: slice | np.ndarray = np.asarray(rows)
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
+    counts = np.full(n, length + 1, np.int64)
+    one = windows[0].located
+    which = [w.index for w in windows] if one is not None and all(
+        w.located is one and w.found is None for w in windows) else None
+    run: tuple[np.ndarray, np.ndarray | None] | None = None   # the windows back to back in one row group
+    if one is not None and which is not None and bool((one.group[which] >= 0).all()):
+        # The common case (training): every window a slice of a row group of one located set.
+        groups, at = one.group[which], one.at[which]
+        if bool((groups == groups[0]).all()) and bool((np.diff(at) == length).all()):
+            # Consecutive windows (no shuffle): the rows are one run of the row group's tokens.
+            group, begin = one.groups[int(groups[0])], int(at[0])
+            stop = begin + n * length + 1
+            run = group.tokens[begin:stop], None if group.trainable is None else group.trainable[begin:stop]
+            starts = group.doc_starts
+            inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
+            cut_rows, cut_at = np.divmod(inside - begin, length)   # (offset 0: a row's own start)
+        else:
+            tokens, flags = one.tokens(which)
+            cut_rows, cut_at = one.cuts(which)
+            dtype = np.result_type(*{g.tokens.dtype for g in one.groups})
+            some_flags = any(g.trainable is not None for g in one.groups)
+    else:
+        tokens, flags, cut_rows, cut_at = _gather(windows, length, counts)
+        dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
+        some_flags = any(f is not None for f in flags)
     trainable = None
-    if any(f is not None for f in flags):
-        ones = np.ones(length + 1, bool)
-        trainable = _buffer("trainable", (n, length + 1), bool)
-        np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
+    if run is not None:   # row i is the run's tokens [i*L, i*L + L] (rows overlap by a token)
+        stacked, trainable = (None if values is None else np.lib.stride_tricks.as_strided(
+            values, (n, length + 1), (length * values.itemsize, values.itemsize), writeable=False) for values in run)
+    else:
+        # Rows of equal length back to back: one concatenation (np.stack costs more per row).
+        stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
+        np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
+        if some_flags:
+            ones = np.ones(length + 1, bool)
+            trainable = _buffer("trainable", (n, length + 1), bool)
+            np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
     whole = counts.min() == length + 1   # every window whole (training)
     in_place = whole and isinstance(index, slice)   # segments written straight into the batch
     if in_place:
         segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
     else:
         segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
-    cut_segments(np.concatenate(cut_rows), np.concatenate(cut_at), segment_ids, positions)
+    cut_segments(cut_rows, cut_at, segment_ids, positions)
     fields = {"input_ids": stacked[:, :-1], "targets": stacked[:, 1:],
               "loss_mask": None if trainable is None else trainable[:, 1:],
               "segment_ids": segment_ids, "positions": positions}
@@ -214,6 +251,23 @@ class DatasetExamples(ShuffledDataset):
         length = min(self.seq_len + 1, total - start)
         pieces = self.reader.window(self.chunks, self.sequence, self.stream_offsets, start, length)
         return Window(self.name, 0, j, pieces)
+
+    def eval_windows(self, js: np.ndarray) -> list[Window]:
+        """:meth:`eval_window` of many examples: the whole ones located together (as training
+        windows), the short last one alone."""
+        self.complete_chunks()
+        js = np.asarray(js, np.int64)
+        whole = js * self.seq_len + self.seq_len + 1 <= int(self.stream_offsets[-1])
+        found: list[Window | None] = [None] * len(js)
+        if whole.any():
+            mine = np.flatnonzero(whole)
+            located = self.reader.windows(self.chunks, self.sequence, self.stream_offsets, js[mine] * self.seq_len,
+                                          self.seq_len + 1)
+            for i, (n, j) in enumerate(zip(mine.tolist(), js[mine].tolist())):
+                found[n] = Window(self.name, 0, j, None, located, i)
+        for n in np.flatnonzero(~whole).tolist():
+            found[n] = self.eval_window(int(js[n]))
+        return found  # type: ignore[return-value]
 
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
         boundaries = self.stream_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]

@@ -209,7 +209,7 @@ class Loader:
             rows = np.flatnonzero(owners == owner)
             examples = self.datasets[owner]
             if self.mode == "eval":
-                found = [examples.eval_window(int(j)) for j in indices[rows]]
+                found = examples.eval_windows(indices[rows])
             else:
                 found = examples.train_windows(indices[rows])
             for row, window in zip(rows.tolist(), found):

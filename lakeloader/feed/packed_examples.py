@@ -17,7 +17,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.rows import Batch, Example, Row, Segment
 from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
-from lakeloader.index.ranges import _iota, cumulative, locate
+from lakeloader.index.ranges import _iota, cumulative, locate, spans
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
@@ -39,10 +39,90 @@ class Item:
 
 
 @dataclasses.dataclass
+class PackedSet:
+    """The items of packed examples located together (:meth:`PackedExamples._examples`), as
+    arrays: example ``i``'s items are ``first[i] : first[i] + counts[i]``; item ``k`` is tokens
+    ``[begin[k], end[k])`` of ``groups[group[k]]`` (one more than it writes when the document
+    goes on). A batch is filled from these without an :class:`Item` per document."""
+
+    groups: list[RenderedGroup]     # the rendered row groups the items lie in, each once
+    first: np.ndarray               # int64 per example: its first item
+    counts: np.ndarray              # int64 per example: its number of items
+    chunk: np.ndarray               # int64 per item: global chunk index
+    doc: np.ndarray                 # int64 per item: document within the chunk
+    start: np.ndarray               # int64 per item: rendered token range within the document
+    stop: np.ndarray
+    group: np.ndarray               # int64 per item: index into ``groups``
+    begin: np.ndarray               # int64 per item: token range within its row group
+    end: np.ndarray
+
+    def items(self, i: int) -> list[Item]:
+        """Example ``i``'s items."""
+        a = int(self.first[i])
+        b = a + int(self.counts[i])
+        made = []
+        for chunk, doc, start, stop, group, lo, hi in zip(*(field[a:b].tolist() for field in (
+                self.chunk, self.doc, self.start, self.stop, self.group, self.begin, self.end))):
+            rendered = self.groups[group]
+            made.append(Item(chunk, doc, start, stop, rendered.tokens[lo:hi],
+                             None if rendered.trainable is None else rendered.trainable[lo:hi], [], -1))
+        return made
+
+    def fill_parts(self, which: list[int], pad_id: int) -> FillParts:
+        """:class:`FillParts` of examples ``which`` (the items :meth:`items` would make)."""
+        which_ = np.asarray(which, np.int64)
+        counts = self.counts[which_]
+        items = spans(self.first[which_], counts)
+        sizes = (self.stop - self.start)[items]
+        begin, group = self.begin[items], self.group[items]
+        has_next = (self.end[items] - begin > sizes).tolist()
+        groups = [self.groups[g] for g in group.tolist()]
+        at, lengths = begin.tolist(), sizes.tolist()
+        tokens = [r.tokens[a : a + size] for r, a, size in zip(groups, at, lengths)]
+        next_token = [int(r.tokens[a + size]) if more else pad_id
+                      for r, a, size, more in zip(groups, at, lengths, has_next)]
+        if all(r.trainable is None for r in self.groups):
+            return FillParts(counts, sizes, tokens, None, next_token, has_next)
+        everything = np.ones(max(lengths, default=0), bool)
+        trainable = [everything[:size] if r.trainable is None else r.trainable[a : a + size]
+                     for r, a, size in zip(groups, at, lengths)]
+        last_mask = [more and (r.trainable is None or bool(r.trainable[a + size]))
+                     for r, a, size, more in zip(groups, at, lengths, has_next)]
+        return FillParts(counts, sizes, tokens, trainable, next_token, last_mask)
+
+
+class LazyItems(Sequence[Item]):
+    """The items of example ``index`` of a :class:`PackedSet`, made on first use (filling a
+    batch reads the set's arrays instead)."""
+
+    def __init__(self, located: PackedSet, index: int) -> None:
+        self.located = located
+        self.index = index
+        self._made: list[Item] | None = None
+
+    def _items(self) -> list[Item]:
+        if self._made is None:
+            self._made = self.located.items(self.index)
+        return self._made
+
+    def __len__(self) -> int:
+        return int(self.located.counts[self.index])
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        return self._items()[i]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._items())
+
+    def __repr__(self) -> str:
+        return repr(self._items())
+
+
+@dataclasses.dataclass
 class PackedExample(Example):
     """An example of whole documents (``packing: pack | pad``) with provenance."""
 
-    items: list[Item]
+    items: Sequence[Item]       # a list, or :class:`LazyItems` of a batch located together
     pad_id: int = 0             # the loader's padding token (written by :func:`fill_packed`)
 
     def fill(self, row: Row) -> None:
@@ -101,27 +181,106 @@ class PackedExample(Example):
             at_in, at_out = at_in + len(prompt), at_out + len(response)
 
 
+class FillParts(NamedTuple):
+    """What :func:`fill_packed` writes, per example and per item, without an object per item."""
+
+    counts: np.ndarray              # int64: items of each example
+    sizes: np.ndarray               # int64: tokens written per item (stop - start)
+    tokens: list[np.ndarray]        # each item's ``size`` input tokens (views)
+    trainable: list[np.ndarray] | None  # each item's ``size`` target flags; None: all targets
+    next_token: list[int]           # target of each item's last token (pad_id past the document)
+    last_mask: list[bool]           # loss mask of each item's last token
+
+
+def _parts_of_items(examples: Sequence[PackedExample], pad_id: int) -> FillParts:
+    """:class:`FillParts` of examples given by their :class:`Item` lists."""
+    items = [item for example in examples for item in example.items]
+    counts = np.array([len(example.items) for example in examples], np.int64)
+    sizes = np.array([item.stop - item.start for item in items], np.int64)
+    lengths = sizes.tolist()
+    has_next = [len(item.tokens) > size for item, size in zip(items, lengths)]
+    trainable = None
+    last_mask = has_next
+    if any(item.trainable is not None for item in items):
+        everything = np.ones(max(lengths, default=0), bool)
+        trainable = [everything[:size] if item.trainable is None else item.trainable[:size]
+                     for item, size in zip(items, lengths)]
+        last_mask = [more and (item.trainable is None or bool(item.trainable[size]))
+                     for item, size, more in zip(items, lengths, has_next)]
+    return FillParts(counts, sizes, [item.tokens[:size] for item, size in zip(items, lengths)], trainable,
+                     [int(item.tokens[size]) if more else pad_id for item, size, more in zip(items, lengths, has_next)],
+                     last_mask)
+
+
 def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]) -> None:
     """Write packed examples into rows ``rows`` of ``batch`` at once, padding included, as each
     one's :meth:`PackedExample.fill` into a padded row. Each field is written once for all rows:
     inputs and positions by one concatenation of views (the items' tokens where they lie in their
     rendered row groups, constant runs for padding), segment ids from where the items start, and
     targets and loss masks as the inputs shifted by one, corrected at each item's last token (the
-    document's next token, or padding at its end)."""
+    document's next token, or padding at its end). Examples located together
+    (:class:`PackedSet`) are read from its arrays, without an :class:`Item` per document."""
     if not examples:
         return
+    pad_id = examples[0].pad_id
+    sources: dict[int, tuple[PackedSet | None, list[int]]] = {}   # by located set (None: Item lists)
+    for i, example in enumerate(examples):
+        located = example.items.located if isinstance(example.items, LazyItems) else None
+        sources.setdefault(id(located), (located, []))[1].append(i)
+    found = [_parts_of_items([examples[i] for i in mine], pad_id) if located is None else
+             located.fill_parts([examples[i].items.index for i in mine], pad_id)  # type: ignore[attr-defined]
+             for located, mine in sources.values()]
+    parts = found[0] if len(found) == 1 else _merged(found, [mine for _, mine in sources.values()], len(examples))
+    in_row = _write_packed(batch, rows, parts, pad_id)
+    if "image_refs" in batch:   # few: only the items of interleaved documents carry images
+        firsts = cumulative(parts.counts)[:-1].tolist()
+        for row, first, example in zip(rows, firsts, examples):
+            if isinstance(example.items, LazyItems):
+                continue   # located together: no images (documents with parts are made item by item)
+            filled = int((batch["image_positions"][row] >= 0).sum())
+            for k, item in enumerate(example.items):
+                for offset, ref in item.images:
+                    batch["image_positions"][row, filled] = int(in_row[first + k]) + offset
+                    batch["image_refs"][row, filled] = ref
+                    filled += 1
+
+
+def _merged(found: list[FillParts], positions: list[list[int]], n: int) -> FillParts:
+    """One :class:`FillParts` of ``n`` examples from parts ``found[g]`` of the examples at
+    ``positions[g]``."""
+    counts, first = np.empty(n, np.int64), np.empty(n, np.int64)
+    base = 0
+    for parts, mine in zip(found, positions):
+        counts[mine] = parts.counts
+        first[mine] = base + cumulative(parts.counts)[:-1]
+        base += len(parts.sizes)
+    order = spans(first, counts).tolist()   # every item, example by example
+
+    def pick(lists: list[list[Any]]) -> list[Any]:
+        every = [value for values in lists for value in values]
+        return [every[k] for k in order]
+
+    sizes = np.concatenate([parts.sizes for parts in found])
+    trainable = None
+    if any(parts.trainable is not None for parts in found):
+        everything = np.ones(int(sizes.max()), bool)
+        trainable = pick([[everything[:size] for size in parts.sizes.tolist()] if parts.trainable is None
+                          else parts.trainable for parts in found])
+    return FillParts(counts, sizes[order], pick([parts.tokens for parts in found]), trainable,
+                     pick([parts.next_token for parts in found]), pick([parts.last_mask for parts in found]))
+
+
+def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) -> np.ndarray:
+    """The row fields of :func:`fill_packed` from ``parts``; returns where each item starts in its row."""
     length = batch["input_ids"].shape[1]
-    n = len(examples)
-    items = [item for example in examples for item in example.items]
-    counts = np.array([len(example.items) for example in examples], np.int64)
+    counts, sizes = parts.counts, parts.sizes
+    n = len(counts)
     first = cumulative(counts)[:-1]                   # first item of each row
-    sizes = np.array([item.stop - item.start for item in items], np.int64)   # tokens written per item
     item_at = cumulative(sizes)[:-1]
     in_row = item_at - np.repeat(item_at[first], counts)        # where each item starts in its row
     used = np.add.reduceat(sizes, first)
     pads = (length - used).tolist()
     starts, ends = first.tolist(), cumulative(counts)[1:].tolist()
-    pad_id = examples[0].pad_id
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + n)):
         index = slice(rows[0], rows[0] + n)   # a block of rows: write into views of the batch
@@ -140,52 +299,37 @@ def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]
     built: dict[str, np.ndarray] = {}
     lengths = sizes.tolist()
     inputs = built["input_ids"] = rows_of("input_ids", np.int32)
-    np.concatenate(pieces([item.tokens[:size] for item, size in zip(items, lengths)], _run(pad_id, length, np.int32)),
-                   out=inputs.reshape(-1), casting="unsafe")
+    np.concatenate(pieces(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1), casting="unsafe")
     positions = built["positions"] = rows_of("positions", np.int32)
     iota = _iota(length, np.int32)
     np.concatenate(pieces([iota[:size] for size in lengths], _run(0, length, np.int32)), out=positions.reshape(-1))
-    runs = np.zeros(len(items) + n, np.int64)          # each row: its items, then its padding
-    values = np.zeros(len(items) + n, np.int32)
-    slots = np.arange(len(items), dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
-    runs[slots], values[slots] = sizes, np.arange(len(items), dtype=np.int64) - np.repeat(first, counts) + 1
+    items = len(sizes)
+    runs = np.zeros(items + n, np.int64)          # each row: its items, then its padding
+    values = np.zeros(items + n, np.int32)
+    slots = np.arange(items, dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
+    runs[slots], values[slots] = sizes, np.arange(items, dtype=np.int64) - np.repeat(first, counts) + 1
     runs[cumulative(counts)[1:] + np.arange(n)] = pads
     segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
     np.copyto(segment_ids.reshape(-1), np.repeat(values, runs))
     # Each item's last token: its target is the document's next token if the item holds one.
     last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
-    has_next = [len(item.tokens) > size for item, size in zip(items, lengths)]
     targets = built["targets"] = rows_of("targets", np.int32)
     np.copyto(targets[:, :-1], inputs[:, 1:])
     targets[:, -1] = pad_id
-    targets.reshape(-1)[last] = [int(item.tokens[size]) if more else pad_id
-                                 for item, size, more in zip(items, lengths, has_next)]
+    targets.reshape(-1)[last] = parts.next_token
     loss_mask = built["loss_mask"] = rows_of("loss_mask", np.float32)
-    if all(item.trainable is None for item in items):
+    if parts.trainable is None:
         np.not_equal(segment_ids, 0, out=loss_mask, casting="unsafe")
-        loss_mask.reshape(-1)[last] = has_next
     else:
         trainable = np.empty((n, length), bool)
-        everything = np.ones(length, bool)
-        np.concatenate(pieces([everything[:size] if item.trainable is None else item.trainable[:size]
-                               for item, size in zip(items, lengths)], np.zeros(length, bool)),
-                       out=trainable.reshape(-1))
+        np.concatenate(pieces(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
         np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
         loss_mask[:, -1] = 0
-        loss_mask.reshape(-1)[last] = [more and (item.trainable is None or bool(item.trainable[size]))
-                                       for item, size, more in zip(items, lengths, has_next)]
+    loss_mask.reshape(-1)[last] = parts.last_mask
     if not isinstance(index, slice):
         for name, values in built.items():
             batch[name][index] = values
-    if "image_refs" in batch:   # few: only the items of interleaved documents carry images
-        item_row = np.repeat(np.asarray(rows, np.int64), counts)
-        for k in [k for k, item in enumerate(items) if item.images]:
-            row = int(item_row[k])
-            filled = int((batch["image_positions"][row] >= 0).sum())
-            for offset, ref in items[k].images:
-                batch["image_positions"][row, filled] = int(in_row[k]) + offset
-                batch["image_refs"][row, filled] = ref
-                filled += 1
+    return in_row
 
 
 @functools.lru_cache(maxsize=16)
@@ -196,13 +340,23 @@ def _run(value: int, length: int, dtype: type) -> np.ndarray:
     return found
 
 
-class LocatedItems(NamedTuple):
-    """The items (placed documents) of some examples of one chunk."""
+_CONCAT_DOCS = 1 << 16   # row groups with more document starts in all are searched one by one
 
-    items: np.ndarray       # indices into the chunk's packing plan, example by example
-    counts: np.ndarray      # items of each example
-    docs: np.ndarray        # document of each item within the chunk
-    groups: np.ndarray      # row group holding each item's document
+
+def _doc_bounds(rendered: list[RenderedGroup], group: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, end) within its row group of each item's document: document ``local[k]``
+    of row group ``rendered[group[k]]``."""
+    doc_starts = [r.doc_starts for r in rendered]
+    sizes = [len(d) for d in doc_starts]
+    if sum(sizes) <= _CONCAT_DOCS:   # one gather from every row group's starts back to back
+        at = cumulative(np.array(sizes, np.int64))[:-1][group] + local
+        every = np.concatenate(doc_starts)
+        return every[at], every[at + 1]
+    begin, end = np.empty_like(local), np.empty_like(local)
+    for g in np.unique(group).tolist():
+        mine = group == g
+        begin[mine], end[mine] = doc_starts[g][local[mine]], doc_starts[g][local[mine] + 1]
+    return begin, end
 
 
 class PackedExamples(DatasetExamples):
@@ -226,6 +380,7 @@ class PackedExamples(DatasetExamples):
                 "`lakeloader build CONFIG` with this config once: it computes them from the stored "
                 "documents' lengths without tokenizing again")
         self._plans: LRU[tuple[str, int], PackPlan] = LRU(64)
+        self._tables: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(64)
         super().__init__(name, view, reader, **kwargs)
 
     def _set_offsets(self, chunks: DatasetChunks) -> None:
@@ -249,6 +404,12 @@ class PackedExamples(DatasetExamples):
         self.complete_chunks()
         return self._example(0, j)
 
+    def eval_windows(self, js: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+        """:meth:`eval_window` of many examples, located together."""
+        self.complete_chunks()
+        js = np.asarray(js, np.int64)
+        return self._examples(np.zeros(len(js), np.int64), js)
+
     def _window_starts(self, chunk_limit: int) -> np.ndarray:
         return self.example_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
 
@@ -257,71 +418,61 @@ class PackedExamples(DatasetExamples):
         return self._plans.get((self.chunks.fingerprint, chunk), lambda: plan_chunk(
             self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
 
+    def _item_table(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``chunk``'s plan as two arrays (cached): the first item of each example then the
+        item count (``PackPlan.example_bounds``), and int64 [5, items]: each item's document,
+        start, stop, row group and document within that row group."""
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            plan = self.plan(chunk)
+            _, first_docs = self.reader.groups(self.chunks, chunk)
+            groups = np.searchsorted(first_docs, plan.item_doc, side="right") - 1
+            table = np.stack([plan.item_doc, plan.item_start, plan.item_stop, groups, plan.item_doc - first_docs[groups]])
+            table.setflags(write=False)
+            return plan.example_bounds, table
+        return self._tables.get((self.chunks.fingerprint, chunk), make)
+
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+        """Examples ``examples`` (of epochs ``epochs``), located together: each chunk's items read
+        once, then every row group of the batch looked up once, up front (those not cached decode
+        concurrently)."""
+        if not len(examples):
+            return []
         chunks = locate(self.example_offsets, examples)
         self.reader.prefetch_groups(self.chunks, chunks)
-        located = {chunk: self._locate(chunk, examples[chunks == chunk]) for chunk in np.unique(chunks).tolist()}
-        # Every row group of the batch looked up once, up front: those not cached decode concurrently.
-        wanted = [(chunk, group) for chunk, where in located.items() for group in np.unique(where.groups).tolist()]
-        rendered: dict[int, dict[int, RenderedGroup]] = {chunk: {} for chunk in located}
-        for (chunk, group), value in zip(wanted, self.reader.rendered_groups(self.chunks, wanted)):
-            rendered[chunk][group] = value
-        found: list[PackedExample] = [None] * len(examples)  # type: ignore[list-item]
-        for chunk, where in located.items():
-            which = np.flatnonzero(chunks == chunk)
-            made = self._chunk_examples(chunk, epochs[which], examples[which], where, rendered[chunk])
-            for i, example in zip(which.tolist(), made):
-                found[i] = example
-        return found
-
-    def _locate(self, chunk: int, examples: np.ndarray) -> LocatedItems:
-        """The items of examples ``examples`` (all in chunk ``chunk``), with array operations."""
-        plan = self.plan(chunk)
-        items, counts = plan.items_of(examples - int(self.example_offsets[chunk]))
-        docs = plan.item_doc[items]
-        _, first_docs = self.reader.groups(self.chunks, chunk)
-        return LocatedItems(items, counts, docs, np.searchsorted(first_docs, docs, side="right") - 1)
-
-    def _chunk_examples(self, chunk: int, epochs: np.ndarray, examples: np.ndarray,
-                        located: LocatedItems, rendered: dict[int, RenderedGroup]) -> list[PackedExample]:
-        """Examples ``examples`` (all in chunk ``chunk``, located by :meth:`_locate`) from the
-        chunk's row groups ``rendered`` (by row group)."""
-        plan = self.plan(chunk)
-        items, counts, docs, groups = located
-        starts, stops = plan.item_start[items], plan.item_stop[items]
-        _, first_docs = self.reader.groups(self.chunks, chunk)
-        local = docs - first_docs[groups]
+        order = np.argsort(chunks, kind="stable")   # chunk by chunk
+        local = examples[order] - self.example_offsets[chunks[order]]
+        bounds = [0, *(np.flatnonzero(np.diff(chunks[order])) + 1).tolist(), len(order)]
+        first, counts = np.empty(len(order), np.int64), np.empty(len(order), np.int64)
+        tables = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            example_bounds, table = self._item_table(int(chunks[order[a]]))
+            first[a:b] = example_bounds[local[a:b]]
+            counts[a:b] = example_bounds[local[a:b] + 1] - first[a:b]
+            tables.append(table)
+        items = spans(first, counts)   # within each chunk's plan
+        item_bounds = cumulative(counts)[bounds].tolist()
+        docs, starts, stops, groups, local_docs = np.concatenate(
+            [table[:, items[a:b]] for table, a, b in zip(tables, item_bounds[:-1], item_bounds[1:])], axis=1)
+        item_chunk = np.repeat(chunks[order], counts)
+        span = int(groups.max()) + 1
+        used, group = np.unique(item_chunk * span + groups, return_inverse=True)
+        rendered = self.reader.rendered_groups(self.chunks, list(zip((used // span).tolist(), (used % span).tolist())))
+        begin, end = _doc_bounds(rendered, group, local_docs)
+        located = PackedSet(rendered, np.empty_like(first), np.empty_like(counts), item_chunk, docs, starts, stops,
+                            group, begin + starts, np.minimum(begin + stops + 1, end))
+        located.first[order], located.counts[order] = cumulative(counts)[:-1], counts
         if self.reader.template.image_kind is not None or self.seq2seq:   # items that need their parts
-            made = [self._item(chunk, group, doc_local, doc, start, stop) for group, doc_local, doc, start, stop
-                    in zip(groups.tolist(), local.tolist(), docs.tolist(), starts.tolist(), stops.tolist())]
-        else:
-            begin, end = np.empty_like(docs), np.empty_like(docs)
-            single = bool((groups == groups[0]).all())
-            for group in ([int(groups[0])] if single else np.unique(groups).tolist()):
-                mine = slice(None) if single else groups == group   # one row group: no mask
-                doc_starts = rendered[group].doc_starts
-                begin[mine], end[mine] = doc_starts[local[mine]], doc_starts[local[mine] + 1]
-            cut_start, cut_stop = begin + starts, np.minimum(begin + stops + 1, end)
-            made = []
-            for group, doc, start, stop, a, b in zip(groups.tolist(), docs.tolist(), starts.tolist(), stops.tolist(),
-                                                     cut_start.tolist(), cut_stop.tolist()):
-                group_tokens = rendered[group]
-                made.append(Item(chunk, doc, start, stop, group_tokens.tokens[a:b],
-                                 None if group_tokens.trainable is None else group_tokens.trainable[a:b], [], -1))
-        ends = np.cumsum(counts).tolist()
-        return [PackedExample(self.name, e, k, made[stop - n : stop], self.pad_id)
-                for e, k, stop, n in zip(epochs.tolist(), examples.tolist(), ends, counts.tolist())]
+            # (made one by one: their row groups are cached now, each was looked up above)
+            made = [self._item(chunk, group, doc_local, doc, start, stop) for chunk, group, doc_local, doc, start, stop
+                    in zip(item_chunk.tolist(), groups.tolist(), local_docs.tolist(), docs.tolist(),
+                           starts.tolist(), stops.tolist())]
+            return [PackedExample(self.name, e, k, made[a : a + n], self.pad_id) for e, k, a, n in zip(
+                epochs.tolist(), examples.tolist(), located.first.tolist(), located.counts.tolist())]
+        return [PackedExample(self.name, e, k, LazyItems(located, i), self.pad_id)
+                for i, (e, k) in enumerate(zip(epochs.tolist(), examples.tolist()))]
 
-    def _example(self, epoch: int, k: int, chunk: int | None = None) -> PackedExample:
-        if chunk is None:
-            chunk = int(locate(self.example_offsets, np.array([k]))[0])
-        plan = self.plan(chunk)
-        items, _, docs, groups = self._locate(chunk, np.array([k]))
-        _, first_docs = self.reader.groups(self.chunks, chunk)
-        return PackedExample(self.name, epoch, k, [
-            self._item(chunk, group, doc - int(first_docs[group]), doc, start, stop)
-            for group, doc, start, stop in zip(groups.tolist(), docs.tolist(), plan.item_start[items].tolist(),
-                                               plan.item_stop[items].tolist())], self.pad_id)
+    def _example(self, epoch: int, k: int) -> PackedExample:
+        return self._examples(np.array([epoch], np.int64), np.array([k], np.int64))[0]
 
     def _item(self, chunk: int, group: int, local: int, doc: int, start: int, stop: int) -> Item:
         """Item of document ``doc`` of the chunk (``local`` within its row group ``group``)."""

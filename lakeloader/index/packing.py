@@ -18,7 +18,7 @@ import itertools
 
 import numpy as np
 
-from lakeloader.index.ranges import cumulative
+from lakeloader.index.ranges import cumulative, spans
 
 __all__ = ["DocumentTooLong", "PackPlan", "plan_pack"]
 
@@ -65,9 +65,7 @@ class PackPlan:
             raise IndexError(f"example {bad} is out of range: the plan has {self.num_examples}")
         first = self.example_bounds[examples]
         counts = self.example_bounds[examples + 1] - first
-        ends = np.cumsum(counts)
-        items = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
-        return items, counts
+        return spans(first, counts), counts
 
     @property
     def example_tokens(self) -> np.ndarray:

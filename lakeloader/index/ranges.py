@@ -24,6 +24,14 @@ def cumulative(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+def spans(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(f, f + c) for f, c in zip(first, counts)])`` (int64), in a few array
+    operations."""
+    first, counts = np.asarray(first, np.int64), np.asarray(counts, np.int64)
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
+
+
 def train_examples(stream_total: int, seq_len: int) -> int:
     """Whole examples in one epoch of a stream of ``stream_total`` tokens (the tail is dropped)."""
     return max(0, (stream_total - 1) // seq_len)

@@ -45,6 +45,18 @@ class LRU(Generic[K, V]):
         with self._lock:
             return key in self._items
 
+    def cached(self, keys: list[K]) -> list[V | None]:
+        """The values cached under ``keys`` (None where missing; nothing computed), each marked
+        as just used, as :meth:`get` would: many lookups under one lock."""
+        found: list[V | None] = []
+        with self._lock:
+            for key in keys:
+                item = self._items.get(key)
+                if item is not None:
+                    self._items.move_to_end(key)
+                found.append(None if item is None else item[0])
+        return found
+
     def get(self, key: K, compute: Callable[[], V]) -> V:
         """The value cached under ``key``, computed by ``compute()`` (once) if missing."""
         with self._lock:

@@ -178,12 +178,20 @@ class StreamReader:
     def prefetch_groups(self, chunks: DatasetChunks, wanted: Sequence[int] | np.ndarray) -> None:
         """:meth:`groups` of the chunks ``wanted`` that are not cached yet, from one catalog
         query (a shuffled batch's rows can lie in as many chunks as it has rows)."""
-        missing = sorted(c for c in {int(c) for c in wanted} if (chunks.fingerprint, c) not in self._row_groups)
-        if not missing:
-            return
-        found = self.view.row_groups_of(chunks.name, missing)
-        for chunk in missing:
-            self._row_groups.get((chunks.fingerprint, chunk), lambda c=chunk: self._groups(chunks, c, found[c]))
+        self.groups_of(chunks, sorted({int(c) for c in wanted}))
+
+    def groups_of(self, chunks: DatasetChunks, wanted: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`groups` of each chunk of ``wanted``: the cached ones in one lookup, the others
+        from one catalog query."""
+        keys = [(chunks.fingerprint, chunk) for chunk in wanted]
+        found = self._row_groups.cached(keys)
+        missing = sorted({chunk for chunk, value in zip(wanted, found) if value is None})
+        if missing:
+            rows = self.view.row_groups_of(chunks.name, missing)
+            for i, chunk in enumerate(wanted):
+                if found[i] is None:
+                    found[i] = self._row_groups.get(keys[i], lambda c=chunk: self._groups(chunks, c, rows[c]))
+        return found  # type: ignore[return-value]
 
     def _groups(self, chunks: DatasetChunks, chunk: int,
                 groups: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -204,19 +212,23 @@ class StreamReader:
     def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
         """One row group's documents rendered, compactly (cached; the stored row group is read
         for it and not kept)."""
-        key = ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
-        return self.files.cache.get(key, lambda: self._render_group(chunks, chunk, group))
+        return self.files.cache.get(self._rendered_key(chunks, chunk, group),
+                                    lambda: self._render_group(chunks, chunk, group))
+
+    def _rendered_key(self, chunks: DatasetChunks, chunk: int, group: int) -> tuple[object, ...]:
+        return ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
 
     def rendered_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[RenderedGroup]:
         """:meth:`rendered_group` of each ``(chunk, group)`` of ``wanted``; those not cached yet
         are decoded concurrently (in the process's decode threads)."""
-        missing = [i for i, (chunk, group) in enumerate(wanted)
-                   if ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint) not in self.files.cache]
+        found = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
+        missing = [i for i, value in enumerate(found) if value is None]
         decoding = {i: _DECODE_POOL.submit(self.rendered_group, chunks, *wanted[i]) for i in missing} if len(
             missing) > 1 else {}
         # A decoding error is raised here, as reading that row group in this thread would raise it.
-        return [decoding[i].result() if i in decoding else self.rendered_group(chunks, chunk, group)
-                for i, (chunk, group) in enumerate(wanted)]
+        for i in missing:
+            found[i] = decoding[i].result() if i in decoding else self.rendered_group(chunks, *wanted[i])
+        return found  # type: ignore[return-value]
 
     def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
         stored = self.files.read_row_group(chunks, chunk, group)
@@ -287,17 +299,21 @@ class StreamReader:
         starts = np.asarray(starts, np.int64)
         position = locate(sequence_offsets, starts)
         inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
-        self.prefetch_groups(chunks, np.asarray(sequence)[np.unique(position[position < len(sequence)])])
-        found = self._views(chunks, sequence, sequence_offsets, starts, length, np.flatnonzero(inside), position)
+        unique = np.unique(position[position < len(sequence)])   # the chunk positions the windows start in
+        tables = self.groups_of(chunks, np.asarray(sequence)[unique].tolist())
+        found = self._views(chunks, sequence, sequence_offsets, starts, length, np.flatnonzero(inside), position,
+                            unique, tables)
         for row in np.flatnonzero(found.group < 0).tolist():
             found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         return found
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-               starts: np.ndarray, length: int, rows: np.ndarray, position: np.ndarray) -> WindowSet:
+               starts: np.ndarray, length: int, rows: np.ndarray, position: np.ndarray, unique: np.ndarray,
+               tables: list[tuple[np.ndarray, np.ndarray]]) -> WindowSet:
         """The windows ``rows`` (each inside the chunk at sequence position ``position[row]``)
         that lie in one row group, as slices of its cached rendering: the row groups of all the
-        windows are located in one search, then each row group is fetched once."""
+        windows are located in one search over the row groups (``tables``) of the chunk positions
+        ``unique`` (sorted, holding every ``position[rows]``), then each row group is fetched once."""
         n = len(starts)
         group_of = np.full(n, -1, np.int64)
         at = np.zeros(n, np.int64)
@@ -305,6 +321,27 @@ class StreamReader:
         found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
         if not len(rows):
             return found
+        positions = position[rows]
+        which = np.searchsorted(unique, positions)
+        # Every chunk's row-group starts in one sorted array, chunk u's shifted by u * span.
+        span = int(sequence_offsets[-1]) + 1
+        shifted = np.concatenate([offsets[:-1] + u * span for u, (offsets, _) in enumerate(tables)])
+        base = cumulative(np.array([len(offsets) - 1 for offsets, _ in tables], np.int64))
+        local = starts[rows] - sequence_offsets[positions]
+        key = which * span + local
+        group = np.searchsorted(shifted, key, side="right") - 1
+        whole = group == np.searchsorted(shifted, key + length - 1, side="right") - 1
+        rows, which, local, group = rows[whole], which[whole], local[whole], group[whole]
+        used, inverse = np.unique(group, return_inverse=True)
+        group_of[rows] = inverse
+        at[rows] = local - (shifted[group] - which * span)     # offset within the row group
+        local_start[rows] = local
+        owner = np.searchsorted(base, used, side="right") - 1   # the chunk (of unique) of each used group
+        found.group_position = unique[owner].tolist()
+        found.group_chunk = np.asarray(sequence)[unique[owner]].tolist()
+        found.group_first_doc = np.concatenate([first_docs for _, first_docs in tables])[used].tolist()
+        found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, (used - base[owner]).tolist()))))
+        return found
         positions = position[rows]
         unique, which = np.unique(positions, return_inverse=True)
         tables = [self.groups(chunks, int(sequence[p])) for p in unique.tolist()]

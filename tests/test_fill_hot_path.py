@@ -1,0 +1,244 @@
+"""The batch hot path's array forms, each against its straightforward form: packed examples
+located together fill rows from the located arrays (no ``Item`` per document) exactly as from
+their ``Item`` lists, in a mixture of located sets and in any row order; concat windows of one
+located set exactly as through the general path; the index helpers equal their loops on random
+inputs; the array pool's arrays start at different offsets within a page (copying between two
+of them shifted by a few bytes otherwise stalls on 4K aliasing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lakeloader.feed.packed_examples as packed_examples
+from lakeloader.feed.concat_examples import Window, fill_windows
+from lakeloader.feed.loader import Loader
+from lakeloader.feed.packed_examples import Item, LazyItems, PackedExample, PackedExamples, fill_packed
+from lakeloader.feed.rows import ROW_FIELDS, ArrayPool
+from lakeloader.index.ranges import spans
+from lakeloader.ingest.driver import build
+from lakeloader.read.lru import LRU
+
+from conftest import write_config
+from test_formats import write_corpora
+
+SEQ_LEN, BATCH = 64, 16
+FIXTURE_ONLY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """Plain text, chat (some tokens not targets) and FIM code, several chunks and row groups
+    each, packed (long documents split) and mixed."""
+    tmp = tmp_path_factory.mktemp("fill-hot-path")
+    datasets = write_corpora(tmp / "data")
+    datasets = {name: datasets[name] for name in ("web", "chat", "code")}
+    config = write_config(tmp, datasets, build={"split_size": "8KB"},
+                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "packing": "pack",
+                                  "pack": {"long_documents": "split"}, "shuffle": {"kind": "full"}},
+                          mixture={"weights": {name: 1 for name in datasets}})
+    build(config, scheduler=dask_scheduler, progress=False)
+    return config
+
+
+def _variant(lake: Path, name: str, datasets: list[str] | None = None, **loader: object) -> Path:
+    """The lake's config with other loader settings (and only ``datasets``), beside it."""
+    config = yaml.safe_load(lake.read_text())
+    config["loader"].update(loader)
+    if datasets is not None:
+        config["datasets"] = {k: v for k, v in config["datasets"].items() if k in datasets}
+        config["mixture"]["weights"] = {k: 1 for k in datasets}
+    path = lake.parent / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _blank(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:
+    fill = {"input_ids": pad_id, "targets": pad_id}
+    return {name: np.full((rows, SEQ_LEN), fill.get(name, 0), batch[name].dtype) for name in ROW_FIELDS}
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full"])
+@FIXTURE_ONLY
+@given(data=st.data())
+def test_located_packed_examples_fill_as_their_item_lists(lake: Path, shuffle: str, data: st.DataObject) -> None:
+    config = _variant(lake, f"pack-{shuffle}", shuffle={"kind": shuffle})
+    step = data.draw(st.integers(0, 40), label="step")
+    with Loader(config) as loader:
+        batch = loader.batch(step)
+        examples = loader.examples(step).examples
+        assert all(isinstance(e, PackedExample) and isinstance(e.items, LazyItems) for e in examples)
+        assert len({id(e.items.located) for e in examples}) > 1, "a mixture: several located sets"  # type: ignore[union-attr]
+        # The straightforward path: every example's Item list.
+        listed = [PackedExample(e.dataset, e.epoch, e.example, list(e.items), e.pad_id) for e in examples]  # type: ignore[union-attr]
+        alone = _blank(batch, BATCH, loader.pad_id)
+        fill_packed(alone, list(range(BATCH)), listed)
+        for name in ROW_FIELDS:
+            assert np.array_equal(alone[name], batch[name]), (step, name)
+        # Located examples in any row order, some given as Item lists: the same rows.
+        order = data.draw(st.permutations(range(BATCH)), label="order")
+        as_list = data.draw(st.sets(st.integers(0, BATCH - 1)), label="as_list")
+        mixed = [listed[i] if i in as_list else examples[i] for i in order]
+        scattered = _blank(batch, BATCH, loader.pad_id)
+        fill_packed(scattered, list(order), mixed)  # type: ignore[arg-type]
+        for name in ROW_FIELDS:
+            assert np.array_equal(scattered[name], batch[name]), (step, name, "scattered")
+        # Documents found per row group one by one (row groups with many documents) do the same.
+        with mock.patch.object(packed_examples, "_CONCAT_DOCS", 0):
+            again = loader.examples(step).examples
+            searched = _blank(batch, BATCH, loader.pad_id)
+            fill_packed(searched, list(range(BATCH)), again)  # type: ignore[arg-type]
+        for name in ROW_FIELDS:
+            assert np.array_equal(searched[name], batch[name]), (step, name, "per row group")
+        assert (batch["loss_mask"][batch["segment_ids"] > 0] == 0).any(), "some tokens should not be targets"
+
+
+def _items_one_by_one(dataset: PackedExamples, k: int) -> list[Item]:
+    """Example ``k``'s items the straightforward way: its chunk's plan, item by item."""
+    chunk = int(np.searchsorted(dataset.example_offsets, k, side="right")) - 1
+    plan = dataset.plan(chunk)
+    _, first_docs = dataset.reader.groups(dataset.chunks, chunk)
+    found = []
+    for i in range(plan.example_items(k - int(dataset.example_offsets[chunk])).start,
+                   plan.example_items(k - int(dataset.example_offsets[chunk])).stop):
+        doc = int(plan.item_doc[i])
+        group = int(np.searchsorted(first_docs, doc, side="right")) - 1
+        found.append(dataset._item(chunk, group, doc - int(first_docs[group]), doc, int(plan.item_start[i]),
+                                   int(plan.item_stop[i])))
+    return found
+
+
+def test_located_items_are_each_examples_items_from_its_plan(lake: Path) -> None:
+    """Provenance: the lazily made items of located examples (the batch path) equal the items
+    read one by one from each example's chunk plan and row group."""
+    with Loader(lake) as loader:
+        for dataset in loader.datasets:
+            assert isinstance(dataset, PackedExamples)
+            js = np.arange(0, 5 * BATCH, 3)
+            epochs, ks = dataset.train_examples(js)
+            together = dataset.train_windows(js)
+            for example, epoch, k in zip(together, epochs.tolist(), ks.tolist()):
+                assert (example.epoch, example.example) == (epoch, k)
+                alone = _items_one_by_one(dataset, k)
+                assert len(example.items) == len(alone) > 0   # type: ignore[attr-defined]
+                for a, b in zip(example.items, alone):   # type: ignore[attr-defined]
+                    assert (a.chunk, a.doc, a.start, a.stop, a.split, a.images) == \
+                        (b.chunk, b.doc, b.start, b.stop, b.split, b.images)
+                    assert np.array_equal(a.tokens, b.tokens) and a.tokens.dtype == b.tokens.dtype
+                    assert (a.trainable is None) == (b.trainable is None)
+                    assert a.trainable is None or np.array_equal(a.trainable, b.trainable)
+                assert example.segments() == PackedExample(example.dataset, epoch, k, alone).segments()
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full"])
+def test_windows_of_one_located_set_fill_as_the_general_path(lake: Path, shuffle: str) -> None:
+    """Concat training windows all located by one set take the direct path (consecutive windows
+    in one row group: one run of its tokens); the same windows given by their pieces (the
+    general path) fill the same rows."""
+    config = _variant(lake, f"concat-{shuffle}", ["chat"], packing="concat", shuffle={"kind": shuffle})
+    direct = consecutive = 0
+    with Loader(config) as loader:
+        for step in range(24):
+            batch = loader.batch(step)
+            windows = loader.examples(step).examples
+            one = windows[0].located   # type: ignore[union-attr]
+            direct += all(w.located is one and int(one.group[w.index]) >= 0 for w in windows)  # type: ignore[union-attr]
+            which = [w.index for w in windows]   # type: ignore[union-attr]
+            consecutive += len(set(one.group[which].tolist())) == 1 and bool((np.diff(one.at[which]) == SEQ_LEN).all())
+            pieces = [Window(w.dataset, w.epoch, w.example, list(w.pieces)) for w in windows]  # type: ignore[union-attr]
+            general = _blank(batch, BATCH, loader.pad_id)
+            fill_windows(general, list(range(BATCH)), pieces)
+            for name in ROW_FIELDS:
+                assert np.array_equal(general[name], batch[name]), (step, name)
+    assert direct >= 3, "some batches should take the direct path"
+    assert (consecutive >= 3) == (shuffle == "none"), "unshuffled batches should be runs of a row group"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 6)), max_size=20))
+def test_spans_are_concatenated_ranges(ranges: list[tuple[int, int]]) -> None:
+    first = np.array([f for f, _ in ranges], np.int64)
+    counts = np.array([c for _, c in ranges], np.int64)
+    expected = [i for f, c in ranges for i in range(f, f + c)]
+    found = spans(first, counts)
+    assert found.dtype == np.int64 and found.tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.booleans()), max_size=40), st.lists(st.integers(0, 12), max_size=10))
+def test_cached_looks_up_as_get_without_computing(operations: list[tuple[int, bool]], asked: list[int]) -> None:
+    """``LRU.cached`` returns what ``get`` would (None where missing), computes nothing, and
+    marks what it finds as used as ``get`` does: both caches then evict the same keys."""
+    one, other = LRU[int, int](4), LRU[int, int](4)
+    for key, _ in operations:
+        one.get(key, lambda k=key: k * 10)
+        other.get(key, lambda k=key: k * 10)
+    present = {k for k in range(13) if k in one}
+    found = one.cached(asked)
+    assert found == [k * 10 if k in present else None for k in asked]
+    for key in asked:
+        if key in present:
+            other.get(key, lambda: pytest.fail("cached value recomputed"))
+    assert len(one) == len(other)
+    for key in range(20, 24):   # push everything out in order: the same keys go first
+        one.get(key, lambda k=key: k)
+        other.get(key, lambda k=key: k)
+        assert [k for k in range(13) if k in one] == [k for k in range(13) if k in other]
+
+
+def test_pool_arrays_start_at_different_page_offsets() -> None:
+    """A batch's arrays (and the next batch's, while the first is held) start at page offsets at
+    least a few cache lines apart, each on a cache line: a copy between two of them shifted by
+    one token (targets from inputs) must not alias them within a page."""
+    pool = ArrayPool()
+    held = [pool.empty((64, 2048), np.float32 if i % 5 == 2 else np.int32) for i in range(10)]
+    offsets = [a.ctypes.data % 4096 for a in held]
+    assert all(offset % 64 == 0 for offset in offsets), offsets
+    for i, a in enumerate(offsets[:5]):
+        for b in offsets[i + 1 : 5]:
+            assert min((a - b) % 4096, (b - a) % 4096) >= 256, offsets
+    assert all(a.flags.c_contiguous and a.flags.writeable for a in held)
+    # Reuse is unchanged: an array comes back only once nothing refers to it, at its address.
+    address = held[0].ctypes.data
+    view = held[0][3:]
+    del held[0]
+    assert pool.empty((64, 2048), np.int32).ctypes.data != address
+    del view
+    assert pool.empty((64, 2048), np.int32).ctypes.data == address
+
+
+def _content(example: Window | PackedExample) -> tuple[object, ...]:
+    """What an example holds: provenance and every token."""
+    if isinstance(example, Window):
+        parts = [(p.chunk, p.start, p.tokens.tolist(), p.docs.tolist()) for p in example.pieces]
+    else:
+        parts = [(i.chunk, i.doc, i.start, i.stop, i.tokens.tolist(), i.images, i.split) for i in example.items]
+    return example.dataset, example.epoch, example.example, parts
+
+
+@pytest.mark.parametrize("packing", ["pack", "concat"])
+def test_eval_windows_located_together_equal_one_at_a_time(lake: Path, packing: str) -> None:
+    """An evaluation batch's examples are located together (the short last window alone); they
+    are the examples of ``eval_window`` one at a time, and so are the batches they fill."""
+    config = _variant(lake, f"eval-{packing}", ["chat"], packing=packing)
+    with Loader(config, mode="eval") as loader:
+        (dataset,) = loader.datasets
+        count = dataset.eval_count()
+        js = np.concatenate([np.arange(0, count, 7), [count - 1, count - 2, 0]])
+        assert [_content(e) for e in dataset.eval_windows(js)] == [_content(dataset.eval_window(int(j))) for j in js]
+        total = loader.num_batches() or 0
+        for step in (0, total - 1):   # the last batch: a short window and padding rows
+            batch = loader.batch(step)
+            examples = loader.examples(step).examples
+            alone = _blank(batch, BATCH, loader.pad_id)
+            for row, j in enumerate(e.example for e in examples if e is not None):
+                one = dataset.eval_window(j)
+                type(one).fill_rows(alone, [row], [one])
+            for name in ROW_FIELDS:
+                assert np.array_equal(alone[name], batch[name]), (step, name)
