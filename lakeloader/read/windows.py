@@ -342,28 +342,3 @@ class StreamReader:
         found.group_first_doc = np.concatenate([first_docs for _, first_docs in tables])[used].tolist()
         found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, (used - base[owner]).tolist()))))
         return found
-        positions = position[rows]
-        unique, which = np.unique(positions, return_inverse=True)
-        tables = [self.groups(chunks, int(sequence[p])) for p in unique.tolist()]
-        # Every chunk's row-group starts in one sorted array, chunk u's shifted by u * span.
-        span = int(sequence_offsets[-1]) + 1
-        shifted = np.concatenate([offsets[:-1] + u * span for u, (offsets, _) in enumerate(tables)])
-        base = cumulative(np.array([len(offsets) - 1 for offsets, _ in tables], np.int64))
-        local = starts[rows] - sequence_offsets[positions]
-        key = which * span + local
-        group = np.searchsorted(shifted, key, side="right") - 1
-        whole = group == np.searchsorted(shifted, key + length - 1, side="right") - 1
-        rows, which, local, group = rows[whole], which[whole], local[whole], group[whole]
-        used, inverse = np.unique(group, return_inverse=True)
-        group_of[rows] = inverse
-        at[rows] = local - (shifted[group] - which * span)     # offset within the row group
-        local_start[rows] = local
-        owner = np.searchsorted(base, used, side="right") - 1   # the chunk (of unique) of each used group
-        local_groups = (used - base[owner]).tolist()
-        for u, g in zip(owner.tolist(), local_groups):
-            p = int(unique[u])
-            found.group_position.append(p)
-            found.group_chunk.append(int(sequence[p]))
-            found.group_first_doc.append(int(tables[u][1][g]))
-        found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, local_groups))))
-        return found
