@@ -21,6 +21,9 @@ from lakeloader.index.permutation import mix_key, permute
 
 FIM_SENTINELS = 3
 _SLOTS = 8   # output order slots per part: prefix, 6 content pieces (FIM), suffix
+# render_compact copies the stored values part by part when parts are this long on average (a
+# slice copy costs about as much as masking this many tokens), else in one masked copy.
+TOKENS_PER_PART_COPY = 1024
 
 
 # -- fill-in-the-middle choices --------------------------------------------------------------------
@@ -185,6 +188,88 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
     doc_lengths = np.bincount(doc, weights=length, minlength=num_docs).astype(np.int64)
     return Rendered(tokens=tokens, trainable=np.repeat(trains, length),
                     doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64))
+
+
+def stored_token_dtype(stored: np.dtype, largest: int | None) -> np.dtype:
+    """The dtype rendered tokens are kept in: the stored one (``stored``, unsigned and narrower
+    than int32) when the largest rendered id ``largest`` fits it (None: no token), else int32."""
+    if stored.kind == "u" and stored.itemsize < 4 and (largest is None or largest <= np.iinfo(stored).max):
+        return stored
+    return np.dtype(np.int32)
+
+
+def compacted(rendered: Rendered, stored: np.dtype) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """``rendered`` (tokens, target flags, document starts) with its tokens in
+    :func:`stored_token_dtype` of ``stored`` and its flags None when every token is a target."""
+    tokens = rendered.tokens
+    dtype = stored_token_dtype(stored, int(tokens.max()) if len(tokens) else None)
+    return (tokens.astype(dtype) if dtype != tokens.dtype else tokens,
+            None if rendered.trainable.all() else rendered.trainable, rendered.doc_starts)
+
+
+def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
+                   part_doc: np.ndarray, num_docs: int, fim: tuple[np.ndarray, ...] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """:func:`render`'s result compactly, bitwise as ``render`` then narrowing gives: (tokens in
+    :func:`stored_token_dtype` of ``values``' dtype, target flags or None when every token is a
+    target, document starts).
+
+    Without FIM documents (nearly every row group) the tokens are written straight in their
+    final dtype: template tokens placed at offsets from the part lengths, the stored values
+    copied around them, with no int32 pass, no ordering of pieces and no flags for plain text.
+    """
+    values = np.asarray(values)
+    if fim is not None and template.fim is not None and np.asarray(fim[0]).any():
+        return compacted(render(template, values, part_lengths, part_kinds, part_doc, num_docs, fim), values.dtype)
+    lengths = np.asarray(part_lengths, np.int64)
+    kinds = np.asarray(part_kinds, np.int64)
+    part_doc = np.asarray(part_doc, np.int64)
+    prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)[kinds]
+    suffix_len = np.array([len(s) for s in template.part_suffix], np.int64)[kinds]
+    per_part = prefix_len + lengths + suffix_len
+    doc_lengths = np.bincount(part_doc, weights=per_part, minlength=num_docs).astype(np.int64) + template.doc_overhead
+    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
+    ends = np.cumsum(per_part)
+    before = ends - per_part   # rendered part tokens before each part, from the first part on
+    first_of_doc = np.searchsorted(part_doc, part_doc, side="left")
+    content_at = doc_starts[part_doc] + len(template.doc_prefix) + before - before[first_of_doc] + prefix_len
+
+    trains_kind = np.array(template.part_trains, bool) | template.train_all
+    last_part = np.full(num_docs, -1, np.int64)
+    last_part[part_doc] = np.arange(len(kinds))
+    suffix_trains = template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+    # Template pieces, each (tokens, where each copy starts, target flag of each copy).
+    pieces = [(template.doc_prefix, doc_starts[:-1], np.full(num_docs, template.train_all)),
+              (template.doc_suffix, doc_starts[1:] - len(template.doc_suffix), suffix_trains)]
+    for kind, (prefix, suffix) in enumerate(zip(template.part_prefix, template.part_suffix)):
+        if len(prefix) or len(suffix):
+            of_kind = np.flatnonzero(kinds == kind)
+            pieces += [(prefix, content_at[of_kind] - len(prefix), np.full(len(of_kind), template.train_all)),
+                       (suffix, content_at[of_kind] + lengths[of_kind], np.full(len(of_kind), trains_kind[kind]))]
+    pieces = [(p, at, t) for p, at, t in pieces if len(p) and len(at)]   # the pieces rendered at all
+    # The stored values fit their own dtype: only the template's ids can need int32.
+    dtype = stored_token_dtype(values.dtype, max((int(p.max()) for p, _, _ in pieces), default=None))
+    at = np.concatenate([np.add.outer(at, np.arange(len(p))).ravel() for p, at, _ in pieces] + [np.zeros(0, np.int64)])
+    tokens = np.empty(int(doc_starts[-1]), dtype)
+    tokens[at] = np.concatenate([np.tile(p, len(at)) for p, at, _ in pieces] + [np.zeros(0, np.int32)])
+    trainable = None if template.train_all else np.empty(len(tokens), bool)   # train_all: every piece trains
+    if trainable is not None:
+        trainable[at] = np.concatenate([np.repeat(t, len(p)) for p, _, t in pieces] + [np.zeros(0, bool)])
+    if len(kinds) * TOKENS_PER_PART_COPY <= len(values):
+        # Long parts: a copy per part (a memcpy each) is cheaper than a mask over every token.
+        source = (np.cumsum(lengths) - lengths).tolist()
+        for a, o, n in zip(source, content_at.tolist(), lengths.tolist()):
+            tokens[o : o + n] = values[a : a + n]
+        if trainable is not None:
+            for o, n, t in zip(content_at.tolist(), lengths.tolist(), trains_kind[kinds].tolist()):
+                trainable[o : o + n] = t
+    else:
+        content = np.ones(len(tokens), bool)
+        content[at] = False
+        tokens[content] = values
+        if trainable is not None:
+            trainable[content] = np.repeat(trains_kind[kinds], lengths)
+    return tokens, None if trainable is None or trainable.all() else trainable, doc_starts
 
 
 def _place_in_order(values: np.ndarray, constants: np.ndarray, start: np.ndarray, length: np.ndarray,
