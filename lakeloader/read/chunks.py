@@ -33,6 +33,25 @@ from lakeloader.read.pages import leaf_column, read_column_values
 from lakeloader.storage import sha256_of, with_retries
 
 
+# Parsed footers kept of the chunk files read last (a few KB each; a row group read otherwise
+# parses its file's footer again, a cost that grows with the file's row groups).
+FOOTERS_KEPT = 1024
+_PARQUET_MAGIC = b"PAR1"
+
+
+def _footer_bytes(handle: pa.NativeFile) -> bytes | None:
+    """The serialized footer of the Parquet file open as ``handle`` (None if it has none, e.g.
+    it is truncated: parsing it then raises as it would have)."""
+    size = handle.size()
+    if size < 12:
+        return None
+    tail = handle.read_at(8, size - 8)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != _PARQUET_MAGIC or length + 12 > size:
+        return None
+    return handle.read_at(length, size - 8 - length)
+
+
 def _nbytes(item: Any) -> int:
     if item is None:   # an optional field left out costs nothing
         return 0
@@ -88,6 +107,9 @@ class ChunkFiles:
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
+        # Keyed by the footer's own bytes, read from the file each time: a chunk rebuilt in place
+        # (other bytes, whatever the catalog says) is parsed again, never read with a stale footer.
+        self._footers: LRU[tuple[str, bytes], pq.FileMetaData] = LRU(FOOTERS_KEPT)
 
     def _open(self, chunks: DatasetChunks, index: int) -> pa.NativeFile:
         """An open handle of chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
@@ -141,7 +163,12 @@ class ChunkFiles:
             with self._lock:
                 self.files_opened.add(path)
             try:
-                yield handle, open_chunk(handle)
+                footer = _footer_bytes(handle)
+                if footer is None:
+                    yield handle, open_chunk(handle)
+                else:
+                    metadata = self._footers.get((path, footer), lambda: open_chunk(handle).metadata)
+                    yield handle, open_chunk(handle, metadata)
             except (OSError, pa.ArrowException) as exc:
                 raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
                                        exc, None if self.disk is None else self.disk.local_path(path)) from exc
