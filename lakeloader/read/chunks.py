@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -104,7 +105,7 @@ class ChunkFiles:
         self.verify = verify
         self.cache = RowGroupCache(cache_bytes)
         self.disk = None if lake.is_local else DiskCache(lake, disk_cache_bytes)
-        self._verified: set[str] = set()
+        self._verified: LRU[str, bool] = LRU(sys.maxsize)   # paths checked against the catalog (never evicted)
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
         # Keyed by the footer's own bytes, read from the file each time: a chunk rebuilt in place
@@ -130,10 +131,14 @@ class ChunkFiles:
             ) from None
 
     def _check(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
+        """Chunk ``index`` (open as ``handle``) checked against the catalog once: threads opening
+        it together wait for one check (a shuffled first batch reads several row groups of a chunk
+        at once) instead of each hashing the file."""
+        self._verified.get(chunks.record(index).path, lambda: self._verify(chunks, index, handle))
+
+    def _verify(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> bool:
         record = chunks.record(index)
         path = record.path
-        if path in self._verified:
-            return
         size = handle.size()
         problem = None
         if size != record.num_bytes:
@@ -150,8 +155,7 @@ class ChunkFiles:
                 f"{problem}. Never read as data: run `lakeloader verify CONFIG --repair` to rebuild the "
                 "damaged chunks of the lake."
             )
-        with self._lock:
-            self._verified.add(path)
+        return True
 
     @contextlib.contextmanager
     def _parquet(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, pq.ParquetFile]]:
@@ -188,8 +192,10 @@ class ChunkFiles:
         """:meth:`row_group` read from the file and not cached (for what is cached derived from it)."""
         with self._parquet(chunks, index) as (handle, parquet):
             names = parquet.schema_arrow.names
+            # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
             table = parquet.read_row_groups(
-                [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names])
+                [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names],
+                use_threads=False)
             parts = table_parts(table)
             # The tokens' pages decoded here (their levels skipped), or by pyarrow when stored otherwise.
             leaf = leaf_column(parquet.metadata, TOKENS_COLUMN)

@@ -1,8 +1,12 @@
-"""Chunk files' footers are parsed once per file, not once per row group read, and a chunk file
-rebuilt in place (same path, other bytes) is never read with the footer of its former bytes."""
+"""Opening chunk files: each is checked against the catalog once, even by threads opening it
+together; footers are parsed once per file, not once per row group read, and a chunk file rebuilt
+in place (same path, other bytes) is never read with the footer of its former bytes."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +15,7 @@ import pytest
 
 import lakeloader.read.chunks as chunks_module
 from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
 
@@ -61,4 +66,48 @@ def test_a_chunk_rebuilt_in_place_is_read_with_its_new_footer(built_lake: Path) 
         got = files.read_row_group(chunks, 0, g)
         assert got.values.dtype == want.values.dtype and np.array_equal(got.values, want.values)
         assert np.array_equal(got.parts.part_lengths, want.parts.part_lengths)
+    view.close()
+
+
+def test_threads_opening_a_chunk_together_hash_it_once(built_lake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four threads read row groups of one chunk at once (as a shuffled first batch's decode threads
+    do): the file is hashed once. A chunk failing its check fails every thread, and is checked
+    again on the next read (the failure is not remembered: a repaired file then reads)."""
+    hashed: list[str] = []
+    real = chunks_module.sha256_of
+
+    def slow(handle: object) -> str:
+        hashed.append(threading.current_thread().name)
+        time.sleep(0.2)   # every other thread opens the chunk meanwhile
+        return real(handle)
+
+    monkeypatch.setattr(chunks_module, "sha256_of", slow)
+    lake = open_lake(built_lake)
+    view = CatalogView(lake)
+    chunks = view.dataset("d")
+    files = ChunkFiles(lake, "checksum", 0, 0)
+
+    def together(chunk: int) -> list[object]:
+        start = threading.Barrier(4)
+
+        def read(_: int) -> object:
+            start.wait()
+            try:
+                return files.read_row_group(chunks, chunk, 0).values
+            except ChunkIntegrityError as exc:
+                return exc
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            return list(pool.map(read, range(4)))
+
+    values = together(0)
+    assert len(hashed) == 1, hashed
+    assert all(np.array_equal(v, values[0]) for v in values)   # type: ignore[arg-type]
+    path = Path(lake.path_of(chunks.record(1).path))
+    intact = path.read_bytes()
+    path.write_bytes(intact[:100] + bytes([intact[100] ^ 1]) + intact[101:])   # same size, other bytes
+    errors = together(1)
+    assert all(isinstance(e, ChunkIntegrityError) and "sha256" in str(e) for e in errors), errors
+    path.write_bytes(intact)
+    assert len(files.read_row_group(chunks, 1, 0).values) > 0
     view.close()
