@@ -61,8 +61,9 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         names = ("text", "user", "image")[: draw(st.integers(1, 3))]
         pieces = st.dictionaries(st.sampled_from(names), st.lists(special, max_size=3))
         trains = draw(st.none() | st.sets(st.sampled_from(names)))
+        image = "image" if "image" in names and draw(st.booleans()) else None
         template = make_template(names, bos=bos, eos=eos, part_prefix=draw(pieces), part_suffix=draw(pieces),
-                                 trains=trains, image_kind="image" if "image" in names and draw(st.booleans()) else None)
+                                 trains=trains, image_kind=image)
         # (documents without parts, but not all of them: the general render needs some part)
         per_doc = draw(st.lists(st.integers(0, 4), max_size=12).filter(lambda d: not d or sum(d)))
     parts = sum(per_doc)

@@ -142,10 +142,7 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
             (doc, np.int64), (slot, np.int64), (start, np.int64), (length, np.int64), (trains, bool))))
 
     all_docs = np.arange(num_docs, dtype=np.int64)
-    last_part = np.full(num_docs, -1, np.int64)
-    last_part[part_doc] = np.arange(parts)
-    trains_kind = np.array(template.part_trains, bool) | template.train_all
-    suffix_trains = template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+    trains_kind, suffix_trains = _trains(template, kinds, part_doc, num_docs)
     add(all_docs, 0, piece_at[0], len(template.doc_prefix), template.train_all)
     add(all_docs, _SLOTS * parts + 1, piece_at[1], len(template.doc_suffix), suffix_trains)
 
@@ -190,6 +187,15 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
                     doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64))
 
 
+def _trains(template: Template, kinds: np.ndarray, part_doc: np.ndarray, num_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(whether the content and suffix of each part kind train, whether each document's suffix
+    trains: when its last part's content does)."""
+    trains_kind = np.array(template.part_trains, bool) | template.train_all
+    last_part = np.full(num_docs, -1, np.int64)
+    last_part[part_doc] = np.arange(len(kinds))
+    return trains_kind, template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+
+
 def stored_token_dtype(stored: np.dtype, largest: int | None) -> np.dtype:
     """The dtype rendered tokens are kept in: the stored one (``stored``, unsigned and narrower
     than int32) when the largest rendered id ``largest`` fits it (None: no token), else int32."""
@@ -224,20 +230,11 @@ def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndar
     lengths = np.asarray(part_lengths, np.int64)
     kinds = np.asarray(part_kinds, np.int64)
     part_doc = np.asarray(part_doc, np.int64)
-    prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)[kinds]
-    suffix_len = np.array([len(s) for s in template.part_suffix], np.int64)[kinds]
-    per_part = prefix_len + lengths + suffix_len
-    doc_lengths = np.bincount(part_doc, weights=per_part, minlength=num_docs).astype(np.int64) + template.doc_overhead
-    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
-    ends = np.cumsum(per_part)
-    before = ends - per_part   # rendered part tokens before each part, from the first part on
-    first_of_doc = np.searchsorted(part_doc, part_doc, side="left")
-    content_at = doc_starts[part_doc] + len(template.doc_prefix) + before - before[first_of_doc] + prefix_len
-
-    trains_kind = np.array(template.part_trains, bool) | template.train_all
-    last_part = np.full(num_docs, -1, np.int64)
-    last_part[part_doc] = np.arange(len(kinds))
-    suffix_trains = template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths(template, lengths, kinds, part_doc, num_docs))]
+                                ).astype(np.int64)
+    prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)
+    content_at = doc_starts[part_doc] + part_starts(template, lengths, kinds, part_doc) + prefix_len[kinds]
+    trains_kind, suffix_trains = _trains(template, kinds, part_doc, num_docs)
     # Template pieces, each (tokens, where each copy starts, target flag of each copy).
     pieces = [(template.doc_prefix, doc_starts[:-1], np.full(num_docs, template.train_all)),
               (template.doc_suffix, doc_starts[1:] - len(template.doc_suffix), suffix_trains)]
