@@ -8,6 +8,7 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +56,10 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.integers(0, 3)) == 0:   # FIM: one text part per document
         fim = Fim(rate=draw(st.sampled_from([0.0, 0.3, 1.0])), spm_rate=0.5, prefix=draw(special),
                   middle=draw(special), suffix=draw(special), key=draw(st.integers(0, 2**32)))
-        template = make_template(("text",), bos=bos, eos=eos, fim=fim)
+        # (datasets have one kind; two, and a training subset, check FIM content trains as kind 0)
+        names = ("text", "other")[: draw(st.integers(1, 2))]
+        trains = draw(st.none() | st.sets(st.sampled_from(names)))
+        template = make_template(names, bos=bos, eos=eos, fim=fim, trains=trains)
         per_doc = draw(st.lists(st.just(1), max_size=12))
     else:
         names = ("text", "user", "image")[: draw(st.integers(1, 3))]
@@ -86,6 +90,20 @@ def test_render_compact_is_bitwise_the_general_render_narrowed(case: dict[str, A
     """Both copies of the stored values (part by part: ``per_part_copy`` 0; masked: 10**9) give
     the general path's tokens (dtype and values), flags (None or the array) and document starts."""
     args = [case[k] for k in ("template", "values", "lengths", "kinds", "part_doc", "num_docs", "fim")]
+    with mock.patch.object(render_module, "TOKENS_PER_PART_COPY", per_part_copy):
+        got = render_compact(*args)
+    assert_same(got, narrowed(*args))
+
+
+@pytest.mark.parametrize("per_part_copy", [0, 10**9])
+def test_fim_content_of_any_kind_trains_as_kind_0(per_part_copy: int) -> None:
+    """As the general render: a FIM document's content trains as kind 0, its suffix as its kind."""
+    fim = Fim(rate=1.0, spm_rate=0.5, prefix=90, middle=91, suffix=92, key=1)
+    template = make_template(("text", "other"), bos=None, eos=0, fim=fim, trains={"other"})
+    lengths, kinds = np.array([5, 6, 7]), np.array([1, 0, 1])
+    choice = fim_choice(fim, 0, 3, np.arange(3), lengths)
+    args = (template, np.arange(18, dtype=np.uint16) + 100, lengths, kinds, np.arange(3), 3, choice)
+    assert choice[0].all()
     with mock.patch.object(render_module, "TOKENS_PER_PART_COPY", per_part_copy):
         got = render_compact(*args)
     assert_same(got, narrowed(*args))
