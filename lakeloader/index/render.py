@@ -205,15 +205,6 @@ def stored_token_dtype(stored: np.dtype, largest: int | None) -> np.dtype:
     return np.dtype(np.int32)
 
 
-def compacted(rendered: Rendered, stored: np.dtype) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """``rendered`` (tokens, target flags, document starts) with its tokens in
-    :func:`stored_token_dtype` of ``stored`` and its flags None when every token is a target."""
-    tokens = rendered.tokens
-    dtype = stored_token_dtype(stored, int(tokens.max()) if len(tokens) else None)
-    return (tokens.astype(dtype) if dtype != tokens.dtype else tokens,
-            None if rendered.trainable.all() else rendered.trainable, rendered.doc_starts)
-
-
 def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
                    part_doc: np.ndarray, num_docs: int, fim: tuple[np.ndarray, ...] | None = None
                    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
