@@ -34,9 +34,9 @@ from lakeloader.read.pages import leaf_column, read_column_values
 from lakeloader.storage import sha256_of, with_retries
 
 
-# Parsed footers kept of the chunk files read last (a few KB each; a row group read otherwise
-# parses its file's footer again, a cost that grows with the file's row groups).
-FOOTERS_KEPT = 1024
+# Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
+# otherwise parses its file's footer again, a cost that grows with the file's row groups).
+FOOTER_BYTES_KEPT = 64 << 20
 _PARQUET_MAGIC = b"PAR1"
 
 
@@ -110,7 +110,9 @@ class ChunkFiles:
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
         # Keyed by the footer's own bytes, read from the file each time: a chunk rebuilt in place
         # (other bytes, whatever the catalog says) is parsed again, never read with a stale footer.
-        self._footers: LRU[tuple[str, bytes], pq.FileMetaData] = LRU(FOOTERS_KEPT)
+        # Each counted as 10 times its serialized size: the key's bytes, and parsed (about 9 times, measured).
+        self._footers: LRU[tuple[str, bytes], pq.FileMetaData] = LRU(
+            FOOTER_BYTES_KEPT, lambda metadata: 10 * metadata.serialized_size)
 
     def _open(self, chunks: DatasetChunks, index: int) -> pa.NativeFile:
         """An open handle of chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
