@@ -165,11 +165,12 @@ def table_parts(table: pa.Table) -> ChunkParts:
                       np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
 
 
-def open_chunk(source: pa.NativeFile | io.IOBase | str) -> pq.ParquetFile:
+def open_chunk(source: pa.NativeFile | io.IOBase | str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
     """A chunk file opened for reading: every page a read decodes is first checked against the
     CRC-32 its writer stored, so a damaged page raises instead of decoding to wrong tokens (chunks
-    written before page checksums have none to check and still read)."""
-    return pq.ParquetFile(source, page_checksum_verification=True)
+    written before page checksums have none to check and still read). ``metadata``: the file's
+    footer already parsed (it must be this file's), else it is read and parsed here."""
+    return pq.ParquetFile(source, metadata=metadata, page_checksum_verification=True)
 
 
 def unreadable_chunk(where: str, exc: BaseException, local_copy: str | None = None) -> ChunkIntegrityError:

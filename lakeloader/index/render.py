@@ -21,6 +21,9 @@ from lakeloader.index.permutation import mix_key, permute
 
 FIM_SENTINELS = 3
 _SLOTS = 8   # output order slots per part: prefix, 6 content pieces (FIM), suffix
+# render_compact copies the stored values part by part when parts are this long on average (a
+# slice copy costs about as much as masking this many tokens), else in one masked copy.
+TOKENS_PER_PART_COPY = 1024
 
 
 # -- fill-in-the-middle choices --------------------------------------------------------------------
@@ -139,10 +142,7 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
             (doc, np.int64), (slot, np.int64), (start, np.int64), (length, np.int64), (trains, bool))))
 
     all_docs = np.arange(num_docs, dtype=np.int64)
-    last_part = np.full(num_docs, -1, np.int64)
-    last_part[part_doc] = np.arange(parts)
-    trains_kind = np.array(template.part_trains, bool) | template.train_all
-    suffix_trains = template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+    trains_kind, suffix_trains = _trains(template, kinds, part_doc, num_docs)
     add(all_docs, 0, piece_at[0], len(template.doc_prefix), template.train_all)
     add(all_docs, _SLOTS * parts + 1, piece_at[1], len(template.doc_suffix), suffix_trains)
 
@@ -185,6 +185,114 @@ def render(template: Template, values: np.ndarray, part_lengths: np.ndarray, par
     doc_lengths = np.bincount(doc, weights=length, minlength=num_docs).astype(np.int64)
     return Rendered(tokens=tokens, trainable=np.repeat(trains, length),
                     doc_starts=np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64))
+
+
+def _trains(template: Template, kinds: np.ndarray, part_doc: np.ndarray,
+            num_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(whether the content and suffix of each part kind train, whether each document's suffix
+    trains: when its last part's content does)."""
+    trains_kind = np.array(template.part_trains, bool) | template.train_all
+    last_part = np.full(num_docs, -1, np.int64)
+    last_part[part_doc] = np.arange(len(kinds))
+    return trains_kind, template.train_all | np.where(last_part >= 0, trains_kind[kinds[last_part]], False)
+
+
+def stored_token_dtype(stored: np.dtype, largest: int | None) -> np.dtype:
+    """The dtype rendered tokens are kept in: the stored one (``stored``, unsigned and narrower
+    than int32) when the largest rendered id ``largest`` fits it (None: no token), else int32."""
+    if stored.kind == "u" and stored.itemsize < 4 and (largest is None or largest <= np.iinfo(stored).max):
+        return stored
+    return np.dtype(np.int32)
+
+
+def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
+                   part_doc: np.ndarray, num_docs: int, fim: tuple[np.ndarray, ...] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """:func:`render`'s result compactly, bitwise as ``render`` then narrowing gives: (tokens in
+    :func:`stored_token_dtype` of ``values``' dtype, target flags or None when every token is a
+    target, document starts).
+
+    The tokens are written straight in their final dtype: template tokens (and FIM sentinels)
+    placed at offsets known from the part lengths, the stored values copied around them in runs
+    (one per part; three per FIM part), with no int32 pass, no ordering of pieces, no index per
+    token and no flags for plain text.
+    """
+    values = np.asarray(values)
+    lengths = np.asarray(part_lengths, np.int64)
+    kinds = np.asarray(part_kinds, np.int64)
+    part_doc = np.asarray(part_doc, np.int64)
+    fim_part = np.zeros(0, np.int64)
+    if fim is not None and template.fim is not None and np.asarray(fim[0]).any():
+        fim_part = np.flatnonzero(np.asarray(fim[0], bool)[part_doc])
+    sentinels = np.zeros(len(kinds), np.int64)   # FIM sentinels among each part's content
+    sentinels[fim_part] = FIM_SENTINELS
+    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths(template, lengths + sentinels, kinds, part_doc, num_docs))]
+                                ).astype(np.int64)
+    prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)
+    content_at = doc_starts[part_doc] + part_starts(template, lengths + sentinels, kinds, part_doc) + prefix_len[kinds]
+    trains_kind, suffix_trains = _trains(template, kinds, part_doc, num_docs)
+    part_trains = trains_kind[kinds]
+    part_trains[fim_part] = trains_kind[0]   # as render: FIM content trains as kind 0
+    # Runs of stored values: (source offset, output offset, length, target flag).
+    source = np.cumsum(lengths) - lengths
+    runs = [(source, content_at, lengths, part_trains)]
+    # Template pieces, each (tokens, where each copy starts, target flag of each copy).
+    pieces = [(template.doc_prefix, doc_starts[:-1], np.full(num_docs, template.train_all)),
+              (template.doc_suffix, doc_starts[1:] - len(template.doc_suffix), suffix_trains)]
+    for kind, (prefix, suffix) in enumerate(zip(template.part_prefix, template.part_suffix)):
+        if len(prefix) or len(suffix):
+            of_kind = np.flatnonzero(kinds == kind)
+            end = content_at[of_kind] + lengths[of_kind] + sentinels[of_kind]
+            pieces += [(prefix, content_at[of_kind] - len(prefix), np.full(len(of_kind), template.train_all)),
+                       (suffix, end, np.full(len(of_kind), trains_kind[kind]))]
+    if len(fim_part) and template.fim is not None and fim is not None:
+        d = part_doc[fim_part]
+        begin, start, size = content_at[fim_part], source[fim_part], lengths[fim_part]
+        spm, cut_a, cut_b = (np.asarray(x)[d] for x in fim[1:4])
+        # PSM: <PRE> P <SUF> S <MID> M      SPM: <PRE> <SUF> S <MID> P M   (P [0, a), M [a, b), S [b, size))
+        suffix_at = begin + np.where(spm, 1, 1 + cut_a)
+        middle_at = suffix_at + 1 + size - cut_b
+        p_at = np.where(spm, middle_at + 1, begin + 1)
+        m_at = np.where(spm, p_at + cut_a, middle_at + 1)
+        fim_trains = np.full(len(fim_part), trains_kind[0])
+        runs = [tuple(np.delete(x, fim_part) for x in runs[0]),   # the other parts' runs first
+                (start, p_at, cut_a, fim_trains), (start + cut_b, suffix_at + 1, size - cut_b, fim_trains),
+                (start + cut_a, m_at, cut_b - cut_a, fim_trains)]
+        f, sentinel_trains = template.fim, np.full(len(fim_part), template.train_all)
+        pieces += [(token_array([f.prefix]), begin, sentinel_trains),
+                   (token_array([f.suffix]), suffix_at, sentinel_trains),
+                   (token_array([f.middle]), middle_at, sentinel_trains)]
+    pieces = [(p, at, t) for p, at, t in pieces if len(p) and len(at)]   # the pieces rendered at all
+    # The stored values fit their own dtype: only the template's ids can need int32.
+    dtype = stored_token_dtype(values.dtype, max((int(p.max()) for p, _, _ in pieces), default=None))
+    at = np.concatenate([np.add.outer(at, np.arange(len(p))).ravel() for p, at, _ in pieces] + [np.zeros(0, np.int64)])
+    tokens = np.empty(int(doc_starts[-1]), dtype)
+    tokens[at] = np.concatenate([np.tile(p, len(at)) for p, at, _ in pieces] + [np.zeros(0, np.int32)])
+    trainable = None if template.train_all else np.empty(len(tokens), bool)   # train_all: every piece trains
+    if trainable is not None:
+        trainable[at] = np.concatenate([np.repeat(t, len(p)) for p, _, t in pieces] + [np.zeros(0, bool)])
+    src, out, n, t = (np.concatenate(x) for x in zip(*runs))
+    if len(n) * TOKENS_PER_PART_COPY <= len(values):
+        # Long runs: a copy per run (a memcpy each) is cheaper than a mask over every token.
+        for a, o, k in zip(src.tolist(), out.tolist(), n.tolist()):
+            tokens[o : o + k] = values[a : a + k]
+        if trainable is not None:
+            for o, k, flag in zip(out.tolist(), n.tolist(), t.tolist()):
+                trainable[o : o + k] = flag
+    else:
+        # Every position no template token takes, in order, holds the stored values in order
+        # (a FIM part's reordered, below).
+        content = np.ones(len(tokens), bool)
+        content[at] = False
+        tokens[content] = values
+        if trainable is not None:
+            trainable[content] = np.repeat(part_trains, lengths)
+        if len(fim_part):
+            moved = slice(len(kinds) - len(fim_part), None)   # the FIM parts' runs
+            count = n[moved]
+            within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            tokens[np.repeat(out[moved], count) + within] = values[np.repeat(src[moved], count) + within]
+    return tokens, None if trainable is None or trainable.all() else trainable, doc_starts
 
 
 def _place_in_order(values: np.ndarray, constants: np.ndarray, start: np.ndarray, length: np.ndarray,

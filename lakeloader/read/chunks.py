@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,25 @@ from lakeloader.read.disk_cache import DiskCache
 from lakeloader.read.lru import LRU
 from lakeloader.read.pages import leaf_column, read_column_values
 from lakeloader.storage import sha256_of, with_retries
+
+
+# Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
+# otherwise parses its file's footer again, a cost that grows with the file's row groups).
+FOOTER_BYTES_KEPT = 64 << 20
+_PARQUET_MAGIC = b"PAR1"
+
+
+def _footer_bytes(handle: pa.NativeFile) -> bytes | None:
+    """The serialized footer of the Parquet file open as ``handle`` (None if it has none, e.g.
+    it is truncated: parsing it then raises as it would have)."""
+    size = handle.size()
+    if size < 12:
+        return None
+    tail = handle.read_at(8, size - 8)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != _PARQUET_MAGIC or length + 12 > size:
+        return None
+    return handle.read_at(length, size - 8 - length)
 
 
 def _nbytes(item: Any) -> int:
@@ -85,9 +105,14 @@ class ChunkFiles:
         self.verify = verify
         self.cache = RowGroupCache(cache_bytes)
         self.disk = None if lake.is_local else DiskCache(lake, disk_cache_bytes)
-        self._verified: set[str] = set()
+        self._verified: LRU[str, bool] = LRU(sys.maxsize)   # paths checked against the catalog (never evicted)
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
+        # Keyed by the footer's own bytes, read from the file each time: a chunk rebuilt in place
+        # (other bytes, whatever the catalog says) is parsed again, never read with a stale footer.
+        # Each counted as 10 times its serialized size: the key's bytes, and parsed (about 9 times, measured).
+        self._footers: LRU[tuple[str, bytes], pq.FileMetaData] = LRU(
+            FOOTER_BYTES_KEPT, lambda metadata: 10 * metadata.serialized_size)
 
     def _open(self, chunks: DatasetChunks, index: int) -> pa.NativeFile:
         """An open handle of chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
@@ -108,10 +133,14 @@ class ChunkFiles:
             ) from None
 
     def _check(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
+        """Chunk ``index`` (open as ``handle``) checked against the catalog once: threads opening
+        it together wait for one check (a shuffled first batch reads several row groups of a chunk
+        at once) instead of each hashing the file."""
+        self._verified.get(chunks.record(index).path, lambda: self._verify(chunks, index, handle))
+
+    def _verify(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> bool:
         record = chunks.record(index)
         path = record.path
-        if path in self._verified:
-            return
         size = handle.size()
         problem = None
         if size != record.num_bytes:
@@ -128,8 +157,7 @@ class ChunkFiles:
                 f"{problem}. Never read as data: run `lakeloader verify CONFIG --repair` to rebuild the "
                 "damaged chunks of the lake."
             )
-        with self._lock:
-            self._verified.add(path)
+        return True
 
     @contextlib.contextmanager
     def _parquet(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, pq.ParquetFile]]:
@@ -141,7 +169,12 @@ class ChunkFiles:
             with self._lock:
                 self.files_opened.add(path)
             try:
-                yield handle, open_chunk(handle)
+                footer = _footer_bytes(handle)
+                if footer is None:
+                    yield handle, open_chunk(handle)
+                else:
+                    metadata = self._footers.get((path, footer), lambda: open_chunk(handle).metadata)
+                    yield handle, open_chunk(handle, metadata)
             except (OSError, pa.ArrowException) as exc:
                 raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
                                        exc, None if self.disk is None else self.disk.local_path(path)) from exc
@@ -161,8 +194,10 @@ class ChunkFiles:
         """:meth:`row_group` read from the file and not cached (for what is cached derived from it)."""
         with self._parquet(chunks, index) as (handle, parquet):
             names = parquet.schema_arrow.names
+            # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
             table = parquet.read_row_groups(
-                [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names])
+                [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names],
+                use_threads=False)
             parts = table_parts(table)
             # The tokens' pages decoded here (their levels skipped), or by pyarrow when stored otherwise.
             leaf = leaf_column(parquet.metadata, TOKENS_COLUMN)

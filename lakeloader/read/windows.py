@@ -19,7 +19,7 @@ import pyarrow as pa
 from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
 from lakeloader.index.ranges import cumulative, locate
-from lakeloader.index.render import Rendered, fim_choice, fim_counts, render, stream_lengths
+from lakeloader.index.render import fim_choice, fim_counts, render_compact, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.lru import LRU
@@ -42,17 +42,6 @@ class RenderedGroup:
     # interleaved documents, the response split of supervised ones): a few numbers per part.
     parts: ChunkParts | None = None
     refs: np.ndarray | None = None  # interleaved: each part's reference (None for text parts)
-
-
-def compact(rendered: Rendered, stored: np.dtype) -> RenderedGroup:
-    """``rendered`` in the stored token dtype ``stored`` (if every id fits), without per-token
-    document keys, and without target flags when all are set."""
-    tokens = rendered.tokens
-    if stored.kind == "u" and stored.itemsize < tokens.dtype.itemsize and (
-            not len(tokens) or int(tokens.max()) <= np.iinfo(stored).max):
-        tokens = tokens.astype(stored)
-    trainable = None if rendered.trainable.all() else rendered.trainable
-    return RenderedGroup(tokens, trainable, rendered.doc_starts)
 
 
 @dataclasses.dataclass
@@ -235,8 +224,8 @@ class StreamReader:
         parts = stored.parts
         first_doc = int(self.groups(chunks, chunk)[1][group])
         fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
-        rendered = compact(render(self.template, stored.values, parts.part_lengths, parts.part_kinds,
-                                  parts.part_doc, parts.num_docs, fim), stored.values.dtype)
+        rendered = RenderedGroup(*render_compact(self.template, stored.values, parts.part_lengths, parts.part_kinds,
+                                                 parts.part_doc, parts.num_docs, fim))
         if self.template.image_kind is not None or "response" in self.template.kind_names:
             rendered = dataclasses.replace(rendered, parts=parts, refs=stored.refs)
         del stored, parts
