@@ -33,7 +33,6 @@ from lakeloader.read.lru import LRU
 from lakeloader.read.pages import leaf_column, read_column_values
 from lakeloader.storage import sha256_of, with_retries
 
-
 # Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
 # otherwise parses its file's footer again, a cost that grows with the file's row groups).
 FOOTER_BYTES_KEPT = 64 << 20
