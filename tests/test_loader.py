@@ -551,3 +551,23 @@ def test_batch_size_not_divisible_by_process_count(lake: Path, tmp_path: Path,
     assert main(["batches", str(config), "--steps", "0:2", "--process-count", "3", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "batch_size" in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_full_shuffle_beyond_the_cache_is_warned_about(lake: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full shuffle over much more than ``loader.cache_bytes`` decodes a whole row group per
+    example: iterating warns, naming the keys to change; a cache that holds the lake, or a block
+    shuffle, says nothing."""
+    stored = sum(int(n) * 2 for n in open_lake(loader_config(lake, "size")).sql(
+        "SELECT num_tokens FROM chunks WHERE dataset = 'd'").num_tokens)
+    cases = {"small-full": ({"kind": "full"}, stored // 4, True),
+             "large-full": ({"kind": "full"}, stored * 4, False),
+             "small-block": ({"kind": "block", "block_size": 4, "window_blocks": 2}, stored // 4, False)}
+    for name, (shuffle, cache_bytes, warned) in cases.items():
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lakeloader.feed.loader"), \
+                Loader(loader_config(lake, name, shuffle=shuffle, cache_bytes=cache_bytes)) as loader:
+            next(loader.iter_from(0))
+        said = [r.getMessage() for r in caplog.records if "loader.cache_bytes" in r.getMessage()]
+        assert bool(said) == warned, (name, said)
+        if warned:
+            assert "loader.shuffle.kind block or window" in said[0] and "build.row_group_tokens" in said[0]

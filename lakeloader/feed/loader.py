@@ -150,6 +150,19 @@ class Loader:
         # Training rows are written whole (concat windows; packed examples with their padding).
         self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
 
+    def _warn_if_beyond_the_cache(self) -> None:
+        """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
+        every example then decodes a whole row group for one window (a few M tokens/s)."""
+        stored = sum(int(d.chunks.num_tokens.sum()) * np.dtype(d.chunks.token_type).itemsize for d in self.datasets)
+        cache = self.config.loader.cache_bytes
+        if stored > 2 * cache:
+            log.warning(
+                "loader.shuffle.kind: full over %.1f GB of stored tokens with loader.cache_bytes %.2f GB: most "
+                "examples land in a row group no longer cached and decode all of it (build.row_group_tokens: "
+                "%d tokens) for one window, a few M tokens/s. For a lake much larger than the cache use "
+                "loader.shuffle.kind block or window, or raise loader.cache_bytes towards the lake's size",
+                stored / 1e9, cache / 1e9, self.config.build.row_group_tokens)
+
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
         loader, dataset = self.config.loader, self.config.datasets[name]
         reader = StreamReader(self.view, self.files, self.templates[name])
@@ -293,6 +306,8 @@ class Loader:
         the caller may keep). The workers stop when the iterator is closed or collected, or
         when :meth:`close` is called."""
         iterator = self._iterate(self._start(start))
+        if self.mode == "train" and self.config.loader.shuffle.kind == "full":
+            self._warn_if_beyond_the_cache()   # here, not in workers' own loaders: said once
         self._iterators.add(iterator)
         return iterator
 
