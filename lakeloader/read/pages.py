@@ -50,24 +50,12 @@ class DataPageHeader:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataPageHeaderV2:
-    num_values: int
-    num_nulls: int
-    num_rows: int
-    encoding: int
-    definition_levels_byte_length: int
-    repetition_levels_byte_length: int
-    is_compressed: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
 class PageHeader:
     type: int
     uncompressed_page_size: int
     compressed_page_size: int
     crc: int | None                 # signed 32-bit as stored; None for a page written without one
-    data_page_header: DataPageHeader | None = None
-    data_page_header_v2: DataPageHeaderV2 | None = None
+    data_page_header: DataPageHeader | None = None   # data pages v1 only (any other is left to pyarrow)
 
 
 class _CompactReader:
@@ -181,7 +169,7 @@ def read_page_header(data: bytes | memoryview, pos: int) -> tuple[PageHeader, in
             raise _NotDecoded(f"page header field {field_id} is not a struct")
         return _CompactReader(data, span[0]).fields()
 
-    v1, v2 = nested(5), nested(8)
+    v1 = nested(5)
     crc = fields.get(4)
     header = PageHeader(
         type=_int(fields, 1, "type"),
@@ -191,10 +179,6 @@ def read_page_header(data: bytes | memoryview, pos: int) -> tuple[PageHeader, in
         data_page_header=None if v1 is None else DataPageHeader(
             _int(v1, 1, "num_values"), _int(v1, 2, "encoding"), _int(v1, 3, "definition_level_encoding"),
             _int(v1, 4, "repetition_level_encoding")),
-        data_page_header_v2=None if v2 is None else DataPageHeaderV2(
-            _int(v2, 1, "num_values"), _int(v2, 2, "num_nulls"), _int(v2, 3, "num_rows"), _int(v2, 4, "encoding"),
-            _int(v2, 5, "definition_levels_byte_length"), _int(v2, 6, "repetition_levels_byte_length"),
-            bool(v2.get(7, True))),
     )
     return header, end
 
