@@ -438,7 +438,7 @@ class PackedExamples(DatasetExamples):
         if not len(examples):
             return []
         chunks = locate(self.example_offsets, examples)
-        self.reader.prefetch_groups(self.chunks, chunks)
+        self.reader.groups_of(self.chunks, np.unique(chunks).tolist())   # their row-group tables: one query
         order = np.argsort(chunks, kind="stable")   # chunk by chunk
         local = examples[order] - self.example_offsets[chunks[order]]
         bounds = [0, *(np.flatnonzero(np.diff(chunks[order])) + 1).tolist(), len(order)]

@@ -164,11 +164,6 @@ class StreamReader:
         """(stream offsets of the row groups within the chunk, first document of each)."""
         return self._row_groups.get((chunks.fingerprint, chunk), lambda: self._groups(chunks, chunk))
 
-    def prefetch_groups(self, chunks: DatasetChunks, wanted: Sequence[int] | np.ndarray) -> None:
-        """:meth:`groups` of the chunks ``wanted`` that are not cached yet, from one catalog
-        query (a shuffled batch's rows can lie in as many chunks as it has rows)."""
-        self.groups_of(chunks, sorted({int(c) for c in wanted}))
-
     def groups_of(self, chunks: DatasetChunks, wanted: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`groups` of each chunk of ``wanted``: the cached ones in one lookup, the others
         from one catalog query."""
