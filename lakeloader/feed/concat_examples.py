@@ -261,10 +261,8 @@ class DatasetExamples(ShuffledDataset):
         found: list[Window | None] = [None] * len(js)
         if whole.any():
             mine = np.flatnonzero(whole)
-            located = self.reader.windows(self.chunks, self.sequence, self.stream_offsets, js[mine] * self.seq_len,
-                                          self.seq_len + 1)
-            for i, (n, j) in enumerate(zip(mine.tolist(), js[mine].tolist())):
-                found[n] = Window(self.name, 0, j, None, located, i)
+            for n, window in zip(mine.tolist(), self._examples(np.zeros(len(mine), np.int64), js[mine])):
+                found[n] = window
         for n in np.flatnonzero(~whole).tolist():
             found[n] = self.eval_window(int(js[n]))
         return found  # type: ignore[return-value]
