@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
-from lakeloader.index.ranges import cumulative, locate
+from lakeloader.index.ranges import cumulative, locate, spans
 from lakeloader.index.render import fim_choice, fim_counts, render_compact, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
@@ -133,9 +133,7 @@ class WindowSet:
         begin = base[k] + at
         lo = np.searchsorted(shifted, begin, side="right")
         count = np.maximum(np.searchsorted(shifted, begin + self.length, side="left") - lo, 0)
-        total = int(count.sum())
-        first = np.repeat(lo - (np.cumsum(count) - count), count)
-        found = shifted[first + np.arange(total)] - np.repeat(begin, count)
+        found = shifted[spans(lo, count)] - np.repeat(begin, count)
         return np.repeat(np.arange(len(which)), count), found
 
 
