@@ -147,7 +147,7 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Wi
     if one is not None and which is not None and bool((one.group[which] >= 0).all()):
         # The common case (training): every window a slice of a row group of one located set.
         groups, at = one.group[which], one.at[which]
-        if bool((groups == groups[0]).all()) and bool((np.diff(at) == length).all()):
+        if bool((groups == groups[0]).all()) and bool((at[1:] - at[:-1] == length).all()):
             # Consecutive windows (no shuffle): the rows are one run of the row group's tokens.
             group, begin = one.groups[int(groups[0])], int(at[0])
             stop = begin + n * length + 1

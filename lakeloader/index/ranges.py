@@ -77,15 +77,20 @@ def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarr
     row_starts = np.arange(rows, dtype=np.int64) * n
     starts = np.sort(np.concatenate([row_starts, cut_rows[inside] * n + cut_at[inside]]))  # flat
     starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]
-    lengths = np.diff(starts, append=rows * n)
+    lengths = np.empty_like(starts)   # (np.diff with append costs more than the rest of this line)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = rows * n - starts[-1]
     # Each start's segment number: its rank among its row's starts, from 1.
     number = np.arange(1, len(starts) + 1, dtype=np.int64) - np.searchsorted(starts, row_starts)[starts // n]
     np.copyto(segment_ids, np.repeat(number.astype(np.int32), lengths).reshape(rows, n))
     # Positions: flat index minus the flat start of its segment (no broadcast: numpy's
     # broadcasting loops are several times slower than same-shape ones).
-    dtype = np.int32 if rows * n <= np.iinfo(np.int32).max else np.int64
+    dtype = np.int32 if rows * n <= _INT32_MAX else np.int64
     np.subtract(_iota(rows * n, dtype).reshape(rows, n), np.repeat(starts.astype(dtype), lengths).reshape(rows, n),
                 out=positions, casting="unsafe")
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @functools.lru_cache(maxsize=8)
