@@ -10,11 +10,14 @@ subprocess (so that peak RSS is that configuration's alone):
 - peak RSS of the process (``VmHWM``);
 - the ratio to the baseline: a plain numpy copy of the same number of L+1-token windows from one
   in-memory token array of the whole lake (consecutive windows for ``none``, random ones for
-  ``full``), measured in this run, also in a fresh subprocess.
+  ``full``), measured in this run, also in a fresh subprocess;
+- the ratio to a second baseline: input ids and targets copied as two [B, L] arrays from the
+  same tokens memory-mapped from a .npy file (two copies where the first makes one; the least a
+  trainer needs as separate arrays, and how the issue that set the targets measured its numpy row).
 
 Targets (issue 15): ratio >= 0.10 in one process, peak RSS <= 450 MB.
 
-    .venv/bin/python benchmarks/loader_throughput.py [--size bench|demo]
+    .venv/bin/python benchmarks/loader_throughput.py [--size bench|demo] [--built] [--prefetch N]
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -56,20 +61,24 @@ def build_lake(size: str, packings: tuple[str, ...] = ("concat",)) -> None:
         build(config_for(size, packing, "none"), workers=2, progress=False)
 
 
-def config_for(size: str, packing: str, shuffle: str, workers: int = 0) -> Path:
-    """A config reading the ``size`` lake with the given packing, shuffle and ``loader.workers``
-    (defaults otherwise: prefetch 2, verify checksum, cache_bytes as documented). The corpus is
+def config_for(size: str, packing: str, shuffle: str, workers: int = 0, prefetch: int | None = None) -> Path:
+    """A config reading the ``size`` lake with the given packing, shuffle, ``loader.workers`` and
+    ``loader.prefetch`` (None: the default, 2; defaults otherwise: verify checksum, cache_bytes
+    as documented). The corpus is
     written only while the lake is not built: a built lake copied to another machine (a GPU
     host, say) reads without it."""
     corpus = OUT / f"{size}-corpus"
     if not is_built(size):
         prepare_corpus(corpus, size=size)  # type: ignore[arg-type]
-    path = OUT / f"loader-{size}-{packing}-{shuffle}{f'-workers{workers}' if workers else ''}.yaml"
+    path = OUT / (f"loader-{size}-{packing}-{shuffle}{f'-workers{workers}' if workers else ''}"
+                  f"{'' if prefetch is None else f'-prefetch{prefetch}'}.yaml")
+    read_ahead = {} if prefetch is None else {"prefetch": prefetch}
     path.write_text(yaml.safe_dump({
         "lake": str(lake_dir(size)), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(corpus / "code" / "*.jsonl")]}},
         "build": {"split_size": "8MB"},
-        "loader": {"seq_len": SEQ, "batch_size": BATCH, "packing": packing, "shuffle": shuffle, "workers": workers},
+        "loader": {"seq_len": SEQ, "batch_size": BATCH, "packing": packing, "shuffle": shuffle, "workers": workers,
+                   **read_ahead},
     }))
     return path
 
@@ -117,9 +126,30 @@ def lake_tokens(config: Path) -> np.ndarray:
 
 
 def measure_baseline(config: Path, shuffle: str, steps: int) -> dict[str, float]:
-    """Tokens/s of copying ``steps`` batches of B windows of L+1 tokens out of one in-memory
-    array (best of 3), and the peak RSS."""
+    """Tokens/s of ``steps`` batches of B windows (best of 3 each), two ways, and the peak RSS:
+
+    - ``tokens_per_s``: one copy of B windows of L+1 tokens out of one in-memory array of the
+      lake's tokens (targets would be a view of it shifted by one);
+    - ``ids_targets_tokens_per_s``: input ids and targets as two [B, L] arrays copied out of the
+      same tokens memory-mapped from a .npy file (page cache warm).
+    """
     tokens = lake_tokens(config)
+    mapped_path = OUT / f"baseline-tokens-{os.getpid()}.npy"
+    np.save(mapped_path, tokens)
+    try:
+        mapped = np.load(mapped_path, mmap_mode="r")
+        figures = {"tokens_per_s": _best_rate(tokens, shuffle, steps, lambda windows, rows: windows[rows]),
+                   "ids_targets_tokens_per_s": _best_rate(
+                       mapped, shuffle, steps, lambda windows, rows: (windows[rows, :-1], windows[rows, 1:]))}
+    finally:
+        mapped_path.unlink()
+    return {**figures, "peak_rss_mb": peak_rss_mb()}
+
+
+def _best_rate(tokens: np.ndarray, shuffle: str, steps: int, make: Callable[[np.ndarray, np.ndarray], Any]) -> float:
+    """Best of 3 passes of ``steps`` batches, each ``make(windows, rows)`` of the B rows of the
+    step (consecutive windows for ``none``, random ones for ``full``) of the L+1-token windows of
+    ``tokens``."""
     windows = np.lib.stride_tricks.sliding_window_view(tokens, SEQ + 1)[::SEQ]
     rng = np.random.default_rng(0)
     best = 0.0
@@ -127,11 +157,10 @@ def measure_baseline(config: Path, shuffle: str, steps: int) -> dict[str, float]
         order = rng.permutation(len(windows)) if shuffle == "full" else np.arange(len(windows))
         started = time.perf_counter()
         for step in range(steps):
-            rows = order[np.arange(step * BATCH, (step + 1) * BATCH) % len(windows)]
-            batch = windows[rows]   # one copy of B windows
+            made = make(windows, order[np.arange(step * BATCH, (step + 1) * BATCH) % len(windows)])
         best = max(best, steps * BATCH * SEQ / (time.perf_counter() - started))
-    assert batch.shape == (BATCH, SEQ + 1)
-    return {"tokens_per_s": best, "peak_rss_mb": peak_rss_mb()}
+    assert made is not None
+    return best
 
 
 def in_subprocess(*args: str) -> dict[str, float]:
@@ -147,6 +176,8 @@ def main() -> None:
     parser.add_argument("--size", choices=("bench", "demo"), default="bench")
     parser.add_argument("--built", action="store_true",
                         help="the lake is built already (copied to this machine, say): no build check, no Dask")
+    parser.add_argument("--prefetch", type=int, help="loader.prefetch (default: the config default, 2); 0 measures "
+                        "how fast one thread builds batches, without read-ahead threads")
     parser.add_argument("--measure", help=argparse.SUPPRESS)   # internal: one configuration
     parser.add_argument("--baseline", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -164,10 +195,11 @@ def main() -> None:
     if not args.built:
         build_lake(args.size, ("concat", "pack"))
     figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}", "corpus": args.size,
+                                  "prefetch": "default (2)" if args.prefetch is None else args.prefetch,
                                   "build_or_check_s": round(time.perf_counter() - started, 1),
                                   "loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}
     for packing, shuffle in CONFIGS:
-        measured = in_subprocess("--measure", str(config_for(args.size, packing, shuffle)))
+        measured = in_subprocess("--measure", str(config_for(args.size, packing, shuffle, prefetch=args.prefetch)))
         baseline = in_subprocess("--size", args.size, "--baseline", shuffle, "--steps", str(int(measured["steps"])))
         name = f"{packing}_{shuffle}"
         figures[f"{name}_tokens_per_s"] = round(measured["tokens_per_s"])
@@ -175,13 +207,18 @@ def main() -> None:
         figures[f"{name}_numpy_copy_tokens_per_s"] = round(baseline["tokens_per_s"])
         figures[f"{name}_ratio_to_numpy_copy (target >= 0.10)"] = round(
             measured["tokens_per_s"] / baseline["tokens_per_s"], 3)
+        figures[f"{name}_numpy_ids_targets_tokens_per_s"] = round(baseline["ids_targets_tokens_per_s"])
+        figures[f"{name}_ratio_to_numpy_ids_targets"] = round(
+            measured["tokens_per_s"] / baseline["ids_targets_tokens_per_s"], 3)
         figures[f"{name}_peak_rss_mb (target <= 450)"] = round(measured["peak_rss_mb"])
         figures[f"{name}_numpy_copy_peak_rss_mb"] = round(baseline["peak_rss_mb"])
         if packing == "pack":
             figures[f"{name}_non_padding_fraction"] = round(measured["non_padding"], 4)
         figures[f"{name}_steps_per_epoch"] = int(measured["steps"])
     figures["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    report("loader_throughput" if args.size == "bench" else f"loader_throughput_{args.size}", figures)
+    name = "loader_throughput" + ("" if args.size == "bench" else f"_{args.size}") + (
+        "" if args.prefetch is None else f"_prefetch{args.prefetch}")
+    report(name, figures)
 
 
 if __name__ == "__main__":
