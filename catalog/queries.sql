@@ -180,9 +180,9 @@ WHERE database_name = 'lake' AND schema_name = 'main' AND NOT internal;
 -- One table of the attached catalog as a view of the reader's database ({table}: a table of schema.sql).
 CREATE VIEW {table} AS FROM lake.main.{table};
 
--- name: attached_columns
--- Columns of the attached catalog file's tables.
-SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = 'lake' AND schema_name = 'main';
+-- name: attached_table_columns
+-- No rows of one table of the attached catalog file: the result's description names its columns.
+SELECT * FROM lake.main.{table} LIMIT 0;
 
 -- name: reader_table_padded
 -- reader_table of a catalog written before some of the table's columns were added by schema.sql's

@@ -1,4 +1,5 @@
 -- Views derived from the tables of schema.sql. Progress is never stored twice: it is computed here.
+-- They build on prefix.sql (committed_prefix), defined first: readers need only that one.
 
 -- Per-shard progress.
 CREATE OR REPLACE VIEW shards AS
@@ -22,15 +23,6 @@ SELECT
 FROM shard_plans s
 LEFT JOIN chunks c ON c.dataset = s.dataset AND c.shard_index = s.shard_index
 GROUP BY s.dataset, s.shard_index, s.source, s.layout, s.compression, s.size_bytes, s.num_splits;
-
--- The longest run of committed chunks from global index 0, per dataset: what readers may read.
-CREATE OR REPLACE VIEW committed_prefix AS
-SELECT
-    dataset,
-    coalesce(min(global_index) FILTER (WHERE status <> 'committed'), count(*))::BIGINT AS num_chunks,
-    count(*)::BIGINT AS planned_chunks
-FROM chunks
-GROUP BY dataset;
 
 -- Committed-prefix chunks with cumulative document and token offsets within their dataset.
 CREATE OR REPLACE VIEW chunk_offsets AS

@@ -18,6 +18,7 @@ from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
 from lakeloader.contracts.errors import CatalogError
+from lakeloader.read.catalog_view import CatalogView
 
 from conftest import Lakes, global_batches, stdlib_texts
 
@@ -129,12 +130,15 @@ def test_sql_help_says_what_is_allowed(capsys: pytest.CaptureFixture[str]) -> No
         assert words in text, words
 
 
-@pytest.mark.parametrize("opener", ["catalog file", "snapshot", "snapshot cursor"])
+@pytest.mark.parametrize("opener", ["catalog file", "snapshot", "snapshot cursor", "loader view"])
 def test_reader_connections_reach_nothing_but_the_catalog(shared: dict[str, Path], opener: str) -> None:
-    """Below `sql`'s statement check, the connection itself refuses (the loader's, `status`'s, `audit`'s)."""
+    """Below `sql`'s statement check, the connection itself refuses (the loader's, `status`'s,
+    `audit`'s); the loader's view, whose analyst views are defined after the lock, included."""
     lake = Lake(str(shared["lake"]))
     if opener == "catalog file":
         con = lake.connect()
+    elif opener == "loader view":
+        con = CatalogView(lake)
     else:
         con, _ = open_snapshot(lake)
         con = con.cursor() if opener == "snapshot cursor" else con
@@ -157,6 +161,7 @@ def test_reader_connections_reach_nothing_but_the_catalog(shared: dict[str, Path
             with pytest.raises(error):
                 con.execute(statement).fetchall()
         assert con.execute("SELECT count(*) FROM committed_prefix").fetchone()[0] == 2
+        assert con.execute("SELECT count(*) FROM datasets").fetchone()[0] == 2   # an analyst view
         # The catalog file is attached as `lake`; its tables are also reachable under that name.
         assert con.execute("SELECT count(*) FROM lake.chunks").fetchone() == con.execute(
             "SELECT count(*) FROM chunks").fetchone()

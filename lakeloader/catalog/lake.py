@@ -57,7 +57,7 @@ class Lake(LakeLocation):
 
     def tokenizer(self, con: Any, datasets: Sequence[str]) -> LazyTokenizer:
         """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
-        or view): its special tokens' ids are read without building it, the rest on first use."""
+        or cursor): its special tokens' ids are read without building it, the rest on first use."""
         path = con.execute(query("tokenizer_path"), {"datasets": list(datasets)}).fetchone()
         if path is None:
             raise CatalogError(f"the lake {self.url} has none of the datasets {list(datasets)}: build them first")

@@ -106,8 +106,9 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
     return version
 
 
-def open_snapshot(lake: LakeLocation) -> tuple[duckdb.DuckDBPyConnection, int]:
-    """A read-only connection to the lake's newest published catalog, and its version.
+def open_snapshot(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckdb.DuckDBPyConnection, int]:
+    """A read-only connection to the lake's newest published catalog, and its version (with the
+    analyst views of catalog/views.sql unless ``analyst_views`` is false: ``connect_reader``).
 
     The connection is ``connect_reader``'s: it runs no SQL stored in the snapshot and reaches
     nothing outside it, whoever wrote the lake.
@@ -123,7 +124,7 @@ def open_snapshot(lake: LakeLocation) -> tuple[duckdb.DuckDBPyConnection, int]:
                 "`lakeloader build` on it first; readers can start once its first snapshot is published"
             )
         try:
-            return connect_reader(local_snapshot(lake, pointer)), int(pointer["version"])
+            return connect_reader(local_snapshot(lake, pointer), analyst_views), int(pointer["version"])
         except (FileNotFoundError, duckdb.Error, CatalogError) as exc:
             if attempt == 2:
                 raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc

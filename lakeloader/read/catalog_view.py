@@ -22,7 +22,7 @@ import pyarrow as pa
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.sql import query
-from lakeloader.catalog.store import LiveCatalog
+from lakeloader.catalog.store import LiveCatalog, define_views
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.read.lru import LRU
 from lakeloader.storage import with_retries
@@ -146,10 +146,13 @@ class CatalogView:
     def _connect(self) -> duckdb.DuckDBPyConnection:
         cursor = None if self.live_catalog is None else self.live_catalog.cursor(self.lake.writer_catalog_path)
         self._live = cursor is not None
+        # The live catalog has every view; a snapshot connection gets the analyst views (~18 ms
+        # to define, not used by readers' own queries) only once SQL of the user's runs on it.
+        self._analyst_views = cursor is not None
         if cursor is not None:
             return cursor  # same process as the build driver: its live catalog
         # Never the writer's file: a long-lived reader holding it would lock out the next build.
-        con, self._version = self._retrying(lambda: open_snapshot(self.lake))
+        con, self._version = self._retrying(lambda: open_snapshot(self.lake, analyst_views=False))
         return con
 
     def _build_running(self) -> bool:
@@ -172,19 +175,28 @@ class CatalogView:
             return False
         with self._lock:
             old = self._con
-            self._con, self._version = self._retrying(lambda: open_snapshot(self.lake))
+            self._con, self._version = self._retrying(lambda: open_snapshot(self.lake, analyst_views=False))
+            self._analyst_views = False
             old.close()
         return True
 
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A cursor of the current view for the queries of catalog/queries.sql (thread-safe): the
+        catalog's tables and committed_prefix, without the analyst views :meth:`execute` adds."""
+        return self._cursor()
+
+    def _cursor(self, analyst_views: bool = False) -> duckdb.DuckDBPyConnection:
         if self._live and not self._build_running():
             self.refresh()
         with self._lock:
+            if analyst_views and not self._analyst_views:
+                define_views(self._con, analyst=True)
+                self._analyst_views = True
             return self._con.cursor()
 
     def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
-        """Run SQL on the current view (thread-safe)."""
-        cursor = self._cursor()
+        """Run SQL on the current view, with every table and view of ``lakeloader sql`` (thread-safe)."""
+        cursor = self._cursor(analyst_views=True)
         return cursor.execute(sql, params) if params is not None else cursor.execute(sql)
 
     def named_table(self, name: str, params: dict[str, Any]) -> pa.Table:
@@ -192,8 +204,9 @@ class CatalogView:
         return self._cursor().sql(query(name), params=params).to_arrow_table()
 
     def named(self, name: str, params: Any = None) -> duckdb.DuckDBPyConnection:
-        """Run a named query of catalog/queries.sql."""
-        return self.execute(query(name), params)
+        """Run a named query of catalog/queries.sql (readers' queries need no analyst view)."""
+        cursor = self._cursor()
+        return cursor.execute(query(name), params) if params is not None else cursor.execute(query(name))
 
     def dataset(self, name: str, plan_key: str | None = None) -> DatasetChunks:
         """The committed prefix of dataset ``name``; with a packing ``plan_key``, the prefix of
