@@ -23,6 +23,7 @@ from lakeloader.index.render import fim_choice, fim_counts, render_compact, stre
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.lru import LRU
+from lakeloader.read.stream_index import StreamIndex
 
 # Row groups a batch needs that no cache holds are decoded and rendered this many at a time
 # (Parquet decoding and most numpy work run without the GIL): a shuffled first batch can need as
@@ -147,6 +148,7 @@ class StreamReader:
         self.template = template
         # Row-group offsets per chunk: a few numbers each, kept by count.
         self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
+        self._index: StreamIndex | None = None   # the row groups of the last sequence read, located so far
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (from catalog counts only)."""
@@ -277,50 +279,46 @@ class StreamReader:
     def windows(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                 starts: np.ndarray, length: int) -> WindowSet:
         """:meth:`window` of many starts. Windows inside one row group (nearly all of them) are
-        located together and stay slices of its cached rendering; the rest take the general path."""
+        located together, in the reader's index of the row groups of the sequence's chunks read so
+        far (one search; a chunk met for the first time is added from its row-group table), and
+        stay slices of the row groups' cached renderings; the rest take the general path."""
         starts = np.asarray(starts, np.int64)
         position = locate(sequence_offsets, starts)
-        inside = (position == locate(sequence_offsets, starts + length - 1)) & (position < len(sequence))
-        unique = np.unique(position[position < len(sequence)])   # the chunk positions the windows start in
-        tables = self.groups_of(chunks, np.asarray(sequence)[unique].tolist())
-        found = self._views(chunks, sequence, sequence_offsets, starts, length, np.flatnonzero(inside), position,
-                            unique, tables)
+        index = self._index
+        if index is None or index.offsets is not sequence_offsets:   # another sequence, or the dataset grew
+            index = StreamIndex.empty(sequence_offsets)
+        in_sequence = position < len(sequence)
+        new = sorted(set(position[in_sequence].tolist()) - index.known)
+        if new:
+            index = index.with_chunks(new, self.groups_of(chunks, np.asarray(sequence)[new].tolist()))
+        self._index = index
+        found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index)
         for row in np.flatnonzero(found.group < 0).tolist():
             found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         return found
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-               starts: np.ndarray, length: int, rows: np.ndarray, position: np.ndarray, unique: np.ndarray,
-               tables: list[tuple[np.ndarray, np.ndarray]]) -> WindowSet:
-        """The windows ``rows`` (each inside the chunk at sequence position ``position[row]``)
-        that lie in one row group, as slices of its cached rendering: the row groups of all the
-        windows are located in one search over the row groups (``tables``) of the chunk positions
-        ``unique`` (sorted, holding every ``position[rows]``), then each row group is fetched once."""
+               starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex) -> WindowSet:
+        """The windows that lie in one row group of ``index`` (which holds every chunk they start
+        in), as slices of its cached rendering, each row group fetched once; the others are left
+        with group -1."""
         n = len(starts)
+        held = index.locate(starts, length)
+        rows = np.flatnonzero(held >= 0)
         group_of = np.full(n, -1, np.int64)
         at = np.zeros(n, np.int64)
         local_start = np.zeros(n, np.int64)
         found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
         if not len(rows):
             return found
-        positions = position[rows]
-        which = np.searchsorted(unique, positions)
-        # Every chunk's row-group starts in one sorted array, chunk u's shifted by u * span.
-        span = int(sequence_offsets[-1]) + 1
-        shifted = np.concatenate([offsets[:-1] + u * span for u, (offsets, _) in enumerate(tables)])
-        base = cumulative(np.array([len(offsets) - 1 for offsets, _ in tables], np.int64))
-        local = starts[rows] - sequence_offsets[positions]
-        key = which * span + local
-        group = np.searchsorted(shifted, key, side="right") - 1
-        whole = group == np.searchsorted(shifted, key + length - 1, side="right") - 1
-        rows, which, local, group = rows[whole], which[whole], local[whole], group[whole]
-        used, inverse = np.unique(group, return_inverse=True)
+        held = held[rows]
+        used, inverse = np.unique(held, return_inverse=True)
         group_of[rows] = inverse
-        at[rows] = local - (shifted[group] - which * span)     # offset within the row group
-        local_start[rows] = local
-        owner = np.searchsorted(base, used, side="right") - 1   # the chunk (of unique) of each used group
-        found.group_position = unique[owner].tolist()
-        found.group_chunk = np.asarray(sequence)[unique[owner]].tolist()
-        found.group_first_doc = np.concatenate([first_docs for _, first_docs in tables])[used].tolist()
-        found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, (used - base[owner]).tolist()))))
+        at[rows] = starts[rows] - index.start[held]
+        local_start[rows] = starts[rows] - sequence_offsets[position[rows]]
+        used_position = index.position[used]
+        found.group_position = used_position.tolist()
+        found.group_chunk = np.asarray(sequence)[used_position].tolist()
+        found.group_first_doc = index.first_doc[used].tolist()
+        found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, index.group[used].tolist()))))
         return found

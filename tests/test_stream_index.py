@@ -1,0 +1,77 @@
+"""The stream index of row groups a reader has met: windows located in it are the row groups a
+plain scan over the held chunks finds, whatever the order chunks were added in, with row groups
+and chunks without tokens, and across the index starting afresh at its size bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lakeloader.index.ranges import cumulative
+from lakeloader.read import stream_index
+from lakeloader.read.stream_index import StreamIndex
+
+chunk_groups = st.lists(st.integers(0, 9), min_size=0, max_size=4)   # row-group lengths of one chunk
+
+
+def _tables(chunks: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each chunk's (row-group stream offsets within it, first document of each)."""
+    return [(cumulative(np.array(lengths, np.int64)), np.arange(len(lengths), dtype=np.int32) * 3) for lengths in chunks]
+
+
+def _scan(chunks: list[list[int]], held: set[int], start: int, length: int) -> tuple[int, int, int] | None:
+    """(chunk position, row group, offset within it) of the held row group holding the window whole."""
+    at = 0
+    for position, lengths in enumerate(chunks):
+        for group, size in enumerate(lengths):
+            if position in held and at <= start and start + length <= at + size:
+                return position, group, start - at
+            at += size
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(chunk_groups, min_size=1, max_size=8), data=st.data(),
+       bound=st.sampled_from([3, 8, 1 << 16]))
+def test_windows_are_located_as_a_scan_finds_them(chunks: list[list[int]], data: st.DataObject, bound: int) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream_index, "INDEXED_GROUPS", bound)
+        _check_located(chunks, data, bound)
+
+
+def _check_located(chunks: list[list[int]], data: st.DataObject, bound: int) -> None:
+    tables = _tables(chunks)
+    offsets = cumulative(np.array([sum(lengths) for lengths in chunks], np.int64))
+    index = StreamIndex.empty(offsets)
+    total = int(offsets[-1])
+    for _ in range(data.draw(st.integers(1, 4))):
+        adding = data.draw(st.lists(st.sampled_from(range(len(chunks))), unique=True, max_size=len(chunks)))
+        adding = [p for p in adding if p not in index.known]
+        grown = index.with_chunks(adding, [tables[p] for p in adding])
+        held = set(grown.known)
+        if len(index.start) + sum(len(chunks[p]) for p in adding) > bound:   # started afresh
+            assert held == set(adding)
+        else:
+            assert held == set(index.known) | set(adding)
+        assert len(grown.start) == sum(len(chunks[p]) for p in held)
+        index = grown
+        length = data.draw(st.integers(1, 6))
+        starts = np.array(data.draw(st.lists(st.integers(0, total + 2), max_size=12)), np.int64)
+        found = index.locate(starts, length)
+        for start, row in zip(starts.tolist(), found.tolist()):
+            expected = _scan(chunks, held, start, length)
+            if expected is None:
+                assert row == -1
+            else:
+                position, group, offset = expected
+                assert (int(index.position[row]), int(index.group[row])) == (position, group)
+                assert start - int(index.start[row]) == offset
+                assert int(index.first_doc[row]) == group * 3
+
+
+def test_an_empty_index_locates_nothing() -> None:
+    index = StreamIndex.empty(np.array([0, 10], np.int64))
+    assert index.locate(np.array([0, 5], np.int64), 2).tolist() == [-1, -1]
+    assert index.with_chunks([], []).known == frozenset()
