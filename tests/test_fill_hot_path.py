@@ -22,11 +22,9 @@ from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import Item, LazyItems, PackedExample, PackedExamples, fill_packed
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool
 from lakeloader.index.ranges import spans
-from lakeloader.ingest.driver import build
 from lakeloader.read.lru import LRU
 
-from conftest import write_config
-from test_formats import write_corpora
+from test_formats import build_packed_mixture
 
 SEQ_LEN, BATCH = 64, 16
 FIXTURE_ONLY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -36,15 +34,8 @@ FIXTURE_ONLY = settings(max_examples=12, deadline=None, suppress_health_check=[H
 def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
     """Plain text, chat (some tokens not targets) and FIM code, several chunks and row groups
     each, packed (long documents split) and mixed."""
-    tmp = tmp_path_factory.mktemp("fill-hot-path")
-    datasets = write_corpora(tmp / "data")
-    datasets = {name: datasets[name] for name in ("web", "chat", "code")}
-    config = write_config(tmp, datasets, build={"split_size": "8KB"},
-                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "packing": "pack",
-                                  "pack": {"long_documents": "split"}, "shuffle": {"kind": "full"}},
-                          mixture={"weights": {name: 1 for name in datasets}})
-    build(config, scheduler=dask_scheduler, progress=False)
-    return config
+    return build_packed_mixture(tmp_path_factory.mktemp("fill-hot-path"), ("web", "chat", "code"), split_size="8KB",
+                                seq_len=SEQ_LEN, batch_size=BATCH, scheduler=dask_scheduler)
 
 
 def _variant(lake: Path, name: str, datasets: list[str] | None = None, **loader: object) -> Path:

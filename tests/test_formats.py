@@ -67,6 +67,20 @@ def write_corpora(data: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def build_packed_mixture(tmp: Path, names: tuple[str, ...], *, split_size: str, seq_len: int, batch_size: int,
+                         scheduler: str) -> Path:
+    """Build a lake of the ``names`` corpora of :func:`write_corpora`, read packed (long documents
+    split) under a full shuffle in an equal mixture; returns its config."""
+    corpora = write_corpora(tmp / "data")
+    datasets = {name: corpora[name] for name in names}
+    config = write_config(tmp, datasets, build={"split_size": split_size},
+                          loader={"seq_len": seq_len, "batch_size": batch_size, "packing": "pack",
+                                  "pack": {"long_documents": "split"}, "shuffle": {"kind": "full"}},
+                          mixture={"weights": {name: 1 for name in datasets}})
+    build(config, scheduler=scheduler, progress=False)
+    return config
+
+
 def write_variant(tmp: Path, datasets: dict[str, Any], *, packing: str, weights: dict[str, float] | None = None,
                   **loader: Any) -> Path:
     """A config for the shared lake (same datasets: never rebuilt) with other loader settings."""

@@ -16,10 +16,9 @@ import yaml
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
-from lakeloader.ingest.driver import build
 
-from conftest import assert_batches_equal, write_config
-from test_formats import write_corpora
+from conftest import assert_batches_equal
+from test_formats import build_packed_mixture
 
 SEQ_LEN, BATCH = 96, 16
 
@@ -27,15 +26,8 @@ SEQ_LEN, BATCH = 96, 16
 @pytest.fixture(scope="module")
 def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
     """Plain text, chat (loss only on some tokens), FIM code and interleaved pages (images), packed."""
-    tmp = tmp_path_factory.mktemp("pack-hot-path")
-    datasets = write_corpora(tmp / "data")
-    datasets = {name: datasets[name] for name in ("web", "chat", "code", "pages")}
-    config = write_config(tmp, datasets, build={"split_size": "16KB"},
-                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "packing": "pack",
-                                  "pack": {"long_documents": "split"}, "shuffle": {"kind": "full"}},
-                          mixture={"weights": {name: 1 for name in datasets}})
-    build(config, scheduler=dask_scheduler, progress=False)
-    return config
+    return build_packed_mixture(tmp_path_factory.mktemp("pack-hot-path"), ("web", "chat", "code", "pages"),
+                                split_size="16KB", seq_len=SEQ_LEN, batch_size=BATCH, scheduler=dask_scheduler)
 
 
 def _padded(batch: dict[str, np.ndarray], rows: int, pad_id: int) -> dict[str, np.ndarray]:
