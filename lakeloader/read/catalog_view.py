@@ -196,7 +196,10 @@ class CatalogView:
 
     def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
         """Run SQL on the current view, with every table and view of ``lakeloader sql`` (thread-safe)."""
-        cursor = self._cursor(analyst_views=True)
+        return self._run(sql, params, analyst_views=True)
+
+    def _run(self, sql: str, params: Any, analyst_views: bool) -> duckdb.DuckDBPyConnection:
+        cursor = self._cursor(analyst_views)
         return cursor.execute(sql, params) if params is not None else cursor.execute(sql)
 
     def named_table(self, name: str, params: dict[str, Any]) -> pa.Table:
@@ -205,8 +208,7 @@ class CatalogView:
 
     def named(self, name: str, params: Any = None) -> duckdb.DuckDBPyConnection:
         """Run a named query of catalog/queries.sql (readers' queries need no analyst view)."""
-        cursor = self._cursor()
-        return cursor.execute(query(name), params) if params is not None else cursor.execute(query(name))
+        return self._run(query(name), params, analyst_views=False)
 
     def dataset(self, name: str, plan_key: str | None = None) -> DatasetChunks:
         """The committed prefix of dataset ``name``; with a packing ``plan_key``, the prefix of
