@@ -13,9 +13,9 @@ subprocess (so that peak RSS is that configuration's alone):
   ``full``), measured in this run, also in a fresh subprocess;
 - the ratio to a second baseline: input ids and targets copied as two [B, L] arrays from the
   same tokens memory-mapped from a .npy file (two copies where the first makes one; the least a
-  trainer needs as separate arrays, and how the issue that set the targets measured its numpy row).
+  trainer needs as separate arrays).
 
-Targets (issue 15): ratio >= 0.10 in one process, peak RSS <= 450 MB.
+Targets (README, performance): ratio >= 0.10 of the first baseline in one process, peak RSS <= 450 MB.
 
     .venv/bin/python benchmarks/loader_throughput.py [--size bench|demo] [--built] [--prefetch N]
 """

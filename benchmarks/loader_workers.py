@@ -3,7 +3,7 @@
 For B=64, L=2048, ``packing: concat``, each shuffle asked for, each worker count in a fresh
 subprocess (``loader_throughput.py --measure``): tokens/s over the second epoch (row groups
 cached in every worker), rounds interleaved, medians reported with the load average, and the
-ratio of 2 workers to 1 (issue 15's target: >= 1.7; it needs spare cores: run it where the
+ratio of 2 workers to 1 (target: >= 1.7; it needs spare cores: run it where the
 workers do not share cores with each other or with other work).
 
     .venv/bin/python benchmarks/loader_workers.py [--size bench|demo] [--workers 0 1 2 4]
