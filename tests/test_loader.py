@@ -14,6 +14,8 @@ import json
 import math
 import os
 import shutil
+import threading
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -319,6 +321,37 @@ def test_resume_yields_exact_suffix(lake: Path, prefetch: int, datasets: tuple[s
     far = 10**7
     [first] = itertools.islice(restarted.iter_from(run.state(far)), 1)
     assert_batches_equal(first, run.batch(far), "step 10^7")
+
+
+def test_read_ahead_builds_in_order_in_one_thread(lake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a local lake, ``loader.prefetch: N`` builds the N batches after the one the consumer
+    takes, one after another in one background thread (batches built side by side only contend
+    for the GIL), and no more; they are the batches :meth:`Loader.batch` gives."""
+    config = loader_config(lake, "read_ahead3", ("d", "e"), prefetch=3)
+    loader = Loader(config)
+    built: list[tuple[int, str]] = []
+    original = Loader.batch
+
+    def recording(self: Loader, step: int) -> Any:
+        built.append((step, threading.current_thread().name))
+        return original(self, step)
+
+    monkeypatch.setattr(Loader, "batch", recording)
+    start = 5
+    iterator = loader.iter_from(start)
+    for step in range(start, start + 10):
+        batch = next(iterator)
+        assert_batches_equal(batch, original(loader, step), f"read-ahead step {step}")
+        if step == start:   # the consumer waits: the thread builds the next 3 batches, then stops
+            deadline = time.monotonic() + 60
+            while len(built) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)
+            assert [s for s, _ in built] == [5, 6, 7, 8], built
+    iterator.close()
+    steps = [step for step, _ in built]
+    assert steps == list(range(start, start + len(steps))), steps   # in order, each once
+    assert len({name for _, name in built}) == 1 and built[0][1].startswith("lakeloader-prefetch"), built
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
