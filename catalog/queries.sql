@@ -224,8 +224,10 @@ WHERE e.dataset = $name AND e.plan_key = $plan_key AND e.global_index < $prefix
 ORDER BY e.global_index;
 
 -- name: reader_row_groups_of
--- The row groups of the chunks a batch's rows lie in, with each chunk's file record.
-SELECT r.global_index, r.row_group, r.first_doc, r.num_docs, r.first_token, r.num_tokens, r.num_parts,
+-- The row groups of the chunks a batch's rows lie in, with each chunk's file record. Only the
+-- columns a reader needs: on a cold catalog every column costs its reads for rows spread over the
+-- table (~3 ms each for 64 chunks of 200,000); first_doc is counted from num_docs instead.
+SELECT r.global_index, r.row_group, r.num_docs, r.num_tokens, r.num_parts,
        c.path, c.num_bytes, c.checksum, c.shard_index
 FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
 WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'

@@ -294,10 +294,17 @@ class CatalogView:
         return ChunkRecord(path, int(size), checksum, int(shard))
 
     def row_groups_of(self, name: str, global_indexes: list[int]) -> dict[int, dict[str, np.ndarray]]:
-        """First doc/token and counts of each row group of committed chunks ``global_indexes``,
-        from one query that also brings (and keeps) those chunks' records (:meth:`chunk_record`)."""
+        """Counts (``num_docs``, ``num_tokens``, ``num_parts``) and first document (``first_doc``,
+        within the chunk) of each row group of committed chunks ``global_indexes``, in row-group
+        order, from one query that also brings (and keeps) those chunks' records
+        (:meth:`chunk_record`)."""
         rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}).fetchnumpy()
         index = np.asarray(rows.pop("global_index"), np.int64)
+        rows.pop("row_group")   # the order only
+        # A row group's first document follows its chunk's earlier row groups' documents (as the
+        # writer stores it), counted here rather than read.
+        num_docs = np.asarray(rows["num_docs"], np.int64)
+        docs_before = np.cumsum(num_docs) - num_docs
         record = {k: rows.pop(k) for k in ("path", "num_bytes", "checksum", "shard_index")}
         wanted = np.asarray(global_indexes, np.int64)
         bounds = np.searchsorted(index, wanted, side="left").tolist()
@@ -307,7 +314,8 @@ class CatalogView:
                 self._records.get((name, chunk), lambda a=a: ChunkRecord(
                     str(record["path"][a]), int(record["num_bytes"][a]), str(record["checksum"][a]),
                     int(record["shard_index"][a])))
-        return {chunk: {k: np.asarray(v)[a:b] for k, v in rows.items()}
+        return {chunk: {"first_doc": docs_before[a:b] - (docs_before[a] if b > a else 0),
+                        **{k: np.asarray(v)[a:b] for k, v in rows.items()}}
                 for chunk, a, b in zip(global_indexes, bounds, ends)}
 
     def wait_for(self, name: str, chunk: int, timeout: float, plan_key: str | None = None) -> DatasetChunks:
