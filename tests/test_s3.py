@@ -9,10 +9,12 @@ touching the lake's objects, and the command line reads ``s3://`` lakes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -322,6 +324,49 @@ def test_disk_cache_bounded_lru_and_never_deletes_lake_data(lakes: Lakes) -> Non
         assert_batches_equal(first[step], reference[step], f"big cache, step {step}")
         assert_batches_equal(second[step], reference[step], f"from disk, step {step}")
     assert objects(lakes.endpoint, "lake/") == before
+
+
+@pytest.mark.parametrize("first_fails", [False, True], ids=["once", "first-fails"])
+def test_disk_cache_downloads_a_file_once_for_threads_asking_together(
+        lakes: Lakes, monkeypatch: pytest.MonkeyPatch, first_fails: bool) -> None:
+    """Threads opening the same missing file together (a batch's row groups of one chunk, read in
+    the decode threads) wait for one download instead of each fetching the whole file; if that
+    download fails, its thread raises and the others download it again."""
+    chunks = open_lake(lakes.s3_config).sql("SELECT path, num_bytes FROM chunks WHERE num_docs > 0 ORDER BY global_index")
+    path, size = str(chunks.path[0]), int(chunks.num_bytes[0])
+    lake = Lake(lakes.lake_url, storage_options(lakes.endpoint))
+    cache = DiskCache(lake, 10**9)
+    if os.path.exists(cache.local_path(path)):
+        os.remove(cache.local_path(path))
+    calls: list[str] = []
+    original = lake.fs.get_file
+
+    def slow(source: str, target: str, **kwargs: Any) -> Any:
+        calls.append(source)
+        time.sleep(0.3)   # long enough for every thread to ask meanwhile
+        if first_fails and len(calls) == 1:
+            raise ConnectionError("connection reset (injected)")
+        return original(source, target, **kwargs)
+
+    monkeypatch.setattr(lake.fs, "get_file", slow)
+    barrier = threading.Barrier(4)
+
+    def read(_: int) -> bytes | BaseException:
+        barrier.wait()
+        try:
+            with cache.open(path, size) as handle:
+                return handle.read()
+        except ConnectionError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(read, range(4)))
+    failed = [r for r in results if isinstance(r, BaseException)]
+    contents = [r for r in results if isinstance(r, bytes)]
+    assert len(failed) == int(first_fails), results
+    assert len(calls) == 1 + int(first_fails) and cache.downloads == 1, calls
+    assert cache.hits == len(contents) - 1
+    assert len(contents[0]) == size and all(c == contents[0] for c in contents)
 
 
 # -- 4. the command line on s3:// lakes ------------------------------------------------------------

@@ -27,6 +27,7 @@ class DiskCache:
         self.folder = os.path.join(lake.cache_dir, "chunks")
         os.makedirs(self.folder, exist_ok=True)
         self._lock = threading.Lock()
+        self._fetching: dict[str, threading.Event] = {}   # files being downloaded, by lake path
         self.downloads = 0
         self.hits = 0
 
@@ -38,22 +39,48 @@ class DiskCache:
         return self._local(relative)
 
     def open(self, relative: str, size: int) -> pa.NativeFile:
-        """An open handle of lake file ``relative`` of ``size`` bytes, downloading it if needed.
+        """An open handle of lake file ``relative`` of ``size`` bytes, downloading it if needed:
+        threads of this process that ask for a missing file together wait for one download.
 
         The file is opened under the same lock as eviction, so a concurrent reader's eviction can
         never remove it between "it is cached" and "it is open"; an open handle stays readable
         after its file is evicted.
         """
         local = self._local(relative)
-        with self._lock:
-            try:
-                if os.path.getsize(local) == size:
-                    handle = pa.OSFile(local)
-                    os.utime(local)  # mark as recently used
-                    self.hits += 1
+        while True:
+            with self._lock:
+                handle = self._cached(local, size)
+                if handle is not None:
                     return handle
-            except FileNotFoundError:
-                pass
+                fetching = self._fetching.get(relative)
+                if fetching is None:
+                    mine = self._fetching[relative] = threading.Event()
+                    break
+            # Another thread is downloading this file (a batch reads row groups of one chunk
+            # together): wait for it and look again. If it failed, or the file was evicted
+            # meanwhile, one of the waiting threads downloads it (a failure then raises there).
+            fetching.wait()
+        try:
+            return self._download(relative, local)
+        finally:
+            with self._lock:
+                del self._fetching[relative]
+            mine.set()
+
+    def _cached(self, local: str, size: int) -> pa.NativeFile | None:
+        """The cached copy ``local`` opened and marked as just used, if it is whole (holding the lock)."""
+        try:
+            if os.path.getsize(local) != size:
+                return None
+        except FileNotFoundError:
+            return None
+        handle = pa.OSFile(local)
+        os.utime(local)
+        self.hits += 1
+        return handle
+
+    def _download(self, relative: str, local: str) -> pa.NativeFile:
+        """Download lake file ``relative`` to ``local`` (through a temporary name) and open it."""
         temporary = f"{local}.tmp-{uuid.uuid4().hex}"
         try:
             self.lake.fs.get_file(self.lake.path_of(relative), temporary)
