@@ -227,7 +227,7 @@ ORDER BY e.global_index;
 -- The row groups of the chunks a batch's rows lie in, with each chunk's file record. Only the
 -- columns a reader needs: on a cold catalog every column costs its reads for rows spread over the
 -- table (~3 ms each for 64 chunks of 200,000); first_doc is counted from num_docs instead.
-SELECT r.global_index, r.row_group, r.num_docs, r.num_tokens, r.num_parts,
+SELECT r.global_index, r.num_docs, r.num_tokens, r.num_parts,
        c.path, c.num_bytes, c.checksum, c.shard_index
 FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
 WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'

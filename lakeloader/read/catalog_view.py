@@ -300,7 +300,6 @@ class CatalogView:
         (:meth:`chunk_record`)."""
         rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}).fetchnumpy()
         index = np.asarray(rows.pop("global_index"), np.int64)
-        rows.pop("row_group")   # the order only
         # A row group's first document follows its chunk's earlier row groups' documents (as the
         # writer stores it), counted here rather than read.
         num_docs = np.asarray(rows["num_docs"], np.int64)
