@@ -105,7 +105,8 @@ def main() -> None:
     parser.add_argument("--size", choices=("bench", "demo"), default="bench")
     parser.add_argument("--verify", choices=("checksum", "size"), default="checksum")
     parser.add_argument("--row-group-tokens", type=int, default=1 << 20,
-                        help="build.row_group_tokens of the lake (a first batch decodes whole row groups)")
+                        help="build.row_group_tokens of the lake (a first batch reads only the pages its "
+                        "windows reach; later batches decode whole row groups)")
     parser.add_argument("--chunks", type=int, nargs="*", default=[],
                         help="also measure on copies of the lake's catalog grown to these numbers of chunks")
     parser.add_argument("--measure", nargs=2, metavar=("CONFIG", "STEP"), help=argparse.SUPPRESS)

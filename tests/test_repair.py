@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -24,10 +27,21 @@ from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.snapshot import read_pointer
 from lakeloader.cli import main
 from lakeloader.contracts.errors import CatalogError
+from lakeloader.index.ranges import cumulative
+from lakeloader.contracts.chunk_file import RECORD_COLUMN, TOKENS_COLUMN, table_parts
+from lakeloader.ingest.chunk import EARLIER_DATA_PAGE_BYTES, EncodedParts, chunk_table, encode_chunk_file
 from lakeloader.ingest.driver import build
 from lakeloader.read.verify import verify_lake
 
-from conftest import Lakes, assert_batches_equal, global_batches, small_lake_request, stdlib_texts, write_jsonl
+from conftest import (
+    Lakes,
+    assert_batches_equal,
+    global_batches,
+    small_lake_request,
+    stdlib_texts,
+    write_config,
+    write_jsonl,
+)
 from test_s3 import BUCKET, config_dict, objects, s3_endpoint, storage_options, write_yaml  # noqa: F401
 
 STEPS = range(4)
@@ -114,6 +128,37 @@ def test_corrupt_catalog_recovers_from_the_newest_snapshot(local_lake: Any, dask
     assert main(["build", str(config), "--recover-catalog", "--scheduler", dask_scheduler, "--no-progress"]) == 0
     assert list(catalog.parent.glob("catalog.duckdb.damaged-*")), "the damaged catalog is kept aside"
     assert_lake_as_built(config, files, batches)
+
+
+def test_build_repairs_a_chunk_written_with_an_earlier_page_size(tmp_path: Path, dask_scheduler: str) -> None:
+    """A lake built before chunk files had their present page size (pyarrow's 1 MiB pages) is
+    repaired byte for byte: the rebuild takes the earlier page size the catalog's checksum says."""
+    source = write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("email") + stdlib_texts("json"))
+    config = write_config(tmp_path, {"d": {"sources": [str(source)]}}, build={"split_size": "64MB"},
+                          loader={"seq_len": 64, "batch_size": 8})
+    build(config, scheduler=dask_scheduler, progress=False)
+    lake = open_lake(config)
+    path = lake.sql("SELECT path FROM chunks WHERE status = 'committed'").path.tolist()[0]
+    file = Path(lake.path_of(path))
+    parquet = pq.ParquetFile(file)
+    stored = parquet.read()   # the chunk's table made again from what it stores, as the build makes it
+    parts = table_parts(stored)
+    ids = stored.column(TOKENS_COLUMN).combine_chunks().values.to_numpy()
+    encoded = EncodedParts(ids, parts, [None] * len(parts.part_lengths))
+    table = chunk_table(stored.column(RECORD_COLUMN).to_pylist(), encoded, False)
+    metadata = parquet.metadata
+    bounds = cumulative(np.array([metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]))
+    assert encode_chunk_file(table, bounds) == file.read_bytes()   # re-encoding the file gives its bytes
+    earlier = encode_chunk_file(table, bounds, EARLIER_DATA_PAGE_BYTES[0])
+    assert earlier != file.read_bytes(), "one row group holds more than a page: the page size shows in the bytes"
+    # The lake as the earlier lakeloader left it (its file, the catalog's record), then the file lost.
+    with duckdb.connect(lake.writer_catalog_path) as con:
+        con.execute("UPDATE chunks SET num_bytes = ?, checksum = ? WHERE path = ?",
+                    [len(earlier), hashlib.sha256(earlier).hexdigest(), path])
+    file.unlink()
+    assert build(config, scheduler=dask_scheduler, progress=False).chunks_built == 1
+    assert file.read_bytes() == earlier
+    assert (verify_lake(config, progress=False).status == "ok").all()
 
 
 # -- S3 lakes: the host's cached writer catalog against the lake ------------------------------------

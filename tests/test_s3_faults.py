@@ -4,6 +4,7 @@ clear error after ``io_retry_deadline``; a partial chunk is never registered."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import urllib.request
@@ -24,7 +25,6 @@ from lakeloader.ingest.driver import build
 
 from conftest import stdlib_texts, write_jsonl
 from test_s3 import CREDENTIALS, config_dict, write_yaml
-
 BUCKET = "lakeloader-faults"
 
 
@@ -84,8 +84,9 @@ def committed(config: Path) -> int:
         return 0
 
 
-def test_build_survives_an_outage_and_equals_a_clean_build(tmp_path: Path, endpoint: Endpoint,
-                                                          dask_scheduler: str) -> None:
+def test_build_survives_an_outage_and_equals_a_clean_build(tmp_path: Path, endpoint: Endpoint, dask_scheduler: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="lakeloader.storage")
     config = s3_config(tmp_path, endpoint, "outage", deadline=60)
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(report=build(config, scheduler=dask_scheduler,
@@ -103,7 +104,11 @@ def test_build_survives_an_outage_and_equals_a_clean_build(tmp_path: Path, endpo
     assert report.chunks_built == report.chunks_total
     lake = open_lake(config)
     builds = lake.sql("SELECT status, retries FROM builds")
-    assert builds.status.tolist() == ["succeeded"] and builds.retries[0] > 0
+    assert builds.status.tolist() == ["succeeded"]
+    # The build met the outage: in its chunk tasks, or (on a loaded machine the snapshot showing 3
+    # chunks may be the build's last) in the driver's publishing of the snapshot.
+    driver_retries = [r for r in caplog.records if r.name == "lakeloader.storage" and "retrying" in r.getMessage()]
+    assert builds.retries[0] > 0 or driver_retries
     clean = s3_config(tmp_path / "clean", endpoint, "clean", deadline=60)
     build(clean, scheduler=dask_scheduler, progress=False)
     query = "SELECT global_index, num_docs, num_tokens, checksum FROM chunks ORDER BY global_index"

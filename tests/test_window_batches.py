@@ -28,9 +28,10 @@ from lakeloader.feed.rows import ArrayPool
 from lakeloader.index.ranges import cut_segments
 from lakeloader.index.render import render
 from lakeloader.ingest.driver import build
+from lakeloader.read import windows as windows_module
+from lakeloader.read.chunks import ChunkFiles
 
 from conftest import stdlib_texts, write_config, write_jsonl
-
 SEQ_LEN = 48
 BATCH = 8
 FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -157,6 +158,54 @@ def test_global_ordering_batches_equal_the_numpy_reference(lake: Path, shuffle: 
             assert_rows_equal(global_batch(loaders, step), expected, ids, f"{count} processes, step {step}")
         for loader in loaders:
             loader.close()
+    one.close()
+
+
+def documents_of(loader: Loader, step: int) -> list[tuple[int, int, int, int]]:
+    """(chunk, document, first and last offset in its window) of every segment of the windows of ``step``."""
+    return [(s.chunk, s.document, s.window_start, s.window_stop) for e in loader.examples(step).examples
+                    for s in e.segments()]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("shuffle", SHUFFLES, ids=[s["kind"] for s in SHUFFLES])
+def test_cold_batches_read_from_pages_equal_the_numpy_reference(lake: Path, shuffle: dict[str, Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh loader's first batch reads the row groups its windows reach little of as just the
+    documents the windows need; then, once that batch is out, they are decoded whole in the
+    background. Cold or warm, the rows are bitwise the reference's, and so are the documents
+    they come from (explain's). Windows of a row group are read as separate ranges unless they touch."""
+    monkeypatch.setattr(windows_module, "RANGE_GAP", 0)
+    config = loader_config(lake, f"cold-{shuffle['kind']}", ("t", "c"), shuffle=shuffle)
+    in_part: list[int] = []
+    read_documents = ChunkFiles.read_documents
+
+    def spy(self: ChunkFiles, chunks: Any, index: int, group: int, pick: Any = None) -> Any:
+        found = read_documents(self, chunks, index, group, pick)
+        if pick is not None:
+            in_part.append(group)
+        return found
+
+    monkeypatch.setattr(ChunkFiles, "read_documents", spy)
+    one = Loader(config)
+    streams = {name: Stream(one, name).laid_out(list(range(d.chunks.committed)))
+               for name, d in zip(one.mixer.names, one.datasets)}
+    steps = np.random.default_rng(11).integers(0, 3 * one.datasets[0].train_count() // BATCH, 4).tolist()
+    for step in steps:
+        examples = one.examples(step).examples
+        expected = [reference_row(*streams[e.dataset], e.example * SEQ_LEN) for e in examples]
+        ids = [one.mixer.names.index(e.dataset) for e in examples]
+        with Loader(config) as loader:
+            before = len(in_part)
+            assert_rows_equal(loader.batch(step), expected, ids, f"cold, step {step}")
+            assert len(in_part) > before or shuffle["kind"] == "none", "no row group read in part"
+            with Loader(config) as fresh:
+                cold = documents_of(fresh, step)
+            loader.batch(step + 1)   # hands the first batches' row groups to the background decoder
+            windows_module._AHEAD_POOL.submit(lambda: None).result()   # ... which has decoded them
+            before = len(in_part)
+            assert_rows_equal(loader.batch(step), expected, ids, f"warm, step {step}")
+            assert documents_of(loader, step) == cold, "documents of the windows (explain) differ"
+            assert len(in_part) == before, "a row group decoded whole was read in part again"
     one.close()
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from lakeloader.contracts.specs import Fim, Template, token_array
 from lakeloader.index.permutation import mix_key, permute
-from lakeloader.index.ranges import spans
+from lakeloader.index.ranges import cumulative, spans
 
 FIM_SENTINELS = 3
 _SLOTS = 8   # output order slots per part: prefix, 6 content pieces (FIM), suffix
@@ -206,6 +206,26 @@ def stored_token_dtype(stored: np.dtype, largest: int | None) -> np.dtype:
     return np.dtype(np.int32)
 
 
+def _fim_parts(template: Template, part_doc: np.ndarray, fim: tuple[np.ndarray, ...] | None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(the parts of FIM documents, the FIM sentinels among each part's content)."""
+    fim_part = np.zeros(0, np.int64)
+    if fim is not None and template.fim is not None and np.asarray(fim[0]).any():
+        fim_part = np.flatnonzero(np.asarray(fim[0], bool)[part_doc])
+    sentinels = np.zeros(len(part_doc), np.int64)
+    sentinels[fim_part] = FIM_SENTINELS
+    return fim_part, sentinels
+
+
+def rendered_doc_starts(template: Template, part_lengths: np.ndarray, part_kinds: np.ndarray, part_doc: np.ndarray,
+                        num_docs: int, fim: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
+    """Where each document starts in :func:`render_compact`'s tokens of the same parts, then
+    their end (int64 ``[num_docs + 1]``), from the part layout alone."""
+    part_doc = np.asarray(part_doc, np.int64)
+    lengths = np.asarray(part_lengths, np.int64) + _fim_parts(template, part_doc, fim)[1]
+    return cumulative(doc_lengths(template, lengths, np.asarray(part_kinds, np.int64), part_doc, num_docs))
+
+
 def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
                    part_doc: np.ndarray, num_docs: int, fim: tuple[np.ndarray, ...] | None = None
                    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -222,13 +242,8 @@ def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndar
     lengths = np.asarray(part_lengths, np.int64)
     kinds = np.asarray(part_kinds, np.int64)
     part_doc = np.asarray(part_doc, np.int64)
-    fim_part = np.zeros(0, np.int64)
-    if fim is not None and template.fim is not None and np.asarray(fim[0]).any():
-        fim_part = np.flatnonzero(np.asarray(fim[0], bool)[part_doc])
-    sentinels = np.zeros(len(kinds), np.int64)   # FIM sentinels among each part's content
-    sentinels[fim_part] = FIM_SENTINELS
-    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths(template, lengths + sentinels, kinds, part_doc, num_docs))]
-                                ).astype(np.int64)
+    fim_part, sentinels = _fim_parts(template, part_doc, fim)
+    doc_starts = rendered_doc_starts(template, lengths, kinds, part_doc, num_docs, fim)
     prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)
     content_at = doc_starts[part_doc] + part_starts(template, lengths + sentinels, kinds, part_doc) + prefix_len[kinds]
     trains_kind, suffix_trains = _trains(template, kinds, part_doc, num_docs)

@@ -38,6 +38,13 @@ from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.storage import is_transient, with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import DocumentEncoder, EncoderMismatchError, backend_of
 
+# Target size of a data page before compression (about 64K tokens): a reader starting cold (a
+# shuffled first batch) decodes only the pages its windows reach, not their whole row groups.
+DATA_PAGE_BYTES = 256 << 10
+# The page sizes of chunk files written before, newest first (pyarrow's default, 1 MiB, until
+# DATA_PAGE_BYTES): a repair rebuilds a committed chunk byte for byte as its lake's files were written.
+EARLIER_DATA_PAGE_BYTES = (1 << 20,)
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkTask:
@@ -52,6 +59,7 @@ class ChunkTask:
     io_retry_deadline: float = 0.0   # seconds of retrying transient storage errors
     packing: tuple[PackingSpec, ...] = ()   # plans whose per-chunk counts the catalog keeps
     encoder: str = ""       # the dataset plan's encoder with its version ("": tokenizers, any version)
+    repair_checksum: str | None = None   # a committed chunk rebuilt: the sha256 its file must have
 
 
 @functools.lru_cache(maxsize=4)
@@ -145,12 +153,12 @@ def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], glo
     return global_index, tuple(plan_stats(spec, parts, global_index, where) for spec in specs)
 
 
-def encode_chunk_file(table: pa.Table, bounds: np.ndarray) -> bytes:
+def encode_chunk_file(table: pa.Table, bounds: np.ndarray, data_page_bytes: int = DATA_PAGE_BYTES) -> bytes:
     """Parquet bytes of ``table`` with one row group per ``bounds`` interval (deterministic)."""
     sink = io.BytesIO()
     with pq.ParquetWriter(
         sink, table.schema, compression="zstd", compression_level=1, use_dictionary=False,
-        write_statistics=False, store_schema=True, write_page_checksum=True,
+        write_statistics=False, store_schema=True, write_page_checksum=True, data_page_size=data_page_bytes,
     ) as writer:
         if len(bounds) == 1:
             writer.write_table(table)
@@ -187,6 +195,13 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
     bounds = row_group_bounds(lengths, task.row_group_tokens)
     table = chunk_table(documents.records, encoded, record_format.format == "interleaved", documents.metadata)
     data = encode_chunk_file(table, bounds)
+    if task.repair_checksum is not None and hashlib.sha256(data).hexdigest() != task.repair_checksum:
+        # A file an earlier lakeloader wrote: rebuilt with its page size (else the driver names the mismatch).
+        for page_bytes in EARLIER_DATA_PAGE_BYTES:
+            earlier = encode_chunk_file(table, bounds, page_bytes)
+            if hashlib.sha256(earlier).hexdigest() == task.repair_checksum:
+                data = earlier
+                break
     try:
         write_atomically(task.chunk_url, data, options)
     except OSError as exc:

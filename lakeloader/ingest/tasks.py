@@ -97,6 +97,7 @@ class TaskBatch:
                 row_group_tokens=config.build.row_group_tokens,
                 io_retry_deadline=config.io_retry_deadline,
                 packing=(self.packing[row.dataset],) if row.dataset in self.packing else (),
+                repair_checksum=self.repairs.get((row.dataset, int(row.global_index))),
             )
 
 

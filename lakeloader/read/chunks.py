@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,10 +27,11 @@ from lakeloader.contracts.chunk_file import (
     unreadable_chunk,
 )
 from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
+from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
 from lakeloader.read.lru import LRU
-from lakeloader.read.pages import leaf_column, read_column_values
+from lakeloader.read.pages import leaf_column, read_column_ranges
 from lakeloader.storage import sha256_of, with_retries
 
 # Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
@@ -78,8 +79,9 @@ class RowGroup:
     """One row group of a chunk: stored tokens and each document's parts."""
 
     values: np.ndarray          # all parts' tokens back to back
-    parts: ChunkParts           # part layout, documents numbered from 0 within the row group
+    parts: ChunkParts           # part layout, documents numbered from 0 (from ``first_doc``)
     refs: np.ndarray | None     # interleaved: reference of each part (None for text parts)
+    first_doc: int = 0          # the row group's document read first (only some were read)
 
 
 def _selected(group: RowGroup, docs: np.ndarray) -> RowGroup:
@@ -191,6 +193,17 @@ class ChunkFiles:
 
     def read_row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         """:meth:`row_group` read from the file and not cached (for what is cached derived from it)."""
+        return self.read_documents(chunks, index, group)[0]
+
+    def read_documents(self, chunks: DatasetChunks, index: int, group: int,
+                       pick: Callable[[ChunkParts], Sequence[tuple[int, int]]] | None = None) -> list[RowGroup]:
+        """Documents ``[first, stop)`` of row group ``group`` of chunk ``index``, for each range
+        ``pick`` chooses from the row group's part layout (default: the whole row group), read
+        together: where the file's layout allows, only the pages holding their tokens are decoded.
+        Each a row group of those documents numbered from 0, its ``first_doc`` their first. Not
+        for a dataset defined by a filter."""
+        if pick is not None and chunks.filtered:
+            raise ValueError(f"dataset {chunks.name!r} is defined by a filter: its row groups are read whole")
         with self._parquet(chunks, index) as (handle, parquet):
             names = parquet.schema_arrow.names
             # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
@@ -198,24 +211,34 @@ class ChunkFiles:
                 [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names],
                 use_threads=False)
             parts = table_parts(table)
+            doc_ranges = [(0, parts.num_docs)] if pick is None else list(pick(parts))
+            part_ranges = np.searchsorted(parts.part_doc, np.array(doc_ranges, np.int64).reshape(-1, 2))
+            part_values = cumulative(parts.part_lengths)
+            value_ranges = [(int(part_values[a]), int(part_values[b])) for a, b in part_ranges.tolist()]
             # The tokens' pages decoded here (their levels skipped), or by pyarrow when stored otherwise.
             leaf = leaf_column(parquet.metadata, TOKENS_COLUMN)
-            values = None if leaf is None else read_column_values(
+            values = None if leaf is None else read_column_ranges(
                 handle, parquet.metadata, group, leaf, parquet.schema_arrow.field(TOKENS_COLUMN).type.value_type,
-                int(parts.part_lengths.sum()))
+                int(part_values[-1]), value_ranges)
             if values is None:
                 column = parquet.read_row_groups([group], columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN)
         if values is None:
             array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
             offsets = array.offsets.to_numpy(zero_copy_only=True)
-            values = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
+            whole = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
+            values = [whole[a:b] for a, b in value_ranges]
         refs = None
         if PART_REFS_COLUMN in table.column_names:
             refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
-        stored = RowGroup(values, parts, refs)
-        if chunks.filtered:
-            return _selected(stored, self._view(chunks).selection(chunks.name, int(index), group))
-        return stored
+        if pick is None:
+            stored = RowGroup(values[0], parts, refs)
+            if chunks.filtered:
+                return [_selected(stored, self._view(chunks).selection(chunks.name, int(index), group))]
+            return [stored]
+        return [RowGroup(part_tokens, ChunkParts(parts.part_lengths[a:b], parts.part_kinds[a:b],
+                                                 parts.part_doc[a:b] - first, stop - first),
+                         None if refs is None else refs[a:b], first)
+                for part_tokens, (first, stop), (a, b) in zip(values, doc_ranges, part_ranges.tolist())]
 
     def chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         """The part layout of every document of chunk ``index`` (small columns only)."""

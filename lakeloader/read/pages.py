@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import zlib
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -201,23 +202,89 @@ def _skip_level_block(page: memoryview, pos: int, encoding: int, max_level: int)
     return pos + 4 + int.from_bytes(page[pos:pos + 4], "little")
 
 
-def read_column_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
-                       value_type: pa.DataType, count: int) -> np.ndarray | None:
-    """The ``count`` values of leaf column ``column`` in row group ``group`` (read-only, of the numpy
-    type of ``value_type``, the column's Arrow value type), bitwise what pyarrow decodes, read with
-    one read of ``handle``. Raises :class:`PageChecksumError` for a page that fails its CRC-32. None
-    when the column chunk is stored in a way not decoded here (a dictionary, another encoding, codec
-    or page version, nulls among the values, a value type wider than INT32) or its pages make no
-    sense: read it with pyarrow then."""
+def read_column_ranges(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
+                       value_type: pa.DataType, count: int, ranges: Sequence[tuple[int, int]]
+                       ) -> list[np.ndarray] | None:
+    """Values ``[start, stop)``, for each of ``ranges``, of the ``count`` values of leaf column
+    ``column`` in row group ``group`` (read-only, of the numpy type of ``value_type``, the column's
+    Arrow value type), bitwise what pyarrow decodes, read with one read of ``handle``. Only the
+    pages holding them are decompressed and checked when every level entry of the column chunk is
+    a value (no empty list, no null: a page header's count is then its values'); otherwise every
+    page is. Raises :class:`PageChecksumError` for a page that fails its CRC-32. None when the
+    column chunk is stored in a way not decoded here (a dictionary, another encoding, codec or page
+    version, nulls among the values, a value type wider than INT32) or its pages make no sense:
+    read it with pyarrow then."""
+    for start, stop in ranges:
+        if not 0 <= start <= stop <= count:
+            raise ValueError(f"values [{start}, {stop}) of a column chunk of {count}")
     try:
-        return _read_values(handle, metadata, group, column, value_type, count)
+        return _read_values(handle, metadata, group, column, value_type, count, ranges)
     except _NotDecoded as reason:
         log.debug("row group %d, column %d left to pyarrow: %s", group, column, reason)
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Page:
+    ordinal: int
+    header: PageHeader
+    data_page_header: DataPageHeader
+    raw: memoryview     # the page's bytes as stored (compressed)
+
+
+def _data_pages(data: memoryview, entries: int) -> list[_Page]:
+    """The first pages of a column chunk's bytes that hold ``entries`` level entries (or all of
+    them), each a PLAIN data page v1 (else :class:`_NotDecoded`)."""
+    pages: list[_Page] = []
+    pos = held = 0
+    while pos < len(data) and held < entries:
+        header, start = read_page_header(data, pos)
+        stop = start + header.compressed_page_size
+        if header.compressed_page_size < 0 or stop > len(data):
+            raise _NotDecoded("page runs past the column chunk")
+        page_header = header.data_page_header
+        if header.type != PAGE_DATA or page_header is None:
+            raise _NotDecoded(f"page of type {header.type}")
+        if page_header.encoding != ENCODING_PLAIN:
+            raise _NotDecoded(f"values of encoding {page_header.encoding}")
+        pages.append(_Page(len(pages), header, page_header, data[start:stop]))
+        held += page_header.num_values
+        pos = stop
+    return pages
+
+
+def _page_values(page: _Page, decompress: Callable[[memoryview], bytes] | None, max_rep: int, max_def: int
+                 ) -> tuple[memoryview, int, int]:
+    """(a page's decompressed bytes, where its values start, how many): its CRC-32 checked."""
+    raw, header, page_header = page.raw, page.header, page.data_page_header
+    if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
+        raise PageChecksumError(page.ordinal)
+    body = raw
+    if decompress is not None:
+        try:
+            # The frame's own size is what gets allocated: it must be the header's (Arrow's
+            # writer always stores it), whatever a page without a CRC may have had altered.
+            if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
+                raise _NotDecoded("zstd frame of another size than its page header says")
+            body = memoryview(decompress(raw))
+        except zstandard.ZstdError as exc:
+            raise _NotDecoded(f"zstd: {exc}") from exc
+    if len(body) != header.uncompressed_page_size:
+        raise _NotDecoded(f"page of {len(body)} bytes, its header says {header.uncompressed_page_size}")
+    at = _skip_level_block(body, 0, page_header.repetition_level_encoding, max_rep)
+    at = _skip_level_block(body, at, page_header.definition_level_encoding, max_def)
+    values = len(body) - at
+    if values < 0 or values % 4:
+        raise _NotDecoded(f"{values} bytes of INT32 values")
+    values //= 4
+    # Level entries count values, nulls and empty lists: never fewer than the values stored.
+    if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
+        raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
+    return body, at, values
+
+
 def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
-                 value_type: pa.DataType, count: int) -> np.ndarray:
+                 value_type: pa.DataType, count: int, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
     chunk = metadata.row_group(group).column(column)
     schema = metadata.schema.column(column)
     dtype = _DTYPES.get(value_type)
@@ -231,53 +298,46 @@ def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, c
     data = memoryview(handle.read_at(size, chunk.data_page_offset))
     if len(data) != size:
         raise _NotDecoded(f"{len(data)} of the column chunk's {size} bytes read")
-    max_rep, max_def = schema.max_repetition_level, schema.max_definition_level
+    # Every level entry a value: the pages holding the ranges are known from the page headers up
+    # to the last range's end, without decoding them.
+    every_entry_a_value = chunk.num_values == count
+    needed = max((stop for _, stop in ranges), default=0) if every_entry_a_value else chunk.num_values
+    pages = _data_pages(data, needed)
+    entries = np.array([page.data_page_header.num_values for page in pages], np.int64)
+    walked = int(entries.sum())
+    if not needed <= walked <= chunk.num_values:
+        raise _NotDecoded(f"{walked} level entries in pages of a column chunk of {chunk.num_values}")
     decompress = zstandard.ZstdDecompressor().decompress if chunk.compression == "ZSTD" else None
-    out = np.empty(count, dtype)
-    filled = levels = ordinal = 0
-    pos = 0
-    while pos < size:
-        header, start = read_page_header(data, pos)
-        stop = start + header.compressed_page_size
-        if header.compressed_page_size < 0 or stop > size:
-            raise _NotDecoded("page runs past the column chunk")
-        raw = data[start:stop]
-        if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
-            raise PageChecksumError(ordinal)
-        page_header = header.data_page_header
-        if header.type != PAGE_DATA or page_header is None:
-            raise _NotDecoded(f"page of type {header.type}")
-        if page_header.encoding != ENCODING_PLAIN:
-            raise _NotDecoded(f"values of encoding {page_header.encoding}")
-        page = raw
-        if decompress is not None:
-            try:
-                # The frame's own size is what gets allocated: it must be the header's (Arrow's
-                # writer always stores it), whatever a page without a CRC may have had altered.
-                if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
-                    raise _NotDecoded("zstd frame of another size than its page header says")
-                page = memoryview(decompress(raw))
-            except zstandard.ZstdError as exc:
-                raise _NotDecoded(f"zstd: {exc}") from exc
-        if len(page) != header.uncompressed_page_size:
-            raise _NotDecoded(f"page of {len(page)} bytes, its header says {header.uncompressed_page_size}")
-        at = _skip_level_block(page, 0, page_header.repetition_level_encoding, max_rep)
-        at = _skip_level_block(page, at, page_header.definition_level_encoding, max_def)
-        values = len(page) - at
-        if values < 0 or values % 4:
-            raise _NotDecoded(f"{values} bytes of INT32 values")
-        values //= 4
-        # Level entries count values, nulls and empty lists: never fewer than the values stored.
-        if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
-            raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
-        if filled + values > count:
-            raise _NotDecoded(f"more than the {count} values expected")
-        out[filled:filled + values] = np.frombuffer(page, "<i4", values, at)
-        filled += values
-        levels += page_header.num_values
-        ordinal += 1
-        pos = stop
-    if filled != count or levels != chunk.num_values:
-        raise _NotDecoded(f"{filled} values in {levels} level entries, expected {count} in {chunk.num_values}")
-    out.flags.writeable = False
-    return out
+
+    def decoded(chosen: list[_Page], expected: int) -> np.ndarray:
+        out = np.empty(expected, dtype)
+        filled = 0
+        for page in chosen:
+            body, at, values = _page_values(page, decompress, schema.max_repetition_level, schema.max_definition_level)
+            if filled + values > expected:
+                raise _NotDecoded(f"more than the {expected} values expected")
+            out[filled:filled + values] = np.frombuffer(body, "<i4", values, at)
+            filled += values
+        if filled != expected:
+            raise _NotDecoded(f"{filled} values in the pages decoded, expected {expected}")
+        out.flags.writeable = False
+        return out
+
+    if not every_entry_a_value:   # where a page's values start is not known
+        whole = decoded(pages, count)
+        return [whole[start:stop] for start, stop in ranges]
+    # Each page holds values [ends[i - 1], ends[i]): decode each page some range reaches, once.
+    ends = np.cumsum(entries)
+    firsts = ends - entries
+    reached = {i: None for start, stop in ranges if stop > start
+               for i in range(int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1)}
+    page_values = {i: decoded([pages[i]], int(entries[i])) for i in sorted(reached)}
+    found = []
+    for start, stop in ranges:
+        lo, hi = int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1
+        pieces = [page_values[i][max(start - int(firsts[i]), 0) : stop - int(firsts[i])]
+                  for i in range(lo, hi if stop > start else lo)]
+        values = pieces[0] if len(pieces) == 1 else np.concatenate([np.zeros(0, dtype), *pieces])
+        values.flags.writeable = False
+        found.append(values)
+    return found

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -19,17 +22,62 @@ import pyarrow as pa
 from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
 from lakeloader.index.ranges import cumulative, locate, spans
-from lakeloader.index.render import fim_choice, fim_counts, render_compact, stream_lengths
+from lakeloader.index.render import fim_choice, fim_counts, render_compact, rendered_doc_starts, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.lru import LRU
 from lakeloader.read.stream_index import StreamIndex
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Row groups a batch needs that no cache holds are decoded and rendered this many at a time
 # (Parquet decoding and most numpy work run without the GIL): a shuffled first batch can need as
 # many row groups as it has rows. One pool for every reader of the process; idle threads cost nothing.
 _DECODE_POOL = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1),
                                                      thread_name_prefix="lakeloader-decode")
+# Row groups a cold start read from a few pages are decoded whole here, one at a time, so that the
+# batches that follow find them cached; only when the cache holds AHEAD_CACHE_SHARE row groups like
+# them (else they would not stay).
+_AHEAD_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lakeloader-decode-ahead")
+AHEAD_CACHE_SHARE = 8
+# A row group not cached is read from the pages its windows need when they reach at most 1 / PAGES_SHARE
+# of its tokens, as ranges of windows less than RANGE_GAP tokens apart.
+PAGES_SHARE = 4
+RANGE_GAP = 1 << 14
+
+
+def _concurrently(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Each call's result, the calls run in the decode threads when there are several; the first
+    error is raised here, as making that call in this thread would raise it."""
+    if len(calls) < 2:
+        return [call() for call in calls]
+    running = [_DECODE_POOL.submit(call) for call in calls]
+    return [future.result() for future in running]
+
+
+def _log_failure(future: concurrent.futures.Future[RenderedGroup]) -> None:
+    """A row group decoded ahead that failed is read again when asked for, and raises then."""
+    if future.exception() is not None:
+        log.debug("a row group decoded ahead failed (read again when asked for): %s", future.exception())
+
+
+def _reach(at: np.ndarray, length: int, group_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """For windows of ``length`` tokens starting at ``at`` in a row group of ``group_length``
+    rendered tokens: (the range of each window, the ranges' starts, their ends), ranges merging
+    windows less than :data:`RANGE_GAP` apart; None when the ranges reach more than
+    1 / :data:`PAGES_SHARE` of the row group (then it is read whole)."""
+    order = np.argsort(at, kind="stable")
+    ordered = at[order]
+    opens = np.ones(len(ordered), bool)
+    opens[1:] = ordered[1:] > ordered[:-1] + length + RANGE_GAP
+    begins = np.flatnonzero(opens)
+    lo, hi = ordered[begins], np.maximum.reduceat(ordered, begins) + length
+    if int((hi - lo).sum()) * PAGES_SHARE > group_length:
+        return None
+    ranges = np.empty(len(at), np.int64)
+    ranges[order] = np.cumsum(opens) - 1
+    return ranges, lo, hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +197,10 @@ class StreamReader:
         # Row-group offsets per chunk: a few numbers each, kept by count.
         self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
         self._index: StreamIndex | None = None   # the row groups of the last sequence read, located so far
+        self._started = False   # whether windows were located before (the first read cold, from pages)
+        # Row groups the first windows were read from in part: decoded whole in the background once
+        # those windows are out (while the consumer uses them), not while they are read.
+        self._decode_later: list[tuple[DatasetChunks, int, int]] = []
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (from catalog counts only)."""
@@ -207,11 +259,9 @@ class StreamReader:
         are decoded concurrently (in the process's decode threads)."""
         found = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
         missing = [i for i, value in enumerate(found) if value is None]
-        decoding = {i: _DECODE_POOL.submit(self.rendered_group, chunks, *wanted[i]) for i in missing} if len(
-            missing) > 1 else {}
-        # A decoding error is raised here, as reading that row group in this thread would raise it.
-        for i in missing:
-            found[i] = decoding[i].result() if i in decoding else self.rendered_group(chunks, *wanted[i])
+        for i, rendered in zip(missing, _concurrently([functools.partial(self.rendered_group, chunks, *wanted[i])
+                                                        for i in missing])):
+            found[i] = rendered
         return found  # type: ignore[return-value]
 
     def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
@@ -221,7 +271,7 @@ class StreamReader:
         fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
         rendered = RenderedGroup(*render_compact(self.template, stored.values, parts.part_lengths, parts.part_kinds,
                                                  parts.part_doc, parts.num_docs, fim))
-        if self.template.image_kind is not None or "response" in self.template.kind_names:
+        if self._keeps_parts:
             rendered = dataclasses.replace(rendered, parts=parts, refs=stored.refs)
         del stored, parts
         # The decoded row group is gone: hand the allocator's freed pages back (Arrow's pool
@@ -281,8 +331,13 @@ class StreamReader:
         """:meth:`window` of many starts. Windows inside one row group (nearly all of them) are
         located together, in the reader's index of the row groups of the sequence's chunks read so
         far (one search; a chunk met for the first time is added from its row-group table), and
-        stay slices of the row groups' cached renderings; the rest take the general path."""
+        stay slices of the row groups' cached renderings; the rest take the general path. The
+        reader's first windows are read cold: see :meth:`_add_groups`."""
         starts = np.asarray(starts, np.int64)
+        cold, self._started = not self._started, True
+        later, self._decode_later = self._decode_later, []
+        for chunks_later, chunk, group in later:
+            _AHEAD_POOL.submit(self.rendered_group, chunks_later, chunk, group).add_done_callback(_log_failure)
         position = locate(sequence_offsets, starts)
         index = self._index
         if index is None or index.offsets is not sequence_offsets:   # another sequence, or the dataset grew
@@ -292,13 +347,13 @@ class StreamReader:
         if new:
             index = index.with_chunks(new, self.groups_of(chunks, np.asarray(sequence)[new].tolist()))
         self._index = index
-        found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index)
+        found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index, cold)
         for row in np.flatnonzero(found.group < 0).tolist():
             found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         return found
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-               starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex) -> WindowSet:
+               starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, cold: bool) -> WindowSet:
         """The windows that lie in one row group of ``index`` (which holds every chunk they start
         in), as slices of its cached rendering, each row group fetched once; the others are left
         with group -1."""
@@ -320,5 +375,81 @@ class StreamReader:
         found.group_position = used_position.tolist()
         found.group_chunk = np.asarray(sequence)[used_position].tolist()
         found.group_first_doc = index.first_doc[used].tolist()
-        found.groups.extend(self.rendered_groups(chunks, list(zip(found.group_chunk, index.group[used].tolist()))))
+        self._add_groups(chunks, found, list(zip(found.group_chunk, index.group[used].tolist())),
+                         index.stop[used] - index.start[used], cold)
+        return found
+
+    def _add_groups(self, chunks: DatasetChunks, found: WindowSet, wanted: list[tuple[int, int]],
+                    lengths: np.ndarray, cold: bool) -> None:
+        """Fills ``found.groups`` with the renderings of the row groups ``wanted`` (``(chunk,
+        group)`` of each group of ``found``, ``lengths`` their rendered tokens): the cached ones,
+        and those not cached decoded whole, concurrently.
+
+        ``cold`` (a reader's first windows: a start, or a resume): a row group not cached whose
+        windows reach little of it is read from the pages they need instead. Its windows are
+        re-pointed at renderings of just the documents they reach (one per range of nearby
+        windows), and it is decoded whole in the background once these windows are out (when
+        the cache can keep it). Later windows decode whole row groups: the windows of the batches
+        that follow reach the rest of them (every shuffle's do, within an epoch)."""
+        groups = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
+        missing = [j for j, rendered in enumerate(groups) if rendered is None]
+        reaches = {} if not cold or self._keeps_parts or chunks.filtered else {
+            j: reach for j in missing
+            if (reach := _reach(found.at[found.group == j], found.length, int(lengths[j]))) is not None}
+
+        reads: list[Callable[[], RenderedGroup | list[tuple[RenderedGroup, int, int]]]] = [
+            functools.partial(self._render_ranges, chunks, *wanted[j], *reaches[j][1:]) if j in reaches
+            else functools.partial(self.rendered_group, chunks, *wanted[j]) for j in missing]
+        for j, result in zip(missing, _concurrently(reads)):
+            if isinstance(result, RenderedGroup):
+                groups[j] = result
+                continue
+            rows = np.flatnonzero(found.group == j)
+            first_doc = found.group_first_doc[j]
+            for k, (rendered, base, first) in enumerate(result):
+                g = j if k == 0 else len(groups)
+                if k:
+                    groups.append(rendered)
+                    found.group_position.append(found.group_position[j])
+                    found.group_chunk.append(found.group_chunk[j])
+                    found.group_first_doc.append(first_doc + first)
+                else:
+                    groups[j] = rendered
+                    found.group_first_doc[j] = first_doc + first
+                moved = rows[reaches[j][0] == k]
+                found.group[moved] = g
+                found.at[moved] -= base
+            if int(lengths[j]) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:   # 4 bytes a token at most
+                self._decode_later.append((chunks, *wanted[j]))
+        found.groups.extend(groups)  # type: ignore[arg-type]
+
+    @property
+    def _keeps_parts(self) -> bool:
+        """Whether renderings keep their stored parts (templates that need them after rendering)."""
+        return self.template.image_kind is not None or "response" in self.template.kind_names
+
+    def _render_ranges(self, chunks: DatasetChunks, chunk: int, group: int, lo: np.ndarray,
+                       hi: np.ndarray) -> list[tuple[RenderedGroup, int, int]]:
+        """For each rendered range ``[lo[k], hi[k])`` of a row group, the documents reaching it
+        rendered: (rendering, where it starts in the row group's rendering, its first document
+        within the row group). Only their tokens' pages are decoded (as the file allows)."""
+        first_doc = int(self.groups(chunks, chunk)[1][group])
+        fim: tuple[np.ndarray, ...] | None = None
+        starts = np.zeros(1, np.int64)   # the rendered documents' starts, from the row group's part layout
+
+        def pick(parts: ChunkParts) -> list[tuple[int, int]]:
+            nonlocal fim, starts
+            fim = self._fim(chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
+            starts = rendered_doc_starts(self.template, parts.part_lengths, parts.part_kinds, parts.part_doc,
+                                         parts.num_docs, fim)
+            return list(zip((np.searchsorted(starts, lo, "right") - 1).tolist(),
+                            np.searchsorted(starts, hi, "left").tolist()))
+
+        found = []
+        for stored in self.files.read_documents(chunks, chunk, group, pick):
+            first, parts = stored.first_doc, stored.parts
+            their_fim = None if fim is None else tuple(x[first:first + parts.num_docs] for x in fim)
+            rendered = RenderedGroup(*render_compact(self.template, stored.values, parts.part_lengths, parts.part_kinds,
+                                                     parts.part_doc, parts.num_docs, their_fim))
+            found.append((rendered, int(starts[first]), first))
         return found
