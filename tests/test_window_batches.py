@@ -209,6 +209,42 @@ def test_cold_batches_read_from_pages_equal_the_numpy_reference(lake: Path, shuf
     one.close()
 
 
+@pytest.mark.parametrize("shuffle", [{"kind": "full"}, {"kind": "block", "block_size": 7, "window_blocks": 3}],
+                         ids=["full", "block"])
+def test_a_full_shuffle_beyond_the_cache_reads_pages_for_every_batch(lake: Path, shuffle: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full shuffle over more than twice the cache's bytes reads the uncached row groups of every
+    batch from the pages its windows need, not only its first batch's; a block shuffle with the
+    same cache decodes whole row groups after its first batch. Rows bitwise the reference's."""
+    in_part: list[int] = []
+    read_documents = ChunkFiles.read_documents
+
+    def spy(self: ChunkFiles, chunks: Any, index: int, group: int, pick: Any = None) -> Any:
+        if pick is not None:
+            in_part.append(group)
+        return read_documents(self, chunks, index, group, pick)
+
+    monkeypatch.setattr(ChunkFiles, "read_documents", spy)
+    config = loader_config(lake, f"beyond-{shuffle['kind']}", ("t",), shuffle=shuffle, cache_bytes="16KB")
+    one = Loader(config)
+    dataset = one.datasets[0]
+    assert int(dataset.chunks.num_tokens.sum()) * 2 > 2 * 16 * 1024   # stored tokens: more than twice the cache
+    stream = Stream(one, "t").laid_out(list(range(dataset.chunks.committed)))
+    read_in_part = []
+    with Loader(config) as loader:
+        for step in range(6):
+            expected = [reference_row(*stream, e.example * SEQ_LEN) for e in one.examples(step).examples]
+            before = len(in_part)
+            assert_rows_equal(loader.batch(step), expected, [0] * len(expected), f"step {step}")
+            read_in_part.append(len(in_part) - before)
+    one.close()
+    assert read_in_part[0] > 0
+    if shuffle["kind"] == "full":
+        assert all(read_in_part), read_in_part
+    else:
+        assert not any(read_in_part[1:]), read_in_part
+
+
 def test_strided_ordering_batches_equal_the_numpy_reference(lake: Path) -> None:
     readers = 3
     config = loader_config(lake, "strided", ("t",), ordering="strided", ideal_readers=readers, shuffle="none")

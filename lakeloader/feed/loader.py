@@ -152,20 +152,20 @@ class Loader:
 
     def _warn_if_beyond_the_cache(self) -> None:
         """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
-        every example then decodes a whole row group for one window (a few M tokens/s)."""
+        every example then reads a row group no longer cached (from the pages its window needs)."""
         stored = sum(int(d.chunks.num_tokens.sum()) * np.dtype(d.chunks.token_type).itemsize for d in self.datasets)
         cache = self.config.loader.cache_bytes
         if stored > 2 * cache:
             log.warning(
                 "loader.shuffle.kind: full over %.1f GB of stored tokens with loader.cache_bytes %.2f GB: most "
-                "examples land in a row group no longer cached and decode all of it (build.row_group_tokens: "
-                "%d tokens) for one window, a few M tokens/s. For a lake much larger than the cache use "
-                "loader.shuffle.kind block or window, or raise loader.cache_bytes towards the lake's size",
+                "examples land in a row group no longer cached (build.row_group_tokens: %d tokens) and read it "
+                "again, from the pages their window needs, a few M tokens/s. For a lake much larger than the "
+                "cache use loader.shuffle.kind block or window, or raise loader.cache_bytes towards the lake's size",
                 stored / 1e9, cache / 1e9, self.config.build.row_group_tokens)
 
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
         loader, dataset = self.config.loader, self.config.datasets[name]
-        reader = StreamReader(self.view, self.files, self.templates[name])
+        reader = StreamReader(self.view, self.files, self.templates[name], scattered=shuffle.kind == "full")
         common: dict[str, Any] = dict(seq_len=loader.seq_len, ordering=ordering, ideal_readers=loader.ideal_readers,
                                       wait_timeout=loader.wait_timeout, shuffle=shuffle, seed=loader.seed)
         spec = packing_spec(name, self.config, self.templates[name])

@@ -188,12 +188,18 @@ class WindowSet:
 
 class StreamReader:
     """Reads ranges of one dataset's chunk streams (documents rendered by its collation
-    template), one row group at a time."""
+    template), one row group at a time.
 
-    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template) -> None:
+    ``scattered``: the windows asked for land anywhere in the dataset (a full shuffle). While the
+    dataset's stored tokens are more than twice the cache's bytes, a row group met is rarely met
+    again before it leaves the cache, so every batch reads those it finds uncached from the pages
+    its windows need, as a first batch does (:meth:`_add_groups`), and none is decoded ahead."""
+
+    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False) -> None:
         self.view = view
         self.files = files
         self.template = template
+        self.scattered = scattered
         # Row-group offsets per chunk: a few numbers each, kept by count.
         self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
         self._index: StreamIndex | None = None   # the row groups of the last sequence read, located so far
@@ -334,7 +340,9 @@ class StreamReader:
         stay slices of the row groups' cached renderings; the rest take the general path. The
         reader's first windows are read cold: see :meth:`_add_groups`."""
         starts = np.asarray(starts, np.int64)
-        cold, self._started = not self._started, True
+        first, self._started = not self._started, True
+        beyond = self.scattered and (int(chunks.num_tokens.sum()) * np.dtype(chunks.token_type).itemsize
+                                     > 2 * self.files.cache.capacity)
         later, self._decode_later = self._decode_later, []
         for chunks_later, chunk, group in later:
             _AHEAD_POOL.submit(self.rendered_group, chunks_later, chunk, group).add_done_callback(_log_failure)
@@ -347,13 +355,15 @@ class StreamReader:
         if new:
             index = index.with_chunks(new, self.groups_of(chunks, np.asarray(sequence)[new].tolist()))
         self._index = index
-        found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index, cold)
+        found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index,
+                            from_pages=first or beyond, ahead=first and not beyond)
         for row in np.flatnonzero(found.group < 0).tolist():
             found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         return found
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-               starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, cold: bool) -> WindowSet:
+               starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, from_pages: bool,
+               ahead: bool) -> WindowSet:
         """The windows that lie in one row group of ``index`` (which holds every chunk they start
         in), as slices of its cached rendering, each row group fetched once; the others are left
         with group -1."""
@@ -376,24 +386,25 @@ class StreamReader:
         found.group_chunk = np.asarray(sequence)[used_position].tolist()
         found.group_first_doc = index.first_doc[used].tolist()
         self._add_groups(chunks, found, list(zip(found.group_chunk, index.group[used].tolist())),
-                         index.stop[used] - index.start[used], cold)
+                         index.stop[used] - index.start[used], from_pages, ahead)
         return found
 
     def _add_groups(self, chunks: DatasetChunks, found: WindowSet, wanted: list[tuple[int, int]],
-                    lengths: np.ndarray, cold: bool) -> None:
+                    lengths: np.ndarray, from_pages: bool, ahead: bool) -> None:
         """Fills ``found.groups`` with the renderings of the row groups ``wanted`` (``(chunk,
         group)`` of each group of ``found``, ``lengths`` their rendered tokens): the cached ones,
         and those not cached decoded whole, concurrently.
 
-        ``cold`` (a reader's first windows: a start, or a resume): a row group not cached whose
-        windows reach little of it is read from the pages they need instead. Its windows are
-        re-pointed at renderings of just the documents they reach (one per range of nearby
-        windows), and it is decoded whole in the background once these windows are out (when
-        the cache can keep it). Later windows decode whole row groups: the windows of the batches
-        that follow reach the rest of them (every shuffle's do, within an epoch)."""
+        ``from_pages`` (a reader's first windows: a start, or a resume; and scattered windows beyond
+        the cache): a row group not cached whose windows reach little of it is read from the pages
+        they need instead. Its windows are re-pointed at renderings of just the documents they
+        reach (one per range of nearby windows), and with ``ahead`` it is decoded whole in the
+        background once these windows are out (when the cache can keep it). Otherwise windows
+        decode whole row groups: the windows of the batches that follow reach the rest of them
+        (every shuffle's do, within an epoch, while the cache keeps them)."""
         groups = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
         missing = [j for j, rendered in enumerate(groups) if rendered is None]
-        reaches = {} if not cold or self._keeps_parts or chunks.filtered else {
+        reaches = {} if not from_pages or self._keeps_parts or chunks.filtered else {
             j: reach for j in missing
             if (reach := _reach(found.at[found.group == j], found.length, int(lengths[j]))) is not None}
 
@@ -419,7 +430,8 @@ class StreamReader:
                 moved = rows[reaches[j][0] == k]
                 found.group[moved] = g
                 found.at[moved] -= base
-            if int(lengths[j]) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:   # 4 bytes a token at most
+            # (4 bytes a token at most)
+            if ahead and int(lengths[j]) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:
                 self._decode_later.append((chunks, *wanted[j]))
         found.groups.extend(groups)  # type: ignore[arg-type]
 
