@@ -161,6 +161,20 @@ def test_global_ordering_batches_equal_the_numpy_reference(lake: Path, shuffle: 
     one.close()
 
 
+def reads_in_part(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patches ChunkFiles to record the row group of each read of only some of its documents."""
+    in_part: list[int] = []
+    read_documents = ChunkFiles.read_documents
+
+    def spy(self: ChunkFiles, chunks: Any, index: int, group: int, pick: Any = None) -> Any:
+        if pick is not None:
+            in_part.append(group)
+        return read_documents(self, chunks, index, group, pick)
+
+    monkeypatch.setattr(ChunkFiles, "read_documents", spy)
+    return in_part
+
+
 def documents_of(loader: Loader, step: int) -> list[tuple[int, int, int, int]]:
     """(chunk, document, first and last offset in its window) of every segment of the windows of ``step``."""
     return [(s.chunk, s.document, s.window_start, s.window_stop) for e in loader.examples(step).examples
@@ -176,16 +190,7 @@ def test_cold_batches_read_from_pages_equal_the_numpy_reference(lake: Path, shuf
     they come from (explain's). Windows of a row group are read as separate ranges unless they touch."""
     monkeypatch.setattr(windows_module, "RANGE_GAP", 0)
     config = loader_config(lake, f"cold-{shuffle['kind']}", ("t", "c"), shuffle=shuffle)
-    in_part: list[int] = []
-    read_documents = ChunkFiles.read_documents
-
-    def spy(self: ChunkFiles, chunks: Any, index: int, group: int, pick: Any = None) -> Any:
-        found = read_documents(self, chunks, index, group, pick)
-        if pick is not None:
-            in_part.append(group)
-        return found
-
-    monkeypatch.setattr(ChunkFiles, "read_documents", spy)
+    in_part = reads_in_part(monkeypatch)
     one = Loader(config)
     streams = {name: Stream(one, name).laid_out(list(range(d.chunks.committed)))
                for name, d in zip(one.mixer.names, one.datasets)}
@@ -216,15 +221,7 @@ def test_a_full_shuffle_beyond_the_cache_reads_pages_for_every_batch(lake: Path,
     """A full shuffle over more than twice the cache's bytes reads the uncached row groups of every
     batch from the pages its windows need, not only its first batch's; a block shuffle with the
     same cache decodes whole row groups after its first batch. Rows bitwise the reference's."""
-    in_part: list[int] = []
-    read_documents = ChunkFiles.read_documents
-
-    def spy(self: ChunkFiles, chunks: Any, index: int, group: int, pick: Any = None) -> Any:
-        if pick is not None:
-            in_part.append(group)
-        return read_documents(self, chunks, index, group, pick)
-
-    monkeypatch.setattr(ChunkFiles, "read_documents", spy)
+    in_part = reads_in_part(monkeypatch)
     config = loader_config(lake, f"beyond-{shuffle['kind']}", ("t",), shuffle=shuffle, cache_bytes="16KB")
     one = Loader(config)
     dataset = one.datasets[0]

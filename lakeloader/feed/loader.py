@@ -153,7 +153,7 @@ class Loader:
     def _warn_if_beyond_the_cache(self) -> None:
         """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
         every example then reads a row group no longer cached (from the pages its window needs)."""
-        stored = sum(int(d.chunks.num_tokens.sum()) * np.dtype(d.chunks.token_type).itemsize for d in self.datasets)
+        stored = sum(d.chunks.stored_bytes for d in self.datasets)
         cache = self.config.loader.cache_bytes
         if stored > 2 * cache:
             log.warning(

@@ -71,6 +71,11 @@ class DatasetChunks:
         """Number of chunks in the committed prefix."""
         return len(self.num_docs)
 
+    @functools.cached_property
+    def stored_bytes(self) -> int:
+        """Bytes of the committed prefix's tokens as stored (what the row-group cache measures)."""
+        return int(self.num_tokens.sum()) * np.dtype(self.token_type).itemsize
+
     def record(self, index: int) -> ChunkRecord:
         """Path, size, checksum and shard of committed chunk ``index`` (from the catalog, kept)."""
         if self.records is None or not 0 <= index < self.committed:

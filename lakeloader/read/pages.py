@@ -326,17 +326,17 @@ def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, c
     if not every_entry_a_value:   # where a page's values start is not known
         whole = decoded(pages, count)
         return [whole[start:stop] for start, stop in ranges]
-    # Each page holds values [ends[i - 1], ends[i]): decode each page some range reaches, once.
+    # Each page holds values [ends[i - 1], ends[i]): the pages [lo, hi) each range reaches, each
+    # decoded once.
     ends = np.cumsum(entries)
     firsts = ends - entries
-    reached = {i: None for start, stop in ranges if stop > start
-               for i in range(int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1)}
-    page_values = {i: decoded([pages[i]], int(entries[i])) for i in sorted(reached)}
+    reaching = [(int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1)
+                if stop > start else (0, 0) for start, stop in ranges]
+    page_values = {i: decoded([pages[i]], int(entries[i])) for i in sorted({i for lo, hi in reaching
+                                                                              for i in range(lo, hi)})}
     found = []
-    for start, stop in ranges:
-        lo, hi = int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1
-        pieces = [page_values[i][max(start - int(firsts[i]), 0) : stop - int(firsts[i])]
-                  for i in range(lo, hi if stop > start else lo)]
+    for (start, stop), (lo, hi) in zip(ranges, reaching):
+        pieces = [page_values[i][max(start - int(firsts[i]), 0) : stop - int(firsts[i])] for i in range(lo, hi)]
         values = pieces[0] if len(pieces) == 1 else np.concatenate([np.zeros(0, dtype), *pieces])
         values.flags.writeable = False
         found.append(values)

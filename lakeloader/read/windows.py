@@ -341,8 +341,7 @@ class StreamReader:
         reader's first windows are read cold: see :meth:`_add_groups`."""
         starts = np.asarray(starts, np.int64)
         first, self._started = not self._started, True
-        beyond = self.scattered and (int(chunks.num_tokens.sum()) * np.dtype(chunks.token_type).itemsize
-                                     > 2 * self.files.cache.capacity)
+        beyond = self.scattered and chunks.stored_bytes > 2 * self.files.cache.capacity
         later, self._decode_later = self._decode_later, []
         for chunks_later, chunk, group in later:
             _AHEAD_POOL.submit(self.rendered_group, chunks_later, chunk, group).add_done_callback(_log_failure)
