@@ -13,7 +13,7 @@ import numpy as np
 
 from lakeloader.config import ShuffleConfig
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, Row, Segment
+from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, ExampleRun, Row, Segment
 from lakeloader.feed.shuffled import ShuffledDataset
 from lakeloader.index.ranges import cumulative, cut_segments, eval_examples, strided_chunk, train_examples
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
@@ -127,79 +127,122 @@ def _gather(windows: list[Window], length: int, counts: np.ndarray) -> tuple[
     return tokens, flags, np.concatenate(cut_rows), np.concatenate(cut_at)  # type: ignore[return-value]
 
 
-def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: list[Window]) -> None:
+def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequence[Window]) -> None:
     """Write concat windows into rows ``rows`` of ``batch`` at once: inputs are each window's
     first L tokens, targets the last L; tokens are gathered once into one array, and segments
     and masks computed for all rows together from where documents start
     (:func:`~lakeloader.index.ranges.cut_segments`). Each output field is written once."""
     if not windows:
         return
-    length = batch["input_ids"].shape[1]
-    n = len(windows)
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + len(rows))):
         index = slice(rows[0], rows[0] + len(rows))   # a block of rows: views, plain copies
-    counts = np.full(n, length + 1, np.int64)
     one = windows[0].located
-    which = [w.index for w in windows] if one is not None and all(
-        w.located is one and w.found is None for w in windows) else None
-    run: tuple[np.ndarray, np.ndarray | None] | None = None   # the windows back to back in one row group
-    if one is not None and which is not None and bool((one.group[which] >= 0).all()):
-        # The common case (training): every window a slice of a row group of one located set.
-        groups, at = one.group[which], one.at[which]
-        if bool((groups == groups[0]).all()) and bool((at[1:] - at[:-1] == length).all()):
-            # Consecutive windows (no shuffle): the rows are one run of the row group's tokens.
-            group, begin = one.groups[int(groups[0])], int(at[0])
-            stop = begin + n * length + 1
-            run = group.tokens[begin:stop], None if group.trainable is None else group.trainable[begin:stop]
-            starts = group.doc_starts
-            inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
-            cut_rows, cut_at = np.divmod(inside - begin, length)   # (offset 0: a row's own start)
-        else:
-            tokens, flags = one.tokens(which)
-            cut_rows, cut_at = one.cuts(which)
-            dtype = np.result_type(*{g.tokens.dtype for g in one.groups})
-            some_flags = any(g.trainable is not None for g in one.groups)
-    else:
-        tokens, flags, cut_rows, cut_at = _gather(windows, length, counts)
-        dtype = np.result_type(*{t.dtype for t in tokens})   # type: ignore[union-attr]
-        some_flags = any(f is not None for f in flags)
+    if one is not None and all(w.located is one and w.found is None for w in windows):
+        which = np.array([w.index for w in windows], np.int64)
+        if bool((one.group[which] >= 0).all()):
+            fill_located(batch, index, one, which)
+            return
+    length = batch["input_ids"].shape[1]
+    n = len(windows)
+    counts = np.full(n, length + 1, np.int64)
+    tokens, flags, cut_rows, cut_at = _gather(list(windows), length, counts)
+    dtype = np.result_type(*{t.dtype for t in tokens})
+    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
+    np.concatenate(tokens, out=stacked.reshape(-1))
     trainable = None
-    if run is not None:   # row i is the run's tokens [i*L, i*L + L] (rows overlap by a token)
-        stacked, trainable = (None if values is None else np.lib.stride_tricks.as_strided(
-            values, (n, length + 1), (length * values.itemsize, values.itemsize), writeable=False) for values in run)
-    else:
-        # Rows of equal length back to back: one concatenation (np.stack costs more per row).
-        stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
-        np.concatenate(tokens, out=stacked.reshape(-1))   # type: ignore[arg-type]
-        if some_flags:
-            ones = np.ones(length + 1, bool)
-            trainable = _buffer("trainable", (n, length + 1), bool)
-            np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
-    whole = counts.min() == length + 1   # every window whole (training)
-    in_place = whole and isinstance(index, slice)   # segments written straight into the batch
-    if in_place:
-        segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
-    else:
-        segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
-    cut_segments(cut_rows, cut_at, segment_ids, positions)
-    fields = {"input_ids": stacked[:, :-1], "targets": stacked[:, 1:],
-              "loss_mask": None if trainable is None else trainable[:, 1:],
-              "segment_ids": segment_ids, "positions": positions}
-    if whole:
-        for name, values in fields.items():
-            if not (in_place and name in ("segment_ids", "positions")):
-                batch[name][index] = 1 if values is None else values
+    if any(f is not None for f in flags):
+        trainable = _stacked_flags(flags, n, length)
+    if counts.min() == length + 1:   # every window whole (training)
+        _write_rows(batch, index, stacked, trainable, cut_rows, cut_at)
         return
-    assert trainable is not None
+    segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
+    cut_segments(cut_rows, cut_at, segment_ids, positions)
     valid = np.arange(length) < (counts - 1)[:, None]   # the short end of an evaluation pass
-    fields["loss_mask"] = valid & trainable[:, 1:]
-    for name in ("segment_ids", "positions"):
-        fields[name] = np.where(valid, fields[name], 0)
-    for name in ("input_ids", "targets"):
-        fields[name] = np.where(valid, fields[name], batch[name][index])
+    fields = {"input_ids": np.where(valid, stacked[:, :-1], batch["input_ids"][index]),
+              "targets": np.where(valid, stacked[:, 1:], batch["targets"][index]),
+              "loss_mask": valid if trainable is None else valid & trainable[:, 1:],
+              "segment_ids": np.where(valid, segment_ids, 0), "positions": np.where(valid, positions, 0)}
     for name, values in fields.items():
         batch[name][index] = values
+
+
+def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
+                 which: np.ndarray) -> None:
+    """Write windows ``which`` of ``located``, each inside a row group (training windows, the
+    common case), into rows ``index`` of ``batch``: slices of the row groups' renderings, with
+    segments from their document starts; consecutive windows of one row group (no shuffle) as
+    one run of its tokens."""
+    length = batch["input_ids"].shape[1]
+    n = len(which)
+    groups, at = located.group[which], located.at[which]
+    if bool((groups == groups[0]).all()) and bool((at[1:] - at[:-1] == length).all()):
+        # Consecutive windows: row i is the run's tokens [i*L, i*L + L] (rows overlap by a token).
+        group, begin = located.groups[int(groups[0])], int(at[0])
+        stop = begin + n * length + 1
+        starts = group.doc_starts
+        inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
+        cut_rows, cut_at = np.divmod(inside - begin, length)   # (offset 0: a row's own start)
+        stacked, trainable = (None if values is None else np.lib.stride_tricks.as_strided(
+            values[begin:stop], (n, length + 1), (length * values.itemsize, values.itemsize), writeable=False)
+            for values in (group.tokens, group.trainable))
+        assert stacked is not None
+    else:
+        tokens, flags = located.tokens(which.tolist())
+        cut_rows, cut_at = located.cuts(which.tolist())
+        dtype = np.result_type(*{g.tokens.dtype for g in located.groups})
+        # Rows of equal length back to back: one concatenation (np.stack costs more per row).
+        stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
+        np.concatenate(tokens, out=stacked.reshape(-1))
+        trainable = _stacked_flags(flags, n, length) if any(g.trainable is not None for g in located.groups) else None
+    _write_rows(batch, index, stacked, trainable, cut_rows, cut_at)
+
+
+def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.ndarray:
+    """The windows' target flags (None: all targets) as one [n, length + 1] array."""
+    ones = np.ones(length + 1, bool)
+    trainable = _buffer("trainable", (n, length + 1), bool)
+    np.concatenate([ones if f is None else f for f in flags], out=trainable.reshape(-1))
+    return trainable
+
+
+def _write_rows(batch: dict[str, np.ndarray], index: slice | np.ndarray, stacked: np.ndarray,
+                trainable: np.ndarray | None, cut_rows: np.ndarray, cut_at: np.ndarray) -> None:
+    """Rows ``index`` of ``batch`` from whole windows of L+1 tokens (``stacked``) and their target
+    flags (None: all targets): inputs the first L, targets the last L, segments from where
+    documents start (row ``cut_rows[i]``, offset ``cut_at[i]``)."""
+    if isinstance(index, slice):   # segments written straight into the batch
+        segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
+    else:
+        segment_ids, positions = np.empty(stacked[:, 1:].shape, np.int32), np.empty(stacked[:, 1:].shape, np.int32)
+    cut_segments(cut_rows, cut_at, segment_ids, positions)
+    batch["input_ids"][index] = stacked[:, :-1]
+    batch["targets"][index] = stacked[:, 1:]
+    batch["loss_mask"][index] = 1 if trainable is None else trainable[:, 1:]
+    if not isinstance(index, slice):
+        batch["segment_ids"][index] = segment_ids
+        batch["positions"][index] = positions
+
+
+class LocatedWindows(ExampleRun):
+    """Training windows of one dataset located together in ``located`` (window ``k`` is
+    ``located``'s ``k``): rows 0, 1, ... of a batch, filled at once."""
+
+    def __init__(self, dataset: str, epochs: np.ndarray, examples: np.ndarray, located: WindowSet) -> None:
+        super().__init__(dataset, epochs, examples)
+        self.located = located
+
+    def example(self, k: int, epoch: int, example: int) -> Window:
+        """Window ``k`` as a :class:`Window`."""
+        return Window(self.dataset, epoch, example, None, self.located, k)
+
+    def fill_all(self, batch: Batch) -> None:
+        """Every window into its row: by :func:`fill_located` when each lies inside a row group
+        (nearly every batch), else by the general path (:func:`fill_windows`)."""
+        if bool((self.located.group >= 0).all()):
+            fill_located(batch, slice(0, len(self)), self.located, np.arange(len(self)))
+        else:
+            fill_windows(batch, list(range(len(self))), self)  # type: ignore[arg-type]
 
 
 class DatasetExamples(ShuffledDataset):
@@ -275,17 +318,17 @@ class DatasetExamples(ShuffledDataset):
         """Example ``j`` of the cycled training stream (shuffled per epoch if configured)."""
         return self.train_windows(np.array([j]))[0]
 
-    def train_windows(self, js: np.ndarray) -> list[Window]:
+    def train_windows(self, js: np.ndarray) -> Sequence[Window]:
         """:meth:`train_window` of many positions."""
         if self.ordering == "strided":
             return self._strided_windows(js)
         return self._examples(*self.train_examples(js))
 
-    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[Window]:
+    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> LocatedWindows:
         """Windows of examples ``examples`` (of epochs ``epochs``), looked up together."""
         located = self.reader.windows(self.chunks, self.sequence, self.stream_offsets, examples * self.seq_len,
                                       self.seq_len + 1)
-        return [Window(self.name, e, k, None, located, i) for i, (e, k) in enumerate(zip(epochs.tolist(), examples.tolist()))]
+        return LocatedWindows(self.name, epochs, examples, located)
 
     def _period(self, reader: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunks and cumulative stream offsets of one period of ideal reader ``reader``'s

@@ -6,7 +6,6 @@ lookups, never a replay of data.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -28,6 +27,7 @@ from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeE
 from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
+from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, Batch, Example, StepExamples, fill_batch
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
@@ -210,13 +210,16 @@ class Loader:
 
     # -- batches ---------------------------------------------------------------------------------
 
-    def _windows(self, step: int) -> tuple[np.ndarray, list[Example | None]]:
-        """Each local row's dataset number (-1: past an eval pass) and example of batch ``step``."""
+    def _windows(self, step: int) -> tuple[np.ndarray, Sequence[Example | None]]:
+        """Each local row's dataset number (-1: past an eval pass) and example of batch ``step``
+        (a dataset's :class:`~lakeloader.feed.rows.ExampleRun` as it is when it has every row)."""
         positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
             owners, indices = self.mixer.eval_assign(positions, [d.eval_count() for d in self.datasets])
         else:
             owners, indices = self.mixer.assign(step, self.row_indices)
+        if self.mode == "train" and len(owners) and owners[0] >= 0 and bool((owners == owners[0]).all()):
+            return owners, self.datasets[int(owners[0])].train_windows(indices)
         windows: list[Example | None] = [None] * len(owners)   # None: past an eval pass
         for owner in np.unique(owners[owners >= 0]).tolist():
             rows = np.flatnonzero(owners == owner)
@@ -332,18 +335,8 @@ class Loader:
         # anyway, in the decode threads of read/windows.py). From an object store, ``prefetch``
         # threads, so that the next batches' downloads overlap (measured: README, Performance).
         builders = 1 if self.lake.is_local else ahead
-        with concurrent.futures.ThreadPoolExecutor(builders, thread_name_prefix="lakeloader-prefetch") as pool:
-            pending: dict[int, concurrent.futures.Future[Batch]] = {}
-            try:
-                while total is None or step < total:
-                    for ahead_step in range(step, step + ahead + 1):
-                        if ahead_step not in pending and (total is None or ahead_step < total):
-                            pending[ahead_step] = pool.submit(self.batch, ahead_step)
-                    yield pending.pop(step).result()
-                    step += 1
-            finally:
-                for future in pending.values():
-                    future.cancel()
+        with ReadAhead(self.batch, step, total, ahead, builders, "lakeloader-prefetch") as batches:
+            yield from batches
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_from(0)
@@ -356,7 +349,7 @@ class Loader:
         chunk-to-shard map: what :meth:`batch` writes, before it is written."""
         self.check_step(step)
         owners, windows = self._windows(step)
-        return StepExamples(step, self.row_indices.copy(), windows,
+        return StepExamples(step, self.row_indices.copy(), list(windows),
                             {d.name: d.chunks.shard_index for d in self.datasets}, owners.astype(np.int32))
 
     def explain(self, step: int) -> pd.DataFrame:

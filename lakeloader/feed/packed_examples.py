@@ -14,7 +14,7 @@ import numpy as np
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.feed.concat_examples import DatasetExamples
-from lakeloader.feed.rows import Batch, Example, Row, Segment
+from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment
 from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
 from lakeloader.index.ranges import _iota, cumulative, locate, spans
@@ -245,6 +245,29 @@ def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]
                     filled += 1
 
 
+class LocatedPacked(ExampleRun):
+    """Packed examples of one dataset located together in ``located`` (example ``k`` is
+    ``located``'s ``k``): rows 0, 1, ... of a batch, filled at once from its arrays."""
+
+    def __init__(self, dataset: str, epochs: np.ndarray, examples: np.ndarray, located: PackedSet,
+                 pad_id: int) -> None:
+        super().__init__(dataset, epochs, examples)
+        self.located = located
+        self.pad_id = pad_id
+
+    def example(self, k: int, epoch: int, example: int) -> PackedExample:
+        """Example ``k`` as a :class:`PackedExample` (its items made on first use)."""
+        return PackedExample(self.dataset, epoch, example, LazyItems(self.located, k), self.pad_id)
+
+    def fill_all(self, batch: Batch) -> None:
+        """Every example into its row, as :func:`fill_packed` writes them."""
+        rows = list(range(len(self)))
+        if "inputs" in batch:   # another dataset of the mixture is seq2seq: rows one by one
+            PackedExample.fill_rows(batch, rows, list(self))  # type: ignore[arg-type]
+            return
+        _write_packed(batch, rows, self.located.fill_parts(rows, self.pad_id), self.pad_id)
+
+
 def _merged(found: list[FillParts], positions: list[list[int]], n: int) -> FillParts:
     """One :class:`FillParts` of ``n`` examples from parts ``found[g]`` of the examples at
     ``positions[g]``."""
@@ -404,7 +427,7 @@ class PackedExamples(DatasetExamples):
         self.complete_chunks()
         return self._example(0, j)
 
-    def eval_windows(self, js: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+    def eval_windows(self, js: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
         """:meth:`eval_window` of many examples, located together."""
         self.complete_chunks()
         js = np.asarray(js, np.int64)
@@ -431,7 +454,7 @@ class PackedExamples(DatasetExamples):
             return plan.example_bounds, table
         return self._tables.get((self.chunks.fingerprint, chunk), make)
 
-    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> list[PackedExample]:  # type: ignore[override]
+    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
         """Examples ``examples`` (of epochs ``epochs``), located together: each chunk's items read
         once, then every row group of the batch looked up once, up front (those not cached decode
         concurrently)."""
@@ -468,8 +491,7 @@ class PackedExamples(DatasetExamples):
                            starts.tolist(), stops.tolist())]
             return [PackedExample(self.name, e, k, made[a : a + n], self.pad_id) for e, k, a, n in zip(
                 epochs.tolist(), examples.tolist(), located.first.tolist(), located.counts.tolist())]
-        return [PackedExample(self.name, e, k, LazyItems(located, i), self.pad_id)
-                for i, (e, k) in enumerate(zip(epochs.tolist(), examples.tolist()))]
+        return LocatedPacked(self.name, epochs, examples, located, self.pad_id)
 
     def _example(self, epoch: int, k: int) -> PackedExample:
         return self._examples(np.array([epoch], np.int64), np.array([k], np.int64))[0]

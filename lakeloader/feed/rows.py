@@ -9,7 +9,7 @@ import math
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -70,9 +70,51 @@ class Example(abc.ABC):
         """The example's segments in row order."""
 
 
+class ExampleRun(Sequence[Example]):
+    """Examples ``examples`` (of epochs ``epochs``) of one dataset, located together for rows 0,
+    1, ... of a batch (a dataset's share of a training batch when it has every row): the batch
+    fills their rows at once (:meth:`fill_all`), and an object per example is made only when one
+    is asked for (provenance)."""
+
+    def __init__(self, dataset: str, epochs: np.ndarray, examples: np.ndarray) -> None:
+        self.dataset = dataset
+        self.epochs = epochs
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @overload
+    def __getitem__(self, k: int) -> Example: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> list[Example]: ...
+
+    def __getitem__(self, k: int | slice) -> Example | list[Example]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"example {k} of {len(self)}")
+        k %= len(self)
+        return self.example(k, int(self.epochs[k]), int(self.examples[k]))
+
+    @abc.abstractmethod
+    def example(self, k: int, epoch: int, example: int) -> Example:
+        """The object of example ``k`` of the run (``example`` of epoch ``epoch``)."""
+
+    @abc.abstractmethod
+    def fill_all(self, batch: Batch) -> None:
+        """Write example ``k`` into row ``k`` of ``batch`` for every ``k``: what each one's
+        :meth:`Example.fill` of its row writes."""
+
+
 def fill_batch(batch: Batch, examples: Sequence[Example | None]) -> None:
     """Write example ``i`` into row ``i`` of ``batch`` (None leaves the row as it is), each kind
-    of example filling its rows together (:meth:`Example.fill_rows`)."""
+    of example filling its rows together (:meth:`Example.fill_rows`; an :class:`ExampleRun`
+    fills them all at once)."""
+    if isinstance(examples, ExampleRun):
+        examples.fill_all(batch)
+        return
     one = type(examples[0]) if examples else type(None)
     if one is not type(None) and all(type(example) is one for example in examples):   # one kind, no gaps
         one.fill_rows(batch, list(range(len(examples))), examples)  # type: ignore[arg-type]

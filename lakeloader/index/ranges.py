@@ -68,26 +68,40 @@ def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarr
     batch of windows, written into ``segment_ids`` and ``positions`` (int32, any views), given
     where documents start: a document starts at offset ``cut_at[i]`` of row ``cut_rows[i]`` (any
     order; repeats, offsets 0 and offsets past the row change nothing) and every row starts one.
-    A few whole-batch passes, whatever the number of documents."""
+    A few whole-batch passes and a fixed number of small ones, whatever the number of documents
+    (this runs for every batch: each numpy call counts)."""
     rows, n = segment_ids.shape
     if not rows or not n:
         return
-    cut_rows, cut_at = np.asarray(cut_rows, np.int64), np.asarray(cut_at, np.int64)
-    inside = (cut_at > 0) & (cut_at < n)
-    row_starts = np.arange(rows, dtype=np.int64) * n
-    starts = np.sort(np.concatenate([row_starts, cut_rows[inside] * n + cut_at[inside]]))  # flat
-    starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]
-    lengths = np.empty_like(starts)   # (np.diff with append costs more than the rest of this line)
-    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
-    lengths[-1] = rows * n - starts[-1]
+    cut_at = np.asarray(cut_at, np.int64)
+    within = (cut_at > 0) & (cut_at < n)
+    inside = np.asarray(cut_rows, np.int64)[within] * n + cut_at[within]
+    row_bounds = _row_bounds(rows, n)
+    # Every segment's flat start (the rows' own starts among them), then the batch's end.
+    bounds = np.concatenate((row_bounds, inside))
+    bounds.sort()   # the end stays last: every start is below it
+    lengths = bounds[1:] - bounds[:-1]
+    if len(inside):   # a repeated start (or a row's own) makes an empty segment: dropped
+        kept = lengths > 0
+        starts, lengths = bounds[:-1][kept], lengths[kept]
+    else:
+        starts = bounds[:-1]
     # Each start's segment number: its rank among its row's starts, from 1.
-    number = np.arange(1, len(starts) + 1, dtype=np.int64) - np.searchsorted(starts, row_starts)[starts // n]
+    number = _iota(len(starts) + 1, np.int64)[1:] - np.searchsorted(starts, row_bounds[:-1])[starts // n]
     np.copyto(segment_ids, np.repeat(number.astype(np.int32), lengths).reshape(rows, n))
     # Positions: flat index minus the flat start of its segment (no broadcast: numpy's
     # broadcasting loops are several times slower than same-shape ones).
     dtype = np.int32 if rows * n <= _INT32_MAX else np.int64
     np.subtract(_iota(rows * n, dtype).reshape(rows, n), np.repeat(starts.astype(dtype), lengths).reshape(rows, n),
                 out=positions, casting="unsafe")
+
+
+@functools.lru_cache(maxsize=8)
+def _row_bounds(rows: int, n: int) -> np.ndarray:
+    """The flat starts of ``rows`` rows of ``n``, then their end, made once per shape and read-only."""
+    found = np.arange(rows + 1, dtype=np.int64) * n
+    found.flags.writeable = False
+    return found
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)

@@ -80,6 +80,15 @@ def _reach(at: np.ndarray, length: int, group_length: int) -> tuple[np.ndarray, 
     return ranges, lo, hi
 
 
+def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of a non-empty int64 array; a single value
+    (consecutive windows in one row group) without sorting."""
+    if bool((values == values[0]).all()):
+        return values[:1], np.zeros(len(values), np.int64)
+    used, inverse = np.unique(values, return_inverse=True)
+    return used, inverse.astype(np.int64, copy=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderedGroup:
     """One row group's documents rendered, compactly (what the cache keeps)."""
@@ -368,18 +377,24 @@ class StreamReader:
         with group -1."""
         n = len(starts)
         held = index.locate(starts, length)
-        rows = np.flatnonzero(held >= 0)
-        group_of = np.full(n, -1, np.int64)
-        at = np.zeros(n, np.int64)
-        local_start = np.zeros(n, np.int64)
-        found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
-        if not len(rows):
-            return found
-        held = held[rows]
-        used, inverse = np.unique(held, return_inverse=True)
-        group_of[rows] = inverse
-        at[rows] = starts[rows] - index.start[held]
-        local_start[rows] = starts[rows] - sequence_offsets[position[rows]]
+        inside = held >= 0
+        if bool(inside.all()):   # the common case: every window inside a row group
+            used, group_of = _distinct(held)
+            at = starts - index.start[held]
+            local_start = starts - sequence_offsets[position]
+            found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
+        else:
+            rows = np.flatnonzero(inside)
+            group_of = np.full(n, -1, np.int64)
+            at = np.zeros(n, np.int64)
+            local_start = np.zeros(n, np.int64)
+            found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
+            if not len(rows):
+                return found
+            held = held[rows]
+            used, group_of[rows] = _distinct(held)
+            at[rows] = starts[rows] - index.start[held]
+            local_start[rows] = starts[rows] - sequence_offsets[position[rows]]
         used_position = index.position[used]
         found.group_position = used_position.tolist()
         found.group_chunk = np.asarray(sequence)[used_position].tolist()

@@ -1,0 +1,73 @@
+"""Batches built ahead by background threads (feed/read_ahead.py): in order, never further ahead
+than allowed, a failed step raised when reached, threads gone after close."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lakeloader.feed.read_ahead import ReadAhead
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 5), st.integers(1, 4), st.integers(0, 30), st.integers(0, 40), st.randoms())
+def test_steps_come_in_order_never_too_far_ahead(start: int, threads: int, ahead: int, taken: int,
+                                                 rng: random.Random) -> None:
+    lock = threading.Lock()
+    asked = [start]           # the step the consumer asked for last
+    overreach: list[tuple[int, int]] = []
+
+    def make(step: int) -> int:
+        with lock:
+            if step > asked[0] + ahead:
+                overreach.append((step, asked[0]))
+        time.sleep(rng.random() * 0.002)
+        return step * step
+
+    stop = start + 25
+    with ReadAhead(make, start, stop, ahead, threads, "test-read-ahead") as batches:
+        got = []
+        for _ in range(taken):
+            with lock:
+                asked[0] = start + len(got)
+            try:
+                got.append(next(batches))
+            except StopIteration:
+                break
+    assert got == [step * step for step in range(start, min(stop, start + taken))]
+    assert not overreach
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-read-ahead")]
+
+
+def test_a_failed_step_raises_when_reached_after_the_steps_before_it() -> None:
+    def make(step: int) -> int:
+        if step == 3:
+            raise ValueError("step 3 is broken")
+        return step
+
+    with ReadAhead(make, 0, None, 4, 2, "test-read-ahead-error") as batches:
+        assert [next(batches) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(ValueError, match="step 3 is broken"):
+            next(batches)
+        assert next(batches) == 4   # later steps still come (the loader stops at the error)
+
+
+def test_close_ends_the_threads_and_the_iteration() -> None:
+    started = threading.Event()
+
+    def make(step: int) -> int:
+        started.set()
+        time.sleep(0.01)
+        return step
+
+    batches = ReadAhead(make, 0, None, 3, 3, "test-read-ahead-close")
+    assert next(batches) == 0 and started.is_set()
+    batches.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-read-ahead-close")]
+    with pytest.raises(StopIteration):
+        next(batches)
