@@ -154,7 +154,8 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
     if any(f is not None for f in flags):
         trainable = _stacked_flags(flags, n, length)
     if counts.min() == length + 1:   # every window whole (training)
-        _write_rows(batch, index, stacked, trainable, cut_rows, cut_at)
+        _write_rows(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:],
+                    cut_rows, cut_at)
         return
     segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
     cut_segments(cut_rows, cut_at, segment_ids, positions)
@@ -177,16 +178,17 @@ def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, locate
     n = len(which)
     groups, at = located.group[which], located.at[which]
     if bool((groups == groups[0]).all()) and bool((at[1:] - at[:-1] == length).all()):
-        # Consecutive windows: row i is the run's tokens [i*L, i*L + L] (rows overlap by a token).
+        # Consecutive windows: row i is the run's tokens [i*L, i*L + L] (rows overlap by a token),
+        # so the inputs and the targets are each one slice of it.
         group, begin = located.groups[int(groups[0])], int(at[0])
         stop = begin + n * length + 1
         starts = group.doc_starts
         inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
         cut_rows, cut_at = np.divmod(inside - begin, length)   # (offset 0: a row's own start)
-        stacked, trainable = (None if values is None else np.lib.stride_tricks.as_strided(
-            values[begin:stop], (n, length + 1), (length * values.itemsize, values.itemsize), writeable=False)
-            for values in (group.tokens, group.trainable))
-        assert stacked is not None
+        inputs = group.tokens[begin : stop - 1].reshape(n, length)
+        targets = group.tokens[begin + 1 : stop].reshape(n, length)
+        target_flags = None if group.trainable is None else group.trainable[begin + 1 : stop].reshape(n, length)
+        _write_rows(batch, index, inputs, targets, target_flags, cut_rows, cut_at)
     else:
         tokens, flags = located.tokens(which.tolist())
         cut_rows, cut_at = located.cuts(which.tolist())
@@ -195,7 +197,8 @@ def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, locate
         stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
         np.concatenate(tokens, out=stacked.reshape(-1))
         trainable = _stacked_flags(flags, n, length) if any(g.trainable is not None for g in located.groups) else None
-    _write_rows(batch, index, stacked, trainable, cut_rows, cut_at)
+        _write_rows(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:],
+                    cut_rows, cut_at)
 
 
 def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.ndarray:
@@ -206,19 +209,19 @@ def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.nd
     return trainable
 
 
-def _write_rows(batch: dict[str, np.ndarray], index: slice | np.ndarray, stacked: np.ndarray,
-                trainable: np.ndarray | None, cut_rows: np.ndarray, cut_at: np.ndarray) -> None:
-    """Rows ``index`` of ``batch`` from whole windows of L+1 tokens (``stacked``) and their target
-    flags (None: all targets): inputs the first L, targets the last L, segments from where
-    documents start (row ``cut_rows[i]``, offset ``cut_at[i]``)."""
+def _write_rows(batch: dict[str, np.ndarray], index: slice | np.ndarray, inputs: np.ndarray, targets: np.ndarray,
+                target_flags: np.ndarray | None, cut_rows: np.ndarray, cut_at: np.ndarray) -> None:
+    """Rows ``index`` of ``batch`` from whole windows: their first L tokens (``inputs``), their
+    last L (``targets``) and the targets' flags (None: all train), segments from where documents
+    start (row ``cut_rows[i]``, offset ``cut_at[i]``)."""
     if isinstance(index, slice):   # segments written straight into the batch
         segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
     else:
-        segment_ids, positions = np.empty(stacked[:, 1:].shape, np.int32), np.empty(stacked[:, 1:].shape, np.int32)
+        segment_ids, positions = np.empty(inputs.shape, np.int32), np.empty(inputs.shape, np.int32)
     cut_segments(cut_rows, cut_at, segment_ids, positions)
-    batch["input_ids"][index] = stacked[:, :-1]
-    batch["targets"][index] = stacked[:, 1:]
-    batch["loss_mask"][index] = 1 if trainable is None else trainable[:, 1:]
+    batch["input_ids"][index] = inputs
+    batch["targets"][index] = targets
+    batch["loss_mask"][index] = 1 if target_flags is None else target_flags
     if not isinstance(index, slice):
         batch["segment_ids"][index] = segment_ids
         batch["positions"][index] = positions
