@@ -17,7 +17,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment
 from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
-from lakeloader.index.ranges import _iota, cumulative, locate, spans
+from lakeloader.index.ranges import cumulative, locate, run_positions, spans
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
@@ -320,12 +320,8 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
         return batch[name][index] if isinstance(index, slice) else np.empty((n, length), dtype)
 
     built: dict[str, np.ndarray] = {}
-    lengths = sizes.tolist()
     inputs = built["input_ids"] = rows_of("input_ids", np.int32)
     np.concatenate(pieces(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1), casting="unsafe")
-    positions = built["positions"] = rows_of("positions", np.int32)
-    iota = _iota(length, np.int32)
-    np.concatenate(pieces([iota[:size] for size in lengths], _run(0, length, np.int32)), out=positions.reshape(-1))
     items = len(sizes)
     runs = np.zeros(items + n, np.int64)          # each row: its items, then its padding
     values = np.zeros(items + n, np.int32)
@@ -334,6 +330,9 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     runs[cumulative(counts)[1:] + np.arange(n)] = pads
     segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
     np.copyto(segment_ids.reshape(-1), np.repeat(values, runs))
+    positions = built["positions"] = rows_of("positions", np.int32)
+    run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
+    np.copyto(positions, 0, where=segment_ids == 0)          # padding: 0
     # Each item's last token: its target is the document's next token if the item holds one.
     last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
     targets = built["targets"] = rows_of("targets", np.int32)

@@ -89,8 +89,16 @@ def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarr
     # Each start's segment number: its rank among its row's starts, from 1.
     number = _iota(len(starts) + 1, np.int64)[1:] - np.searchsorted(starts, row_bounds[:-1])[starts // n]
     np.copyto(segment_ids, np.repeat(number.astype(np.int32), lengths).reshape(rows, n))
-    # Positions: flat index minus the flat start of its segment (no broadcast: numpy's
-    # broadcasting loops are several times slower than same-shape ones).
+    run_positions(starts, lengths, positions)
+
+
+def run_positions(starts: np.ndarray, lengths: np.ndarray, positions: np.ndarray) -> None:
+    """Write into ``positions`` (``[rows, n]``, int32, any view) each element's offset within its
+    run, for runs that tile the flattened array: run ``i`` starts at flat index ``starts[i]`` and
+    holds ``lengths[i]`` elements (runs of length 0 allowed). Two whole-array passes."""
+    rows, n = positions.shape
+    # Flat index minus the flat start of its run (no broadcast: numpy's broadcasting loops are
+    # several times slower than same-shape ones).
     dtype = np.int32 if rows * n <= _INT32_MAX else np.int64
     np.subtract(_iota(rows * n, dtype).reshape(rows, n), np.repeat(starts.astype(dtype), lengths).reshape(rows, n),
                 out=positions, casting="unsafe")
