@@ -378,7 +378,7 @@ class StreamReader:
         n = len(starts)
         held = index.locate(starts, length)
         inside = held >= 0
-        if bool(inside.all()):   # the common case: every window inside a row group
+        if n and bool(inside.all()):   # the common case: every window inside a row group
             used, group_of = _distinct(held)
             at = starts - index.start[held]
             local_start = starts - sequence_offsets[position]
