@@ -331,7 +331,7 @@ class LoaderConfig(_Strict):
         "Order of examples over readers; strided needs packing: concat."))
     ideal_readers: int = Field(default=8, ge=1, description="R* of the strided ordering.")
     wait_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for an uncommitted chunk.")
-    prefetch: int = Field(default=2, ge=0, description="Batches built ahead, in order, by one background thread (from an object store, by this many threads, so that their downloads overlap), ready while the training step runs (it pays off when the step releases the GIL, as a JAX step does; 0 builds each batch when asked, faster for a consumer that only takes batches).")
+    prefetch: int = Field(default=2, ge=0, description="Batches built ahead, in order, by one background thread (from an object store, by this many threads, so that their downloads overlap), ready while the training step runs (it pays off when the step releases the GIL, as a JAX step does). With one thread, a consumer that asks again at once builds its batches itself, sparing the handoff; 0 builds each batch when asked, always.")
     workers: int = Field(default=0, ge=0, le=256, description=(
         "Worker processes building batches into shared memory (0: in this process); same batches."))
     verify: Literal["checksum", "size"] = Field(default="checksum", description=(

@@ -1,5 +1,6 @@
 """Batches built ahead by background threads (feed/read_ahead.py): in order, never further ahead
-than allowed, a failed step raised when reached, threads gone after close."""
+than allowed, a failed step raised when reached, threads gone after close; a consumer that asks
+again at once builds the batches itself, a slower one has them built ahead."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from lakeloader.feed.read_ahead import ReadAhead
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 5), st.integers(1, 4), st.integers(0, 30), st.integers(0, 40), st.randoms())
+@given(st.integers(0, 5), st.integers(1, 4), st.integers(0, 30), st.integers(0, 40), st.randoms(),
+       st.lists(st.sampled_from([0.0, 0.0, 0.003]), min_size=1, max_size=8))
 def test_steps_come_in_order_never_too_far_ahead(start: int, threads: int, ahead: int, taken: int,
-                                                 rng: random.Random) -> None:
+                                                 rng: random.Random, pauses: list[float]) -> None:
+    """Whatever the consumer's pace (``pauses`` between asks, cycled: it builds some batches
+    itself and has others built ahead, switching between the two)."""
     lock = threading.Lock()
     asked = [start]           # the step the consumer asked for last
     overreach: list[tuple[int, int]] = []
@@ -39,6 +43,7 @@ def test_steps_come_in_order_never_too_far_ahead(start: int, threads: int, ahead
                 got.append(next(batches))
             except StopIteration:
                 break
+            time.sleep(pauses[len(got) % len(pauses)])
     assert got == [step * step for step in range(start, min(stop, start + taken))]
     assert not overreach
     assert not [t for t in threading.enumerate() if t.name.startswith("test-read-ahead")]
@@ -71,3 +76,35 @@ def test_close_ends_the_threads_and_the_iteration() -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("test-read-ahead-close")]
     with pytest.raises(StopIteration):
         next(batches)
+
+
+def _builders(pause: float, threads: int, steps: int = 30) -> list[str]:
+    """The thread that built each of ``steps`` batches (each taking 2 ms) for a consumer that
+    waits ``pause`` seconds between asks (GIL released, as a JAX step on an accelerator)."""
+    built_by: dict[int, str] = {}
+
+    def make(step: int) -> int:
+        built_by[step] = threading.current_thread().name
+        time.sleep(0.002)
+        return step
+
+    with ReadAhead(make, 0, steps, 2, threads, "test-read-ahead-pace") as batches:
+        for step in range(steps):
+            assert next(batches) == step
+            time.sleep(pause)
+    return [built_by[step] for step in range(steps)]
+
+
+def test_a_consumer_that_asks_again_at_once_builds_its_batches_itself() -> None:
+    """One builder thread only pays a handoff per batch to a consumer that does nothing between
+    asks: after the first few steps (its pace unknown) the consumer's thread builds them."""
+    assert set(_builders(0.0, threads=1)[5:]) == {threading.current_thread().name}
+
+
+def test_a_slower_consumer_has_its_batches_built_ahead() -> None:
+    assert set(_builders(0.02, threads=1)[5:]) == {"test-read-ahead-pace-0"}
+
+
+def test_several_threads_always_build_ahead() -> None:
+    """Several threads overlap each other (an object store's downloads), whatever the consumer's pace."""
+    assert threading.current_thread().name not in _builders(0.0, threads=2)
