@@ -240,12 +240,20 @@ class LocatedWindows(ExampleRun):
         return Window(self.dataset, epoch, example, None, self.located, k)
 
     def fill_all(self, batch: Batch) -> None:
-        """Every window into its row: by :func:`fill_located` when each lies inside a row group
-        (nearly every batch), else by the general path (:func:`fill_windows`)."""
-        if bool((self.located.group >= 0).all()):
-            fill_located(batch, slice(0, len(self)), self.located, np.arange(len(self)))
-        else:
-            fill_windows(batch, list(range(len(self))), self)  # type: ignore[arg-type]
+        """Every window into its row: by :func:`fill_located` where each lies inside a row group,
+        the rows between two windows that do not at once; those (across row groups or chunks)
+        by the general path (:func:`fill_windows`)."""
+        n = len(self)
+        across = np.flatnonzero(self.located.group < 0).tolist()
+        # Without a shuffle about one batch in eight reaches the next row group: its other rows
+        # are still two runs of consecutive windows, each written as one (the general path for
+        # the whole batch took 2-2.5 times as long).
+        bounds = [-1, *across, n]
+        for before, after in zip(bounds[:-1], bounds[1:]):
+            if after - before > 1:
+                fill_located(batch, slice(before + 1, after), self.located, np.arange(before + 1, after))
+        if across:
+            fill_windows(batch, across, [self[k] for k in across])
 
 
 class DatasetExamples(ShuffledDataset):
