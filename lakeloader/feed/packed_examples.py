@@ -302,7 +302,9 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     item_at = cumulative(sizes)[:-1]
     in_row = item_at - np.repeat(item_at[first], counts)        # where each item starts in its row
     used = np.add.reduceat(sizes, first)
-    pads = (length - used).tolist()
+    pad_counts = length - used
+    pads = pad_counts.tolist()
+    padding = spans(np.arange(n, dtype=np.int64) * length + used, pad_counts)   # flat, few: rows end with it
     starts, ends = first.tolist(), cumulative(counts)[1:].tolist()
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + n)):
@@ -332,7 +334,7 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     np.copyto(segment_ids.reshape(-1), np.repeat(values, runs))
     positions = built["positions"] = rows_of("positions", np.int32)
     run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
-    np.copyto(positions, 0, where=segment_ids == 0)          # padding: 0
+    positions.reshape(-1)[padding] = 0
     # Each item's last token: its target is the document's next token if the item holds one.
     last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
     targets = built["targets"] = rows_of("targets", np.int32)
@@ -341,7 +343,8 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     targets.reshape(-1)[last] = parts.next_token
     loss_mask = built["loss_mask"] = rows_of("loss_mask", np.float32)
     if parts.trainable is None:
-        np.not_equal(segment_ids, 0, out=loss_mask, casting="unsafe")
+        loss_mask.fill(1)
+        loss_mask.reshape(-1)[padding] = 0
     else:
         trainable = np.empty((n, length), bool)
         np.concatenate(pieces(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
