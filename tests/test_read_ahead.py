@@ -79,32 +79,35 @@ def test_close_ends_the_threads_and_the_iteration() -> None:
 
 
 def _builders(pause: float, threads: int, steps: int = 30) -> list[str]:
-    """The thread that built each of ``steps`` batches (each taking 2 ms) for a consumer that
+    """The thread that built each of ``steps`` batches (each taking 10 ms) for a consumer that
     waits ``pause`` seconds between asks (GIL released, as a JAX step on an accelerator)."""
     built_by: dict[int, str] = {}
 
     def make(step: int) -> int:
         built_by[step] = threading.current_thread().name
-        time.sleep(0.002)
+        time.sleep(0.01)
         return step
 
     with ReadAhead(make, 0, steps, 2, threads, "test-read-ahead-pace") as batches:
         for step in range(steps):
             assert next(batches) == step
-            time.sleep(pause)
+            if pause:
+                time.sleep(pause)
     return [built_by[step] for step in range(steps)]
 
 
 def test_a_consumer_that_asks_again_at_once_builds_its_batches_itself() -> None:
     """One builder thread only pays a handoff per batch to a consumer that does nothing between
-    asks: after the first few steps (its pace unknown) the consumer's thread builds them."""
-    assert set(_builders(0.0, threads=1)[5:]) == {threading.current_thread().name}
+    asks: after the first few steps (its pace unknown) the consumer's thread builds them (nearly
+    all: a consumer descheduled on a loaded machine may look slow for a step or two)."""
+    later = _builders(0.0, threads=1)[5:]
+    assert later.count(threading.current_thread().name) >= 0.8 * len(later), later
 
 
 def test_a_slower_consumer_has_its_batches_built_ahead() -> None:
-    assert set(_builders(0.02, threads=1)[5:]) == {"test-read-ahead-pace-0"}
+    assert set(_builders(0.05, threads=1, steps=15)[5:]) == {"test-read-ahead-pace-0"}
 
 
 def test_several_threads_always_build_ahead() -> None:
     """Several threads overlap each other (an object store's downloads), whatever the consumer's pace."""
-    assert threading.current_thread().name not in _builders(0.0, threads=2)
+    assert threading.current_thread().name not in _builders(0.0, threads=2, steps=15)
