@@ -10,7 +10,6 @@ of neighbouring keys. Every comparison is bitwise (values and dtypes).
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -241,37 +240,6 @@ def test_a_full_shuffle_beyond_the_cache_reads_pages_for_every_batch(lake: Path,
         assert all(read_in_part), read_in_part
     else:
         assert not any(read_in_part[1:]), read_in_part
-
-
-def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(lake: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a shuffle, the LOOK_AHEAD_GROUPS row groups after the one a batch's windows end in
-    are decoded in the background (across chunks too), so the batches that reach them find them
-    cached: after the first two batches (the first reads pages), the consuming thread decodes no
-    row group. Rows bitwise the reference's."""
-    decoded_here: list[tuple[int, int]] = []
-    render_group = windows_module.StreamReader._render_group
-
-    def spy(self: Any, chunks: Any, chunk: int, group: int) -> Any:
-        if threading.current_thread() is threading.main_thread():
-            decoded_here.append((chunk, group))
-        return render_group(self, chunks, chunk, group)
-
-    monkeypatch.setattr(windows_module.StreamReader, "_render_group", spy)
-    config = loader_config(lake, "look-ahead", ("t",), shuffle={"kind": "none"})
-    with Loader(config) as loader:
-        dataset = loader.datasets[0]
-        stream = Stream(loader, "t").laid_out(list(range(dataset.chunks.committed)))
-        steps = dataset.train_count() // BATCH
-        for step in range(steps):
-            expected = [reference_row(*stream, e.example * SEQ_LEN) for e in loader.examples(step).examples]
-            assert_rows_equal(loader.batch(step), expected, [0] * BATCH, f"step {step}")
-            windows_module._AHEAD_POOL.submit(lambda: None).result()   # the ahead thread has caught up
-            if step == 1:
-                cold = len(decoded_here)   # the first batch's row groups, read from pages, then whole
-        groups = sum(len(dataset.reader.groups(dataset.chunks, c)[1]) for c in range(dataset.chunks.committed))
-    assert groups > 20 and steps > 20, (groups, steps)
-    assert not decoded_here[cold:], decoded_here
 
 
 def test_strided_ordering_batches_equal_the_numpy_reference(lake: Path) -> None:

@@ -13,9 +13,8 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +41,6 @@ _DECODE_POOL = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)
 # them (else they would not stay).
 _AHEAD_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lakeloader-decode-ahead")
 AHEAD_CACHE_SHARE = 8
-# A reader that reads its stream in order has this many row groups past the one its last window
-# ends in decoded in the ahead thread: with 1 M-token row groups, 8 to 16 batches of 64 x 2048 before
-# a batch needs them (counted in row groups, not tokens: a lake of small chunks is not read far ahead).
-LOOK_AHEAD_GROUPS = 2
 # A row group not cached is read from the pages its windows need when they reach at most 1 / PAGES_SHARE
 # of its tokens, as ranges of windows less than RANGE_GAP tokens apart.
 PAGES_SHARE = 4
@@ -61,7 +56,7 @@ def _concurrently(calls: Sequence[Callable[[], T]]) -> list[T]:
     return [future.result() for future in running]
 
 
-def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+def _log_failure(future: concurrent.futures.Future[RenderedGroup]) -> None:
     """A row group decoded ahead that failed is read again when asked for, and raises then."""
     if future.exception() is not None:
         log.debug("a row group decoded ahead failed (read again when asked for): %s", future.exception())
@@ -207,28 +202,13 @@ class StreamReader:
     ``scattered``: the windows asked for land anywhere in the dataset (a full shuffle). While the
     dataset's stored tokens are more than twice the cache's bytes, a row group met is rarely met
     again before it leaves the cache, so every batch reads those it finds uncached from the pages
-    its windows need, as a first batch does (:meth:`_add_groups`), and none is decoded ahead.
+    its windows need, as a first batch does (:meth:`_add_groups`), and none is decoded ahead."""
 
-    ``sequential``: the windows asked for move forward through the stream (no shuffle). The
-    :data:`LOOK_AHEAD_GROUPS` row groups after the one the last window ends in are decoded in the
-    ahead thread, so that decoding them overlaps building the batches before them."""
-
-    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False,
-                 sequential: bool = False) -> None:
+    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False) -> None:
         self.view = view
         self.files = files
         self.template = template
         self.scattered = scattered
-        self.sequential = sequential
-        # Where the last window ended when the ahead thread last looked ahead: the stream range of
-        # that row group, [lo, hi) (no look-ahead while the windows end in it); the newest end to
-        # look ahead of, and whether the ahead thread is on it.
-        self._ahead_range = (0, 0)
-        self._ahead_target: tuple[DatasetChunks, Sequence[int], np.ndarray, int] | None = None
-        self._ahead_running = False
-        self._ahead_task: concurrent.futures.Future[None] | None = None
-        self._ahead_closed = False
-        self._ahead_lock = threading.Lock()
         # Row-group offsets per chunk: a few numbers each, kept by count.
         self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
         self._index: StreamIndex | None = None   # the row groups of the last sequence read, located so far
@@ -387,68 +367,7 @@ class StreamReader:
                             from_pages=first or beyond, ahead=first and not beyond)
         for row in np.flatnonzero(found.group < 0).tolist():
             found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
-        if self.sequential and len(starts):
-            self._look_ahead(chunks, sequence, sequence_offsets, int(starts.max()) + length)
         return found
-
-    def _look_ahead(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-                    end: int) -> None:
-        """Have the row groups after the one holding stream position ``end`` decoded in the ahead
-        thread, unless the windows ended in that row group last time too."""
-        lo, hi = self._ahead_range
-        if lo <= end < hi:
-            return
-        with self._ahead_lock:
-            self._ahead_target = (chunks, sequence, sequence_offsets, end)
-            if self._ahead_running or self._ahead_closed:   # it takes the newest end once done with its own
-                return
-            self._ahead_running = True
-            self._ahead_task = _AHEAD_POOL.submit(self._decode_ahead)
-        self._ahead_task.add_done_callback(_log_failure)
-
-    def close(self) -> None:
-        """Stop decoding ahead, once the row group at hand is decoded (before the catalog
-        connection it may query closes)."""
-        with self._ahead_lock:
-            self._ahead_closed = True
-            task = self._ahead_task
-        if task is not None:
-            concurrent.futures.wait([task])   # (a failure is logged by the task's callback)
-
-    def _decode_ahead(self) -> None:
-        """In the ahead thread: decode the :data:`LOOK_AHEAD_GROUPS` row groups after the one of
-        the newest end (each only when the cache would keep it), until the windows end in that
-        row group still. A failure is logged, and the row group read again when a batch needs it
-        (raising then)."""
-        try:
-            while True:
-                with self._ahead_lock:
-                    assert self._ahead_target is not None
-                    chunks, sequence, sequence_offsets, end = self._ahead_target
-                at, total = end, int(sequence_offsets[-1])
-                self._ahead_range = (end, end + 1)   # until its row group is known (none past the stream)
-                for k in range(LOOK_AHEAD_GROUPS + 1):
-                    if at >= total or self._ahead_closed:   # past the committed stream, or closed
-                        break
-                    position = int(np.searchsorted(sequence_offsets, at, side="right")) - 1
-                    chunk = int(sequence[position])
-                    offsets, _ = self.groups(chunks, chunk)
-                    group = int(np.searchsorted(offsets, at - sequence_offsets[position], side="right")) - 1
-                    lo, hi = (int(sequence_offsets[position] + offsets[group + j]) for j in (0, 1))
-                    if k == 0:
-                        self._ahead_range = (lo, hi)   # (the windows' own row group: cached already)
-                    elif (hi - lo) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:   # (4 bytes a token at most)
-                        self.rendered_group(chunks, chunk, group)
-                    at = hi
-                with self._ahead_lock:
-                    lo, hi = self._ahead_range
-                    if lo <= self._ahead_target[3] < hi or self._ahead_closed:
-                        self._ahead_running = False
-                        return
-        except BaseException:
-            with self._ahead_lock:
-                self._ahead_running = False
-            raise
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, from_pages: bool,
