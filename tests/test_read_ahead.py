@@ -33,7 +33,6 @@ def test_steps_come_in_order_never_too_far_ahead(start: int, threads: int, ahead
         with lock:
             if step > asked[0] + ahead:
                 overreach.append((step, asked[0]))
-        with lock:
             delay = rng.random() * 0.002
         time.sleep(delay)
         return step * step

@@ -43,7 +43,6 @@ class ReadAhead(Generic[T]):
         self._next_claimed = start     # the step the next builder (a thread or the consumer) builds
         self._done: dict[int, tuple[T | None, BaseException | None]] = {}
         self._closed = False
-        self._may_inline = threads == 1
         self._inline = False           # the consumer builds the unclaimed steps; threads wait
         self._build_seconds: float | None = None   # running mean of one batch's build
         self._gap_seconds: float | None = None     # running mean of the consumer's time between asks
@@ -93,7 +92,7 @@ class ReadAhead(Generic[T]):
                 raise StopIteration
             self._asked = step
             self._next_wanted += 1
-            inline = self._may_inline and self._build_seconds is not None and self._gap_seconds is not None and (
+            inline = len(self._threads) == 1 and self._build_seconds is not None and self._gap_seconds is not None and (
                 self._gap_seconds < INLINE_SHARE * self._build_seconds)
             self._inline = inline
             here = inline and step not in self._done and self._next_claimed == step
