@@ -141,8 +141,8 @@ def test_the_live_catalog_reaches_only_readers_given_its_handle(lake: dict[str, 
             assert location.connect().execute(marker).fetchone() == (0,)   # no handle: the snapshot
             assert location.connect(live=live, sandboxed=True).execute(marker).fetchone() == (0,)
             view = CatalogView(location, live=live)
-            assert view.execute(marker).fetchone() == (1,)
-            assert CatalogView(location).execute(marker).fetchone() == (0,)
+            assert view.execute(marker).column(0).to_pylist() == [1]
+            assert CatalogView(location).execute(marker).column(0).to_pylist() == [0]
             with Loader(config, catalog=live) as reader:
                 assert_batches_equal([reader.batch(2)], [expected])
             with pytest.raises(LakeloaderError, match="one handle follows one build"):
@@ -152,7 +152,7 @@ def test_the_live_catalog_reaches_only_readers_given_its_handle(lake: dict[str, 
         finally:
             writer.con.execute("DROP TABLE live_marker")
     assert not live.is_open
-    assert view.execute(marker).fetchone() == (0,)   # the build ended: its published snapshot
+    assert view.execute(marker).column(0).to_pylist() == [0]   # the build ended: its published snapshot
     with pytest.raises(duckdb.Error):
         view.execute("SELECT x FROM live_marker")
 

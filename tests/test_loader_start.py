@@ -47,7 +47,7 @@ def test_loader_opens_without_building_the_tokenizer(tmp_path: Path, dask_schedu
     with Loader(config) as loader:
         queries: list[str] = []
         named = loader.view.named
-        loader.view.named = lambda name, params=None: queries.append(name) or named(name, params)  # type: ignore[method-assign]
+        loader.view.named = lambda name, *args: queries.append(name) or named(name, *args)  # type: ignore[method-assign]
         batch = loader.batch(5)
         chunks = {p.chunk for e in loader.examples(5).examples for p in e.pieces}
         assert len(chunks) > 2 and batch["input_ids"].shape == (16, 32)

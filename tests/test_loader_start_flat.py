@@ -81,14 +81,12 @@ class Recorder:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         for method in ("named", "named_table"):
-            original = getattr(CatalogView, method, None)
-            if original is not None:
-                monkeypatch.setattr(CatalogView, method, self._wrap(original))
+            monkeypatch.setattr(CatalogView, method, self._wrap(getattr(CatalogView, method)))
 
     def _wrap(self, original: Any) -> Any:
-        def run(view: CatalogView, name: str, params: Any = None) -> Any:
+        def run(view: CatalogView, name: str, params: Any = None, *fetch: Any) -> Any:
             self.calls.append((name, dict(params or {})))
-            return original(view, name, params)
+            return original(view, name, params, *fetch)
         return run
 
     def take(self) -> list[tuple[str, dict[str, Any]]]:
@@ -100,12 +98,10 @@ def record_rows(view: CatalogView, calls: list[tuple[str, dict[str, Any]]]) -> I
     """For each query whose result names chunk files (a ``path`` or ``checksum`` column): its name
     and the chunks (global indexes) of its rows, None when it does not say which."""
     for name, params in calls:
-        cursor = view.execute(query(name), params)
-        columns = [c[0] for c in cursor.description]
-        rows = cursor.fetchall()
-        if {"path", "checksum"} & set(columns):
-            at = columns.index("global_index") if "global_index" in columns else None
-            yield name, None if at is None else {int(row[at]) for row in rows}
+        table = view.execute(query(name), params)
+        if {"path", "checksum"} & set(table.column_names):
+            at = "global_index" in table.column_names
+            yield name, {int(i) for i in table.column("global_index").to_pylist()} if at else None
 
 
 @pytest.mark.parametrize("kind", KINDS)

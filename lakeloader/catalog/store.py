@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from lakeloader.storage import remove_quietly, write_failure
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = "2"
+# How long closing the build's catalog waits for a query on a cursor handed out of it to end.
+CLOSE_WAIT_SECONDS = 60.0
 _LOCK_PID = re.compile(r"PID (\d+)")
 _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
 _ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
@@ -53,15 +56,20 @@ class LiveCatalog:
     ``Lake.connect(live=handle)``): while the build holds its catalog they share its connection,
     always current; before it starts and after it ends they read as any other process does (the
     published snapshot). Readers given no handle always read as other processes do.
+
+    The build releases its catalog only once no reader is inside :meth:`reading` (DuckDB refuses
+    to close a connection while a cursor of it runs a call, and a cursor of a closed connection
+    has lost its result); a connection from :meth:`cursor` closes with the build.
     """
 
     def __init__(self) -> None:
         self._writer: CatalogWriter | None = None
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._reading = 0
 
     def attach(self, writer: CatalogWriter) -> None:
         """Make ``writer``'s catalog the live one (called by the build once its catalog is open)."""
-        with self._lock:
+        with self._changed:
             if self._writer is not None:
                 raise LakeloaderError(
                     f"this live-catalog handle already follows the build of {self._writer.path}: one "
@@ -69,28 +77,52 @@ class LiveCatalog:
             self._writer = writer
 
     def detach(self) -> None:
-        """The build released its catalog: readers move on to its published snapshot."""
-        with self._lock:
+        """The build releases its catalog: readers move on to its published snapshot. Returns
+        once every reader inside :meth:`reading` has left it (queries of milliseconds)."""
+        with self._changed:
             self._writer = None
+            self._changed.wait_for(lambda: self._reading == 0)
 
     @property
     def is_open(self) -> bool:
         """Whether a build holds the live catalog now."""
-        with self._lock:
+        with self._changed:
             return self._writer is not None
 
     def cursor(self, path: str) -> duckdb.DuckDBPyConnection | None:
         """A cursor on the live catalog if a build holds it now, else None; ``path`` is the
-        catalog file the reader means (an error if the handle follows another lake's build)."""
-        with self._lock:
-            writer = self._writer
-            if writer is None:
-                return None
-            if os.path.abspath(writer.path) != os.path.abspath(path):
-                raise LakeloaderError(
-                    f"the live-catalog handle follows the build of {writer.path}, but this reader "
-                    f"opens the catalog {path}: pass the handle only to readers of that build's lake")
-            return writer.reader_source.cursor()   # under this handle's lock: one reader at a time
+        catalog file the reader means (an error if the handle follows another lake's build).
+        It is closed when the build ends; readers that outlive the build use :meth:`reading`."""
+        with self._changed:
+            return self._new_cursor(path)
+
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Iterator[duckdb.DuckDBPyConnection | None]:
+        """For one query and its fetch: a cursor on the live catalog if a build holds it now (the
+        build keeps it open until the block ends), else None; ``path`` as for :meth:`cursor`."""
+        with self._changed:
+            cursor = self._new_cursor(path)
+            self._reading += cursor is not None
+        if cursor is None:
+            yield None
+            return
+        try:
+            yield cursor
+        finally:
+            cursor.close()
+            with self._changed:
+                self._reading -= 1
+                self._changed.notify_all()
+
+    def _new_cursor(self, path: str) -> duckdb.DuckDBPyConnection | None:
+        writer = self._writer
+        if writer is None:
+            return None
+        if os.path.abspath(writer.path) != os.path.abspath(path):
+            raise LakeloaderError(
+                f"the live-catalog handle follows the build of {writer.path}, but this reader "
+                f"opens the catalog {path}: pass the handle only to readers of that build's lake")
+        return writer.reader_source.cursor()   # under this handle's lock: one reader at a time
 
 
 def is_lock_error(exc: BaseException) -> bool:
@@ -288,7 +320,24 @@ class CatalogWriter:
         except duckdb.Error as exc:
             raise catalog_failure(self.path, exc) or exc
         finally:
-            self.con.close()
+            self._close_connection()
+
+    def _close_connection(self) -> None:
+        # DuckDB refuses to close a connection while a cursor of it is in a call: one a user took
+        # with LiveCatalog.cursor (Lake.connect(live=...)), say. Such a call ends: wait for it.
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+        while True:
+            try:
+                self.con.close()
+                return
+            except duckdb.ResourceInUseException as exc:
+                if time.monotonic() > deadline:
+                    raise CatalogError(
+                        f"could not close the catalog {self.path} at the end of the build: a query on "
+                        "a cursor of its live catalog (LiveCatalog.cursor, Lake.connect(live=...)) was "
+                        f"still running after {CLOSE_WAIT_SECONDS:g}s. Everything built is committed; "
+                        "end that query and run the build again to publish its snapshot") from exc
+                time.sleep(0.01)
 
     def __enter__(self) -> CatalogWriter:
         return self

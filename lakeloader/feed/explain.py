@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from lakeloader.contracts.chunk_file import RECORD_COLUMN, open_chunk, unreadable_chunk
 from lakeloader.feed.rows import StepExamples
-from lakeloader.read.catalog_view import CatalogView
+from lakeloader.read.catalog_view import CatalogView, FetchOne
 
 
 def _records(view: CatalogView, dataset: str, chunk: int) -> tuple[np.ndarray, dict[str, object]]:
@@ -17,7 +17,7 @@ def _records(view: CatalogView, dataset: str, chunk: int) -> tuple[np.ndarray, d
     index in the file (the source dataset's document)."""
     lake = view.lake
     path, split_index, source, _layout, kind, first_row, before, committed_before = view.named(
-        "chunk_records", {"name": dataset, "global_index": chunk}).fetchone()
+        "chunk_records", {"name": dataset, "global_index": chunk}, FetchOne)
     with lake.fs.open(lake.path_of(path), "rb") as handle:
         try:
             records = open_chunk(handle).read(columns=[RECORD_COLUMN]).column(0).to_numpy()

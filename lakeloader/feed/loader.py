@@ -127,7 +127,8 @@ class Loader:
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
         names = dataset_names(config)
-        self.tokenizer = self.lake.tokenizer(self.view.cursor(), names)
+        with self.view.reading() as cursor:
+            self.tokenizer = self.lake.tokenizer(cursor, names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
         ordering = loader.ordering if mode == "train" else "global"

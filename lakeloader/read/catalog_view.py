@@ -7,6 +7,7 @@ chunks they have not seen committed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -134,93 +135,122 @@ def part_matrix(column: Any, kinds: int) -> np.ndarray:
     return part_lists(pa.array(list(column), type=pa.list_(pa.int64())), kinds)
 
 
+@dataclasses.dataclass
+class _Snapshot:
+    """A connection to one published catalog snapshot, closed once retired and left by its readers."""
+
+    con: duckdb.DuckDBPyConnection
+    version: int | None
+    analyst_views: bool = False   # catalog/views.sql defined on it (~18 ms: only once SQL of a user's runs)
+    readers: int = 0              # blocks of CatalogView.reading on it now
+    retired: bool = False
+
+
+FetchOne = duckdb.DuckDBPyConnection.fetchone
+FetchAll = duckdb.DuckDBPyConnection.fetchall
+FetchNumpy = duckdb.DuckDBPyConnection.fetchnumpy
+
+
 class CatalogView:
     """Read-only access to a lake's catalog that can be refreshed while the lake is built;
-    with a build's ``live`` handle, its live catalog while that build runs."""
+    with a build's ``live`` handle, its live catalog while that build runs.
+
+    Every query is run and fetched inside :meth:`reading`: neither a build ending nor a refresh
+    closes a connection that a query of another thread is still using."""
 
     def __init__(self, lake: Lake, io_retry_deadline: float = 0.0, live: LiveCatalog | None = None) -> None:
         self.lake = lake
         self.live_catalog = live
         self.io_retry_deadline = io_retry_deadline
         self._lock = threading.Lock()
-        self._version: int | None = None
         self._records: LRU[tuple[str, int], ChunkRecord] = LRU(RECORDS_KEPT)
         self._selections: LRU[tuple[str, int], dict[int, tuple[int, np.ndarray]]] = LRU(SELECTIONS_KEPT)
-        self._con = self._connect()
-
-    def _connect(self) -> duckdb.DuckDBPyConnection:
-        cursor = None if self.live_catalog is None else self.live_catalog.cursor(self.lake.writer_catalog_path)
-        self._live = cursor is not None
-        # The live catalog has every view; a snapshot connection gets the analyst views (~18 ms
-        # to define, not used by readers' own queries) only once SQL of the user's runs on it.
-        self._analyst_views = cursor is not None
-        if cursor is not None:
-            return cursor  # same process as the build driver: its live catalog
         # Never the writer's file: a long-lived reader holding it would lock out the next build.
-        con, self._version = self._retrying(lambda: open_snapshot(self.lake, analyst_views=False))
-        return con
+        self._snapshot = None if self._build_running() else self._open_snapshot()
 
     def _build_running(self) -> bool:
         return self.live_catalog is not None and self.live_catalog.is_open
 
-    def _retrying(self, call: Callable[[], T]) -> T:
-        return with_retries(call, what=f"reading the published catalog of {self.lake.url}",
-                            deadline=self.io_retry_deadline)
+    def _open_snapshot(self) -> _Snapshot:
+        con, version = with_retries(lambda: open_snapshot(self.lake, analyst_views=False),
+                                    what=f"reading the published catalog of {self.lake.url}",
+                                    deadline=self.io_retry_deadline)
+        return _Snapshot(con, version)
 
     def refresh(self) -> bool:
-        """Re-open the newest published snapshot if there is a newer one; returns whether it changed."""
-        if self._live:
-            if self._build_running():
-                return True  # the live catalog is always current
-            with self._lock:  # the build ended: move on to its final snapshot
-                self._con = self._connect()
+        """Re-open the newest published snapshot if there is a newer one; returns whether the
+        view may have changed (always while it follows a running build: that is always current)."""
+        if self._build_running():
             return True
-        pointer = self._retrying(lambda: read_pointer(self.lake))
-        if pointer is None or pointer["version"] == self._version:
-            return False
+        if self._snapshot is not None:
+            pointer = with_retries(lambda: read_pointer(self.lake), deadline=self.io_retry_deadline,
+                                   what=f"reading the published catalog of {self.lake.url}")
+            if pointer is None or pointer["version"] == self._snapshot.version:
+                return False
+        newer = self._open_snapshot()
         with self._lock:
-            old = self._con
-            self._con, self._version = self._retrying(lambda: open_snapshot(self.lake, analyst_views=False))
-            self._analyst_views = False
-            old.close()
+            old, self._snapshot = self._snapshot, newer
+            if old is not None:
+                self._retire(old)
         return True
 
-    def cursor(self) -> duckdb.DuckDBPyConnection:
-        """A cursor of the current view for the queries of catalog/queries.sql (thread-safe): the
-        catalog's tables and committed_prefix, without the analyst views :meth:`execute` adds."""
-        return self._cursor()
-
-    def _cursor(self, analyst_views: bool = False) -> duckdb.DuckDBPyConnection:
-        if self._live and not self._build_running():
-            self.refresh()
+    @contextlib.contextmanager
+    def reading(self, analyst_views: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor for one query and its fetch (thread-safe): of the live catalog while the build
+        this view follows runs, else of the newest snapshot it has opened; either stays open
+        until the block ends. ``analyst_views``: with the views of ``lakeloader sql`` too."""
+        if self.live_catalog is not None:
+            with self.live_catalog.reading(self.lake.writer_catalog_path) as live:
+                if live is not None:   # it has every view
+                    yield live
+                    return
         with self._lock:
-            if analyst_views and not self._analyst_views:
-                define_views(self._con, analyst=True)
-                self._analyst_views = True
-            return self._con.cursor()
+            if self._snapshot is None:   # the build this view followed ended: its final snapshot
+                self._snapshot = self._open_snapshot()
+            snapshot = self._snapshot
+            if analyst_views and not snapshot.analyst_views:
+                define_views(snapshot.con, analyst=True)
+                snapshot.analyst_views = True
+            cursor = snapshot.con.cursor()
+            snapshot.readers += 1
+        try:
+            yield cursor
+        finally:
+            cursor.close()
+            with self._lock:
+                snapshot.readers -= 1
+                if snapshot.retired and not snapshot.readers:
+                    snapshot.con.close()
 
-    def execute(self, sql: str, params: Any = None) -> duckdb.DuckDBPyConnection:
-        """Run SQL on the current view, with every table and view of ``lakeloader sql`` (thread-safe)."""
-        return self._run(sql, params, analyst_views=True)
+    def _retire(self, snapshot: _Snapshot) -> None:
+        """Close ``snapshot`` once its readers are done (call under the lock)."""
+        snapshot.retired = True
+        if not snapshot.readers:
+            snapshot.con.close()
 
-    def _run(self, sql: str, params: Any, analyst_views: bool) -> duckdb.DuckDBPyConnection:
-        cursor = self._cursor(analyst_views)
-        return cursor.execute(sql, params) if params is not None else cursor.execute(sql)
+    def execute(self, sql: str, params: Any = None) -> pa.Table:
+        """Run SQL on the current view, with every table and view of ``lakeloader sql``, and
+        return its result (thread-safe)."""
+        with self.reading(analyst_views=True) as cursor:
+            return cursor.sql(sql, params=params).to_arrow_table()
+
+    def named(self, name: str, params: Any = None, fetch: Callable[[duckdb.DuckDBPyConnection], T] = FetchAll) -> T:
+        """Run a named query of catalog/queries.sql and return ``fetch`` of its result (thread-safe):
+        ``FetchOne``, ``FetchAll`` or ``FetchNumpy``."""
+        with self.reading() as cursor:
+            return fetch(cursor.execute(query(name), params) if params is not None else cursor.execute(query(name)))
 
     def named_table(self, name: str, params: dict[str, Any]) -> pa.Table:
         """The result of a named query of catalog/queries.sql as an Arrow table (thread-safe)."""
-        return self._cursor().sql(query(name), params=params).to_arrow_table()
-
-    def named(self, name: str, params: Any = None) -> duckdb.DuckDBPyConnection:
-        """Run a named query of catalog/queries.sql (readers' queries need no analyst view)."""
-        return self._run(query(name), params, analyst_views=False)
+        with self.reading() as cursor:
+            return cursor.sql(query(name), params=params).to_arrow_table()
 
     def dataset(self, name: str, plan_key: str | None = None) -> DatasetChunks:
         """The committed prefix of dataset ``name``; with a packing ``plan_key``, the prefix of
         chunks whose example counts under that plan are kept, with those counts. Per-chunk counts
         only (int64 arrays, a few queries whatever the number of chunks); the paths and checksums
         of chunks come with the row groups of the chunks a batch reads (:meth:`row_groups_of`)."""
-        plan = self.named("reader_dataset", {"name": name}).fetchone()
+        plan = self.named("reader_dataset", {"name": name}, FetchOne)
         if plan is None:
             raise CatalogError(
                 f"dataset {name!r} is not in the lake {self.lake.url}: build it first "
@@ -230,7 +260,7 @@ class CatalogView:
         examples = None
         if plan_key is not None:
             examples = self.named("reader_chunk_examples", {"name": name, "plan_key": plan_key,
-                                                            "prefix": prefix}).fetchnumpy()
+                                                            "prefix": prefix}, FetchNumpy)
             counted = examples["global_index"]
             # The prefix ends at the first chunk without counts.
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
@@ -253,7 +283,7 @@ class CatalogView:
 
     def is_filtered(self, name: str) -> bool:
         """Whether dataset ``name`` is defined by a filter of another (``from``, ``where``)."""
-        row = self.named("dataset_source", {"name": name}).fetchone()
+        row = self.named("dataset_source", {"name": name}, FetchOne)
         return row is not None and row[0] is not None
 
     def selection(self, name: str, global_index: int, row_group: int) -> np.ndarray:
@@ -276,14 +306,14 @@ class CatalogView:
         """Per row group of the file, in order: its first document in the file and the documents
         selected within it; one query per chunk, kept (a chunk's rows never change once committed)."""
         def fetch() -> dict[int, tuple[int, np.ndarray]]:
-            rows = self.named("chunk_selection", {"name": name, "global_index": global_index}).fetchall()
+            rows = self.named("chunk_selection", {"name": name, "global_index": global_index})
             return {int(group): (int(first), np.asarray(selected, np.int64)) for group, first, selected in rows}
 
         return self._selections.get((name, global_index), fetch)
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
-        return bool(self.named("packing_plan_registered", {"name": name, "plan_key": plan_key}).fetchone()[0])
+        return bool(self.named("packing_plan_registered", {"name": name, "plan_key": plan_key}, FetchOne)[0])
 
     def chunk_record(self, name: str, global_index: int) -> ChunkRecord:
         """Path, size, checksum and shard of one committed chunk of ``name`` (kept: a committed
@@ -291,7 +321,7 @@ class CatalogView:
         return self._records.get((name, global_index), lambda: self._fetch_record(name, global_index))
 
     def _fetch_record(self, name: str, global_index: int) -> ChunkRecord:
-        row = self.named("reader_chunk_record", {"name": name, "global_index": global_index}).fetchone()
+        row = self.named("reader_chunk_record", {"name": name, "global_index": global_index}, FetchOne)
         if row is None:
             raise CatalogError(f"chunk {global_index} of dataset {name!r} is not committed in the catalog of "
                                f"{self.lake.url}: was the lake re-planned while this reader ran? Open a new loader")
@@ -303,7 +333,7 @@ class CatalogView:
         within the chunk) of each row group of committed chunks ``global_indexes``, in row-group
         order, from one query that also brings (and keeps) those chunks' records
         (:meth:`chunk_record`)."""
-        rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}).fetchnumpy()
+        rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}, FetchNumpy)
         index = np.asarray(rows.pop("global_index"), np.int64)
         # A row group's first document follows its chunk's earlier row groups' documents (as the
         # writer stores it), counted here rather than read.
@@ -344,5 +374,8 @@ class CatalogView:
             self.refresh()
 
     def close(self) -> None:
-        """Close the connection."""
-        self._con.close()
+        """Close the snapshot connection (once queries of other threads on it are done)."""
+        with self._lock:
+            if self._snapshot is not None:
+                self._retire(self._snapshot)
+                self._snapshot = None

@@ -1,0 +1,77 @@
+"""A build in this process releases its live catalog, and a reader moves to a newer snapshot,
+while readers of other threads are in the middle of their queries: DuckDB refuses to close a
+connection while a cursor of it runs a call, and a cursor of a closed connection loses its result.
+Neither may reach the user: the build's close waits for the readers' queries, and no reader
+fails, whichever connection it was reading when the other one went."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.snapshot import publish_snapshot
+from lakeloader.catalog.store import CatalogWriter, LiveCatalog
+from lakeloader.read.catalog_view import CatalogView
+
+BUILDS = 30
+READERS = 3
+
+
+@pytest.fixture
+def own_lake(two_dataset_lake: dict[str, Path], tmp_path: Path) -> Lake:
+    """A copy of the shared two-dataset lake this test may publish snapshots into."""
+    source = Path(yaml.safe_load(two_dataset_lake["pack"].read_text())["lake"])
+    shutil.copytree(source, tmp_path / "lake")
+    return Lake(str(tmp_path / "lake"))
+
+
+def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own_lake: Lake) -> None:
+    live = LiveCatalog()
+    view = CatalogView(own_lake, live=live)
+    expected = {name: view.dataset(name) for name in ("a", "b")}
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    read_live = [0, 0]   # queries made while no build / a build held the catalog
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                fresh = CatalogView(own_lake, live=live)   # opened while a build holds the catalog, or not
+                for _ in range(4):
+                    holding = live.is_open
+                    for reader in (view, fresh):
+                        reader.refresh()   # moves to a newly published snapshot, retiring the last
+                        for name, chunks in expected.items():
+                            found = reader.dataset(name)
+                            assert (found.committed, found.num_tokens.tolist()) == (
+                                chunks.committed, chunks.num_tokens.tolist())
+                            assert reader.row_groups_of(name, [0])[0]["num_tokens"].sum() == chunks.num_tokens[0]
+                    read_live[holding and live.is_open] += 1
+                fresh.close()
+        except BaseException as exc:  # surfaced by the assertion below
+            failures.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(READERS)]
+    for reader in readers:
+        reader.start()
+    try:
+        for build in range(BUILDS):   # as builds in this process: open, publish, close
+            with CatalogWriter(own_lake.writer_catalog_path, live) as writer:
+                time.sleep(0.01)
+                publish_snapshot(writer.con, own_lake, build)
+            time.sleep(0.01)
+            assert not failures, failures
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join(timeout=60)
+    assert not failures, failures
+    assert min(read_live) > 0, read_live   # both kinds of reading happened
+    assert not live.is_open
+    view.close()
