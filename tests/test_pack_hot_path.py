@@ -16,6 +16,8 @@ import yaml
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
+from lakeloader.read import windows as windows_module
+from lakeloader.read.catalog_view import CatalogView
 
 from conftest import assert_batches_equal
 from test_formats import build_packed_mixture
@@ -116,3 +118,52 @@ def test_a_batch_decodes_its_missing_row_groups_concurrently(lake: Path, tmp_pat
             examples.reader.rendered_groups = lambda chunks, wanted, reader=examples.reader: [  # type: ignore[method-assign]
                 reader.rendered_group(chunks, chunk, group) for chunk, group in wanted]
         assert_batches_equal([together], [loader.batch(0)])
+
+
+def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a shuffle, each dataset's reader has the row groups after the last one a batch
+    reached decoded in the background thread, so after the batch where a dataset first appears,
+    every row group its batches need was decoded there (none in the thread building the batch or
+    in the decode threads). That thread never queries the catalog. Batches bitwise those of a
+    loader that decodes nothing ahead."""
+    config = yaml.safe_load(lake.read_text())
+    config["loader"]["shuffle"] = {"kind": "none"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    steps = 40
+    decoded: dict[str, list[tuple[int, str]]] = {}
+    queried_from: set[str] = set()
+    cursor = CatalogView._cursor
+
+    def spy_cursor(self: Any, *args: Any) -> Any:
+        queried_from.add(threading.current_thread().name)
+        return cursor(self, *args)
+
+    monkeypatch.setattr(CatalogView, "_cursor", spy_cursor)
+    step = 0
+    with Loader(path) as loader:
+        for examples in loader.datasets:
+            render = examples.reader._render_group
+
+            def recorded(*args: Any, render: Any = render, name: str = examples.name) -> Any:
+                decoded.setdefault(name, []).append((step, threading.current_thread().name))
+                return render(*args)
+
+            examples.reader._render_group = recorded   # type: ignore[method-assign]
+        ahead = []
+        for step in range(steps):
+            ahead.append(loader.batch(step))
+            windows_module._AHEAD_POOL.submit(lambda: None).result()   # the ahead thread has caught up
+    assert set(decoded) == {"web", "chat", "code", "pages"}, decoded.keys()
+    for name, found in decoded.items():
+        first = min(at for at, _ in found)
+        elsewhere = [(at, thread) for at, thread in found if at > first and not thread.startswith("lakeloader-decode-ahead")]
+        assert not elsewhere, (name, elsewhere)
+        assert any(thread.startswith("lakeloader-decode-ahead") for _, thread in found), (name, found)
+    later = [at for found in decoded.values() for at, _ in found if at > min(a for a, _ in found)]
+    assert len(later) >= 2, decoded   # row groups reached after a dataset's first batch
+    assert queried_from == {threading.main_thread().name}, queried_from
+    monkeypatch.setattr(windows_module, "LOOK_AHEAD_GROUPS", 0)
+    with Loader(path) as loader:
+        assert_batches_equal(ahead, [loader.batch(step) for step in range(steps)])

@@ -166,7 +166,8 @@ class Loader:
 
     def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
         loader, dataset = self.config.loader, self.config.datasets[name]
-        reader = StreamReader(self.view, self.files, self.templates[name], scattered=shuffle.kind == "full")
+        reader = StreamReader(self.view, self.files, self.templates[name], scattered=shuffle.kind == "full",
+                              sequential=shuffle.kind == "none" and ordering == "global")
         common: dict[str, Any] = dict(seq_len=loader.seq_len, ordering=ordering, ideal_readers=loader.ideal_readers,
                                       wait_timeout=loader.wait_timeout, shuffle=shuffle, seed=loader.seed)
         spec = packing_spec(name, self.config, self.templates[name])
@@ -359,9 +360,12 @@ class Loader:
         return explain(self.examples(step), self.view)
 
     def close(self) -> None:
-        """Stop open iterators' read-ahead and release the catalog connection."""
+        """Stop open iterators' read-ahead and the readers' decoding ahead, and release the
+        catalog connection."""
         for iterator in list(self._iterators):
             iterator.close()
+        for dataset in self.datasets:
+            dataset.reader.close()
         self.view.close()
 
     def __enter__(self) -> Loader:

@@ -482,6 +482,7 @@ class PackedExamples(DatasetExamples):
         span = int(groups.max()) + 1
         used, group = np.unique(item_chunk * span + groups, return_inverse=True)
         rendered = self.reader.rendered_groups(self.chunks, list(zip((used // span).tolist(), (used % span).tolist())))
+        self.reader.look_ahead_after(self.chunks, int(used[-1] // span), int(used[-1] % span))
         begin, end = _doc_bounds(rendered, group, local_docs)
         located = PackedSet(rendered, np.empty_like(first), np.empty_like(counts), item_chunk, docs, starts, stops,
                             group, begin + starts, np.minimum(begin + stops + 1, end))

@@ -13,8 +13,9 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +42,13 @@ _DECODE_POOL = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)
 # them (else they would not stay).
 _AHEAD_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lakeloader-decode-ahead")
 AHEAD_CACHE_SHARE = 8
+# A reader that reads its stream in order has this many row groups past the one its last window
+# ends in decoded in the ahead thread: with 1 M-token row groups, 8 to 16 batches of 64 x 2048 before
+# a batch needs them (counted in row groups, not tokens: a lake of small chunks is not read far ahead).
+LOOK_AHEAD_GROUPS = 2
+# Such a reader fetches the row-group tables of this many chunks per catalog query (a query costs
+# ~3-4 ms whatever its chunks: one per chunk was ~10% of a first epoch here).
+TABLES_AHEAD = 8
 # A row group not cached is read from the pages its windows need when they reach at most 1 / PAGES_SHARE
 # of its tokens, as ranges of windows less than RANGE_GAP tokens apart.
 PAGES_SHARE = 4
@@ -56,7 +64,7 @@ def _concurrently(calls: Sequence[Callable[[], T]]) -> list[T]:
     return [future.result() for future in running]
 
 
-def _log_failure(future: concurrent.futures.Future[RenderedGroup]) -> None:
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
     """A row group decoded ahead that failed is read again when asked for, and raises then."""
     if future.exception() is not None:
         log.debug("a row group decoded ahead failed (read again when asked for): %s", future.exception())
@@ -202,13 +210,34 @@ class StreamReader:
     ``scattered``: the windows asked for land anywhere in the dataset (a full shuffle). While the
     dataset's stored tokens are more than twice the cache's bytes, a row group met is rarely met
     again before it leaves the cache, so every batch reads those it finds uncached from the pages
-    its windows need, as a first batch does (:meth:`_add_groups`), and none is decoded ahead."""
+    its windows need, as a first batch does (:meth:`_add_groups`), and none is decoded ahead.
 
-    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False) -> None:
+    ``sequential``: the windows asked for move forward through the stream (no shuffle). The
+    :data:`LOOK_AHEAD_GROUPS` row groups after the one the last window ends in (or, for packed
+    examples, :meth:`look_ahead_after` the last row group a batch reached) are decoded in the
+    ahead thread, so that decoding them overlaps building the batches before them. Which row
+    groups those are is worked out in the thread asking for windows (their chunks' row-group
+    tables and records fetched there, :data:`TABLES_AHEAD` chunks a query): the ahead thread only
+    reads files, never the catalog, whose connection the thread asking owns."""
+
+    def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False,
+                 sequential: bool = False) -> None:
         self.view = view
         self.files = files
         self.template = template
         self.scattered = scattered
+        self.sequential = sequential
+        # The stream range [lo, hi) of the row group the last window ended in when the reader last
+        # looked ahead (no new look-ahead while windows end in it), or the (chunk, row group) a
+        # packed batch last reached; the newest row groups to decode ahead, and whether the ahead
+        # thread is on them.
+        self._ahead_range = (0, 0)
+        self._ahead_origin = (-1, -1)
+        self._ahead_wanted: tuple[DatasetChunks, list[tuple[int, int]]] | None = None
+        self._ahead_task: concurrent.futures.Future[None] | None = None
+        self._ahead_running = False
+        self._ahead_closed = False
+        self._ahead_lock = threading.Lock()
         # Row-group offsets per chunk: a few numbers each, kept by count.
         self._row_groups: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(4096)
         self._index: StreamIndex | None = None   # the row groups of the last sequence read, located so far
@@ -367,7 +396,112 @@ class StreamReader:
                             from_pages=first or beyond, ahead=first and not beyond)
         for row in np.flatnonzero(found.group < 0).tolist():
             found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
+        if self.sequential and len(starts):
+            self._look_ahead(chunks, sequence, sequence_offsets, int(starts.max()) + length)
         return found
+
+    def _look_ahead(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
+                    end: int) -> None:
+        """:meth:`_decode_after` the row group holding stream position ``end``, unless the windows
+        ended in that row group last time too (nothing for a dataset defined by a filter: reading
+        one queries its selection)."""
+        lo, hi = self._ahead_range
+        if lo <= end < hi or chunks.filtered:
+            return
+        self._ahead_range = (end, end + 1)   # until its row group is known (none past the stream)
+        if end >= int(sequence_offsets[-1]):
+            return
+        position = int(np.searchsorted(sequence_offsets, end, side="right")) - 1
+        self._fetch_tables_ahead(chunks, sequence, position)
+        offsets, _ = self.groups(chunks, int(sequence[position]))
+        group = int(np.searchsorted(offsets, end - sequence_offsets[position], side="right")) - 1
+        self._ahead_range = (int(sequence_offsets[position] + offsets[group]),
+                             int(sequence_offsets[position] + offsets[group + 1]))
+        self._decode_after(chunks, sequence, position, group)
+
+    def look_ahead_after(self, chunks: DatasetChunks, chunk: int, group: int) -> None:
+        """For a reader whose batches move forward through the chunks in global order (packed
+        examples without a shuffle): :meth:`_decode_after` row group ``group`` of chunk ``chunk``,
+        the last a batch reached, unless the last batch reached that one too. Nothing for a
+        reader that is not ``sequential``, nor for a dataset defined by a filter (reading one
+        queries its selection)."""
+        if not self.sequential or chunks.filtered or (chunk, group) == self._ahead_origin:
+            return
+        self._ahead_origin = (chunk, group)
+        sequence = range(chunks.committed)
+        self._fetch_tables_ahead(chunks, sequence, chunk)
+        self._decode_after(chunks, sequence, chunk, group)
+
+    def _fetch_tables_ahead(self, chunks: DatasetChunks, sequence: Sequence[int], position: int) -> None:
+        """The row-group tables (and records) of the chunks a look-ahead from chunk
+        ``sequence[position]`` can reach, fetched here when one is missing, together with those of
+        the chunks up to :data:`TABLES_AHEAD` on, in one query."""
+        near = [(chunks.fingerprint, int(c)) for c in sequence[position : position + LOOK_AHEAD_GROUPS + 1]]
+        if any(table is None for table in self._row_groups.cached(near)):
+            self.groups_of(chunks, [int(c) for c in sequence[position : position + TABLES_AHEAD]])
+
+    def _decode_after(self, chunks: DatasetChunks, sequence: Sequence[int], position: int, group: int) -> None:
+        """Have the :data:`LOOK_AHEAD_GROUPS` row groups after row group ``group`` of chunk
+        ``sequence[position]``, in stream order, decoded in the ahead thread (those the cache
+        would keep and does not hold yet). Their chunks' row-group tables and records are learnt
+        here (:meth:`_fetch_tables_ahead`), so the ahead thread needs nothing from the catalog."""
+        wanted: list[tuple[int, int]] = []
+        offsets, _ = self.groups(chunks, int(sequence[position]))
+        for _ in range(LOOK_AHEAD_GROUPS):
+            group += 1
+            while group >= len(offsets) - 1 and position + 1 < len(sequence):   # (a chunk may hold no row group)
+                position, group = position + 1, 0
+                offsets, _ = self.groups(chunks, int(sequence[position]))
+            if group >= len(offsets) - 1:   # past the committed chunks
+                break
+            if int(offsets[group + 1] - offsets[group]) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:
+                chunk = int(sequence[position])   # (4 bytes a token at most)
+                chunks.record(chunk)   # (kept by the view: fetched with the row-group table)
+                wanted.append((chunk, group))
+        cached = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
+        wanted = [key for key, rendered in zip(wanted, cached) if rendered is None]
+        if not wanted:
+            return
+        with self._ahead_lock:
+            self._ahead_wanted = (chunks, wanted)
+            if self._ahead_closed or self._ahead_running:
+                return   # (the running task takes the newest row groups once done with its own)
+            self._ahead_running = True
+            self._ahead_task = task = _AHEAD_POOL.submit(self._decode_ahead)
+        task.add_done_callback(_log_failure)
+
+    def _decode_ahead(self) -> None:
+        """In the ahead thread: decode the newest row groups :meth:`_decode_after` asked for, until
+        it asks for none new. Files only (a row group whose chunk's table left the reader's cache
+        meanwhile is skipped: finding it again would query the catalog; the chunks' records stay
+        in the view's far larger cache). A failure is logged, and
+        the row group is read again when a batch needs it (raising then)."""
+        try:
+            while True:
+                with self._ahead_lock:
+                    if self._ahead_wanted is None or self._ahead_closed:
+                        self._ahead_running = False
+                        return
+                    chunks, wanted = self._ahead_wanted
+                    self._ahead_wanted = None
+                tables = self._row_groups.cached([(chunks.fingerprint, chunk) for chunk, _ in wanted])
+                for (chunk, group), table in zip(wanted, tables):
+                    if self._ahead_closed:
+                        break
+                    if table is not None:
+                        self.rendered_group(chunks, chunk, group)
+        except BaseException:
+            with self._ahead_lock:
+                self._ahead_running = False
+            raise
+
+    def close(self) -> None:
+        """Stop decoding ahead, once the row group at hand is decoded."""
+        with self._ahead_lock:
+            self._ahead_closed = True
+            task = self._ahead_task
+        if task is not None:
+            concurrent.futures.wait([task])   # (a failure is logged by the task's callback)
 
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, from_pages: bool,
