@@ -24,6 +24,8 @@ from lakeloader.catalog.store import LiveCatalog
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
+from lakeloader.read import windows as windows_module
+from lakeloader.read.catalog_view import CatalogView
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TOKENIZER = Path(os.environ.get("LAKELOADER_TEST_TOKENIZER", REPO / "demo" / "tokenizer.json"))
@@ -285,3 +287,24 @@ def loader_during_build(config: Path, builder: threading.Thread, live: LiveCatal
         except LakeloaderError:  # the plans are not registered yet
             time.sleep(0.01)
     raise AssertionError("the build finished before a reader could start")
+
+
+@pytest.fixture
+def catalog_query_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the threads that run a catalog query (any cursor of a CatalogView) during
+    the test, filled as they run."""
+    threads: set[str] = set()
+    cursor = CatalogView._cursor
+
+    def spy(self: CatalogView, *args: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return cursor(self, *args)
+
+    monkeypatch.setattr(CatalogView, "_cursor", spy)
+    return threads
+
+
+def ahead_thread_caught_up() -> None:
+    """Return once the readers' background thread has done all it was asked so far (row groups
+    decoded ahead): that thread is one, and runs its tasks in order."""
+    windows_module._AHEAD_POOL.submit(lambda: None).result()

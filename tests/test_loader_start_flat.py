@@ -24,7 +24,7 @@ from lakeloader.feed.loader import Loader
 from lakeloader.read import windows as windows_module
 from lakeloader.read.catalog_view import CatalogView
 
-from conftest import Lakes
+from conftest import Lakes, ahead_thread_caught_up
 
 KINDS = ("none", "window", "block", "full")
 STEPS = (0, 7, 1234, 100_000)
@@ -116,7 +116,7 @@ def test_chunk_records_are_fetched_only_for_the_chunks_a_batch_reads(
         assert opened and not list(record_rows(loader.view, opened)), "opening fetched chunk files' records"
         for step in STEPS:
             loader.batch(step)
-            windows_module._AHEAD_POOL.submit(lambda: None).result()   # (what the ahead thread did counts here)
+            ahead_thread_caught_up()   # (what the ahead thread did counts here)
             calls = recorder.take()
             read = {p.chunk for e in loader.examples(step).examples for p in e.pieces}
             if kind == "none":   # the row groups after the windows' last one are decoded ahead: the

@@ -17,9 +17,8 @@ from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
 from lakeloader.read import windows as windows_module
-from lakeloader.read.catalog_view import CatalogView
 
-from conftest import assert_batches_equal
+from conftest import ahead_thread_caught_up, assert_batches_equal
 from test_formats import build_packed_mixture
 
 SEQ_LEN, BATCH = 96, 16
@@ -120,8 +119,8 @@ def test_a_batch_decodes_its_missing_row_groups_concurrently(lake: Path, tmp_pat
         assert_batches_equal([together], [loader.batch(0)])
 
 
-def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                catalog_query_threads: set[str]) -> None:
     """Without a shuffle, each dataset's reader has the row groups after the last one a batch
     reached decoded in the background thread, so after the batch where a dataset first appears,
     every row group its batches need was decoded there (none in the thread building the batch or
@@ -133,14 +132,6 @@ def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_
     path.write_text(yaml.safe_dump(config))
     steps = 40
     decoded: dict[str, list[tuple[int, str]]] = {}
-    queried_from: set[str] = set()
-    cursor = CatalogView._cursor
-
-    def spy_cursor(self: Any, *args: Any) -> Any:
-        queried_from.add(threading.current_thread().name)
-        return cursor(self, *args)
-
-    monkeypatch.setattr(CatalogView, "_cursor", spy_cursor)
     step = 0
     with Loader(path) as loader:
         for examples in loader.datasets:
@@ -154,7 +145,7 @@ def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_
         ahead = []
         for step in range(steps):
             ahead.append(loader.batch(step))
-            windows_module._AHEAD_POOL.submit(lambda: None).result()   # the ahead thread has caught up
+            ahead_thread_caught_up()   # the ahead thread has caught up
     assert set(decoded) == {"web", "chat", "code", "pages"}, decoded.keys()
     for name, found in decoded.items():
         first = min(at for at, _ in found)
@@ -163,7 +154,7 @@ def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_
         assert any(thread.startswith("lakeloader-decode-ahead") for _, thread in found), (name, found)
     later = [at for found in decoded.values() for at, _ in found if at > min(a for a, _ in found)]
     assert len(later) >= 2, decoded   # row groups reached after a dataset's first batch
-    assert queried_from == {threading.main_thread().name}, queried_from
+    assert catalog_query_threads == {threading.main_thread().name}, catalog_query_threads
     monkeypatch.setattr(windows_module, "LOOK_AHEAD_GROUPS", 0)
     with Loader(path) as loader:
         assert_batches_equal(ahead, [loader.batch(step) for step in range(steps)])

@@ -30,10 +30,9 @@ from lakeloader.index.ranges import cut_segments
 from lakeloader.index.render import render
 from lakeloader.ingest.driver import build
 from lakeloader.read import windows as windows_module
-from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.chunks import ChunkFiles
 
-from conftest import stdlib_texts, write_config, write_jsonl
+from conftest import ahead_thread_caught_up, stdlib_texts, write_config, write_jsonl
 SEQ_LEN = 48
 BATCH = 8
 FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -208,7 +207,7 @@ def test_cold_batches_read_from_pages_equal_the_numpy_reference(lake: Path, shuf
             with Loader(config) as fresh:
                 cold = documents_of(fresh, step)
             loader.batch(step + 1)   # hands the first batches' row groups to the background decoder
-            windows_module._AHEAD_POOL.submit(lambda: None).result()   # ... which has decoded them
+            ahead_thread_caught_up()   # ... which has decoded them
             before = len(in_part)
             assert_rows_equal(loader.batch(step), expected, ids, f"warm, step {step}")
             assert documents_of(loader, step) == cold, "documents of the windows (explain) differ"
@@ -244,8 +243,8 @@ def test_a_full_shuffle_beyond_the_cache_reads_pages_for_every_batch(lake: Path,
         assert not any(read_in_part[1:]), read_in_part
 
 
-def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(lake: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(
+        lake: Path, monkeypatch: pytest.MonkeyPatch, catalog_query_threads: set[str]) -> None:
     """Without a shuffle, the LOOK_AHEAD_GROUPS row groups after the one a batch's windows end in
     are decoded in the background (across chunks too), so the batches that reach them find them
     cached: after the first two batches (the first reads pages), the consuming thread decodes no
@@ -254,21 +253,14 @@ def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(lake: 
     the reference's."""
     decoded_here: list[tuple[int, int]] = []
     decoded_ahead: list[tuple[int, int]] = []
-    queried_from: set[str] = set()
     render_group = windows_module.StreamReader._render_group
-    cursor = CatalogView._cursor
 
     def spy(self: Any, chunks: Any, chunk: int, group: int) -> Any:
         on_main = threading.current_thread() is threading.main_thread()
         (decoded_here if on_main else decoded_ahead).append((chunk, group))
         return render_group(self, chunks, chunk, group)
 
-    def spy_cursor(self: Any, *args: Any) -> Any:
-        queried_from.add(threading.current_thread().name)
-        return cursor(self, *args)
-
     monkeypatch.setattr(windows_module.StreamReader, "_render_group", spy)
-    monkeypatch.setattr(CatalogView, "_cursor", spy_cursor)
     config = loader_config(lake, "look-ahead", ("t",), shuffle={"kind": "none"})
     with Loader(config) as loader:
         dataset = loader.datasets[0]
@@ -277,14 +269,14 @@ def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(lake: 
         for step in range(steps):
             expected = [reference_row(*stream, e.example * SEQ_LEN) for e in loader.examples(step).examples]
             assert_rows_equal(loader.batch(step), expected, [0] * BATCH, f"step {step}")
-            windows_module._AHEAD_POOL.submit(lambda: None).result()   # the ahead thread has caught up
+            ahead_thread_caught_up()   # the ahead thread has caught up
             if step == 1:
                 cold = len(decoded_here)   # the first batch's row groups, read from pages, then whole
         groups = sum(len(dataset.reader.groups(dataset.chunks, c)[1]) for c in range(dataset.chunks.committed))
     assert groups > 20 and steps > 20, (groups, steps)
     assert not decoded_here[cold:], decoded_here
     assert len(decoded_ahead) > 20, decoded_ahead
-    assert queried_from == {threading.main_thread().name}, queried_from
+    assert catalog_query_threads == {threading.main_thread().name}, catalog_query_threads
 
 
 def test_strided_ordering_batches_equal_the_numpy_reference(lake: Path) -> None:

@@ -474,8 +474,8 @@ class StreamReader:
         """In the ahead thread: decode the newest row groups :meth:`_decode_after` asked for, until
         it asks for none new. Files only (a row group whose chunk's table left the reader's cache
         meanwhile is skipped: finding it again would query the catalog; the chunks' records stay
-        in the view's far larger cache). A failure is logged, and
-        the row group is read again when a batch needs it (raising then)."""
+        in the view's far larger cache). A failure is logged, and the row group is read again when
+        a batch needs it (raising then)."""
         try:
             while True:
                 with self._ahead_lock:
