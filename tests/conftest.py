@@ -291,16 +291,16 @@ def loader_during_build(config: Path, builder: threading.Thread, live: LiveCatal
 
 @pytest.fixture
 def catalog_query_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """The names of the threads that run a catalog query (any cursor of a CatalogView) during
+    """The names of the threads that run a catalog query (any CatalogView.reading) during
     the test, filled as they run."""
     threads: set[str] = set()
-    cursor = CatalogView._cursor
+    reading = CatalogView.reading
 
-    def spy(self: CatalogView, *args: Any) -> Any:
+    def spy(self: CatalogView, *args: Any, **options: Any) -> Any:
         threads.add(threading.current_thread().name)
-        return cursor(self, *args)
+        return reading(self, *args, **options)
 
-    monkeypatch.setattr(CatalogView, "_cursor", spy)
+    monkeypatch.setattr(CatalogView, "reading", spy)
     return threads
 
 
