@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import duckdb
 import pytest
 import yaml
 
@@ -21,6 +22,7 @@ from lakeloader.read.catalog_view import CatalogView
 
 BUILDS = 30
 READERS = 3
+ROWS = 1_500_000_000   # a query of ~1.7 s on 2 cores
 
 
 @pytest.fixture
@@ -52,6 +54,10 @@ def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own
                             assert (found.committed, found.num_tokens.tolist()) == (
                                 chunks.committed, chunks.num_tokens.tolist())
                             assert reader.row_groups_of(name, [0])[0]["num_tokens"].sum() == chunks.num_tokens[0]
+                    with fresh.reading() as cursor:   # open until the block ends, however long it takes
+                        time.sleep(0.02)
+                        prefix = cursor.execute("SELECT sum(num_chunks) FROM committed_prefix").fetchone()[0]
+                        assert prefix == sum(chunks.committed for chunks in expected.values())
                     read_live[holding and live.is_open] += 1
                 fresh.close()
         except BaseException as exc:  # surfaced by the assertion below
@@ -75,3 +81,27 @@ def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own
     assert min(read_live) > 0, read_live   # both kinds of reading happened
     assert not live.is_open
     view.close()
+
+
+def test_a_build_waits_for_a_query_on_a_cursor_taken_from_its_live_catalog(own_lake: Lake) -> None:
+    """A cursor of ``LiveCatalog.cursor`` (``Lake.connect(live=...)``) in the middle of a query when
+    the build ends: the build's close waits for it, and the cursor is closed with the build."""
+    live = LiveCatalog()
+    results: list[int] = []
+    with CatalogWriter(own_lake.writer_catalog_path, live):
+        cursor = own_lake.connect(live=live)
+        started = threading.Event()
+
+        def query() -> None:
+            started.set()
+            results.append(cursor.execute(f"SELECT sum(i) FROM range({ROWS}) t(i)").fetchone()[0])
+
+        analyst = threading.Thread(target=query)
+        analyst.start()
+        started.wait()
+        time.sleep(0.05)
+        assert analyst.is_alive()   # still in its query as the build closes its catalog
+    assert results == [ROWS * (ROWS - 1) // 2]   # finished before the close
+    analyst.join()
+    with pytest.raises(duckdb.ConnectionException, match="closed"):
+        cursor.execute("SELECT 1")
