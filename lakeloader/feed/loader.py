@@ -142,7 +142,8 @@ class Loader:
         if token_weights(config):
             for examples in self.datasets:   # the weights need every dataset's mean example size
                 examples.complete_chunks()
-            means = example_token_means(self.view, {d.name: d.plan_key for d in self.datasets}, loader.seq_len)
+            with self.view.reading() as cursor:
+                means = example_token_means(cursor, {d.name: d.plan_key for d in self.datasets}, loader.seq_len)
         self.mixer = Mixer.of(mixture_spec(config, means))
         self.fingerprint = self._fingerprint()
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
