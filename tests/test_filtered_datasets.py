@@ -388,10 +388,10 @@ def test_a_chunks_selections_are_fetched_once_for_all_its_row_groups(lake, monke
     asked: list[tuple[str, int]] = []
     real = CatalogView.named
 
-    def counting(self: CatalogView, name: str, params: Any = None) -> Any:
+    def counting(self: CatalogView, name: str, params: Any = None, *fetch: Any) -> Any:
         if "selection" in name:   # any query of the selections table
             asked.append((params["name"], params["global_index"]))
-        return real(self, name, params)
+        return real(self, name, params, *fetch)
 
     monkeypatch.setattr(CatalogView, "named", counting)
     with Loader(root / "main.yaml") as loader:
