@@ -335,8 +335,9 @@ class CatalogWriter:
                     raise CatalogError(
                         f"could not close the catalog {self.path} at the end of the build: a query on "
                         "a cursor of its live catalog (LiveCatalog.cursor, Lake.connect(live=...)) was "
-                        f"still running after {CLOSE_WAIT_SECONDS:g}s. Everything built is committed; "
-                        "end that query and run the build again to publish its snapshot") from exc
+                        f"still running after {CLOSE_WAIT_SECONDS:g}s. Everything built is committed, but the "
+                        "file stays locked until that query ends: end it (or its process) before the "
+                        "next build of this lake") from exc
                 time.sleep(0.01)
 
     def __enter__(self) -> CatalogWriter:
