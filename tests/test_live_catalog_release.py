@@ -17,12 +17,14 @@ import yaml
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import publish_snapshot
+from lakeloader.catalog import store
 from lakeloader.catalog.store import CatalogWriter, LiveCatalog
+from lakeloader.contracts.errors import CatalogError
 from lakeloader.read.catalog_view import CatalogView
 
 BUILDS = 30
 READERS = 3
-ROWS = 1_500_000_000   # a query of ~1.7 s on 2 cores
+ROWS = 400_000_000   # a query of ~1 s on one DuckDB thread
 
 
 @pytest.fixture
@@ -83,25 +85,47 @@ def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own
     view.close()
 
 
+def long_query(cursor: duckdb.DuckDBPyConnection) -> tuple[threading.Thread, list[int]]:
+    """Start, on one DuckDB thread, a query of about a second on ``cursor`` (of the live catalog)
+    in a thread of its own; return that thread once the query is running, and its result list."""
+    cursor.execute("SET threads = 1")   # the test database's own setting: as long on any machine
+    results: list[int] = []
+    started = threading.Event()
+
+    def run() -> None:
+        started.set()
+        results.append(cursor.execute(f"SELECT sum(i) FROM range({ROWS}) t(i)").fetchone()[0])
+
+    analyst = threading.Thread(target=run)
+    analyst.start()
+    started.wait()
+    time.sleep(0.05)
+    assert analyst.is_alive()   # still in its query
+    return analyst, results
+
+
 def test_a_build_waits_for_a_query_on_a_cursor_taken_from_its_live_catalog(own_lake: Lake) -> None:
     """A cursor of ``LiveCatalog.cursor`` (``Lake.connect(live=...)``) in the middle of a query when
     the build ends: the build's close waits for it, and the cursor is closed with the build."""
     live = LiveCatalog()
-    results: list[int] = []
     with CatalogWriter(own_lake.writer_catalog_path, live):
         cursor = own_lake.connect(live=live)
-        started = threading.Event()
-
-        def query() -> None:
-            started.set()
-            results.append(cursor.execute(f"SELECT sum(i) FROM range({ROWS}) t(i)").fetchone()[0])
-
-        analyst = threading.Thread(target=query)
-        analyst.start()
-        started.wait()
-        time.sleep(0.05)
-        assert analyst.is_alive()   # still in its query as the build closes its catalog
+        analyst, results = long_query(cursor)
     assert results == [ROWS * (ROWS - 1) // 2]   # finished before the close
     analyst.join()
     with pytest.raises(duckdb.ConnectionException, match="closed"):
         cursor.execute("SELECT 1")
+
+
+def test_a_query_outlasting_the_wait_is_an_error_that_says_what_to_do(
+        own_lake: Lake, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "CLOSE_WAIT_SECONDS", 0.2)
+    live = LiveCatalog()
+    writer = CatalogWriter(own_lake.writer_catalog_path, live)
+    analyst, results = long_query(own_lake.connect(live=live))
+    with pytest.raises(CatalogError, match=r"still running after 0.2s\. Everything built is committed, "
+                                           r"but the file stays locked until that query ends"):
+        writer.close()
+    analyst.join()
+    assert results == [ROWS * (ROWS - 1) // 2]   # the user's query was not cut short
+    writer.con.close()   # it ended: the catalog closes
