@@ -248,9 +248,8 @@ def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(
     """Without a shuffle, the LOOK_AHEAD_GROUPS row groups after the one a batch's windows end in
     are decoded in the background (across chunks too), so the batches that reach them find them
     cached: after the first two batches (the first reads pages), the consuming thread decodes no
-    row group. The background thread never queries the catalog (its connection is the consuming
-    thread's: a build sharing it in-process fails on a query from another thread). Rows bitwise
-    the reference's."""
+    row group. The background thread never queries the catalog (the thread building batches
+    fetches what it needs, several chunks a query). Rows bitwise the reference's."""
     decoded_here: list[tuple[int, int]] = []
     decoded_ahead: list[tuple[int, int]] = []
     render_group = windows_module.StreamReader._render_group

@@ -171,11 +171,12 @@ class CatalogView:
     def _build_running(self) -> bool:
         return self.live_catalog is not None and self.live_catalog.is_open
 
+    def _retrying(self, call: Callable[[], T]) -> T:
+        return with_retries(call, what=f"reading the published catalog of {self.lake.url}",
+                            deadline=self.io_retry_deadline)
+
     def _open_snapshot(self) -> _Snapshot:
-        con, version = with_retries(lambda: open_snapshot(self.lake, analyst_views=False),
-                                    what=f"reading the published catalog of {self.lake.url}",
-                                    deadline=self.io_retry_deadline)
-        return _Snapshot(con, version)
+        return _Snapshot(*self._retrying(lambda: open_snapshot(self.lake, analyst_views=False)))
 
     def refresh(self) -> bool:
         """Re-open the newest published snapshot if there is a newer one; returns whether the
@@ -183,8 +184,7 @@ class CatalogView:
         if self._build_running():
             return True
         if self._snapshot is not None:
-            pointer = with_retries(lambda: read_pointer(self.lake), deadline=self.io_retry_deadline,
-                                   what=f"reading the published catalog of {self.lake.url}")
+            pointer = self._retrying(lambda: read_pointer(self.lake))
             if pointer is None or pointer["version"] == self._snapshot.version:
                 return False
         newer = self._open_snapshot()

@@ -218,7 +218,7 @@ class StreamReader:
     ahead thread, so that decoding them overlaps building the batches before them. Which row
     groups those are is worked out in the thread asking for windows (their chunks' row-group
     tables and records fetched there, :data:`TABLES_AHEAD` chunks a query): the ahead thread only
-    reads files, never the catalog, whose connection the thread asking owns."""
+    reads files, and the catalog queries stay few and in the thread that asks."""
 
     def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False,
                  sequential: bool = False) -> None:
