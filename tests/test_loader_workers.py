@@ -20,6 +20,8 @@ import yaml
 
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
+from lakeloader.feed.rows import ROW_FIELDS
+from lakeloader.feed.slots import Layout, Slots, field_of
 from lakeloader.ingest.driver import build
 
 from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
@@ -102,6 +104,50 @@ def test_batches_lent_from_shared_memory_stay_intact_while_referenced(lake: Path
     assert_batches_equal([kept[s] for s in sorted(kept)], [reference[s] for s in sorted(kept)], steps=sorted(kept))
     for step, values in slices.items():
         assert np.array_equal(values, reference[step]["input_ids"][:, 3:9]), step
+    assert not shm_segments(os.getpid())
+
+
+def read_slot(slots: Slots, slot: int, layout: Layout) -> dict[str, np.ndarray]:
+    """Copies of the fields ``layout`` says are in ``slot``, as the consumer maps them."""
+    memory = slots.memory[slot]
+    assert memory is not None
+    return {field: field_of(memory, offset, np.dtype(dtype), shape).copy() for field, dtype, shape, offset in layout}
+
+
+@pytest.mark.parametrize("packing", ["concat", "pack"])
+def test_a_batch_built_in_its_slot_is_put_there_without_a_copy(lake: Path, packing: str) -> None:
+    """A worker builds each batch in its shared-memory slot, where the slot's previous batch had
+    its fields: putting it there copies none of them, the slot holds the batch bitwise (padding
+    too, over the previous batch's values), and a slot that has to grow keeps the fields built in
+    its old memory."""
+    config = config_of(lake, f"slot-{packing}", packing=packing, shuffle="full")
+    reference = one_process(config, range(6))
+    slots = Slots(f"lakeloader_{os.getpid()}_slottest", 0, 2)
+    try:
+        with Loader(config) as loader:
+            for step in range(6):
+                slot = step % 2
+                built = slots.pool(slot)
+                batch = loader.batch(step, built)
+                in_place = {f for f, v in batch.items() if built.memory is not None and np.shares_memory(v, built.memory)}
+                _, layout, _ = slots.write(slot, batch, built)
+                assert in_place == (set() if step < 2 else set(ROW_FIELDS)), step   # a slot's first batch is copied
+                assert_batches_equal([read_slot(slots, slot, layout)], [reference[step]], steps=[step])
+            # A batch that no longer fits: its fields built in the slot are copied out before the
+            # slot's memory is replaced by a larger one.
+            built = slots.pool(0)
+            batch = loader.batch(4, built)
+            assert np.shares_memory(batch["input_ids"], slots.memory[0])
+            batch["extra"] = np.arange(100_000, dtype=np.int64)
+            before = slots.segments[0].name
+            name, layout, _ = slots.write(0, batch, built)
+            assert name != before and not np.shares_memory(batch["input_ids"], slots.memory[0])
+            got = read_slot(slots, 0, layout)
+            assert np.array_equal(got.pop("extra"), np.arange(100_000))
+            assert_batches_equal([got], [reference[4]], steps=[4])
+            del batch, built
+    finally:
+        slots.unlink_all()
     assert not shm_segments(os.getpid())
 
 

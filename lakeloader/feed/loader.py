@@ -28,7 +28,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
 from lakeloader.feed.read_ahead import ReadAhead
-from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, Batch, Example, StepExamples, fill_batch
+from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, ArraySource, Batch, Example, StepExamples, fill_batch
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import CatalogView
@@ -249,25 +249,25 @@ class Loader:
                       f"; training stops after {total} batches (mixture stop: {self.mixer.stop})")
         raise StepRangeError(f"step {step} does not exist: valid are {valid}")
 
-    def batch(self, step: int) -> Batch:
+    def batch(self, step: int, pool: ArraySource | None = None) -> Batch:
         """This process's rows of global batch ``step``: arrays of shape [rows, seq_len] that are
         the caller's to keep and change: their memory is recycled for a later batch only once
-        nothing refers to them any more (:class:`~lakeloader.feed.rows.ArrayPool`)."""
+        nothing refers to them any more (:class:`~lakeloader.feed.rows.ArrayPool`). ``pool``:
+        where the row fields' memory comes from instead (a worker's shared-memory slot)."""
         self.check_step(step)
         owners, examples = self._windows(step)
-        arrays = self._empty_batch(whole=self._whole_rows)
+        arrays = self._empty_batch(self._arrays if pool is None else pool, whole=self._whole_rows)
         fill_batch(arrays, examples)
         arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
         return arrays
 
-    def _empty_batch(self, whole: bool = False) -> Batch:
-        """The batch's arrays, padding in every row; ``whole``: every row field is about to be
-        written in full (concat windows in training), so those are left unset."""
+    def _empty_batch(self, pool: ArraySource, whole: bool = False) -> Batch:
+        """The batch's arrays from ``pool``, padding in every row; ``whole``: every row field is
+        about to be written in full (concat windows in training), so those are left unset."""
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
-        pool = self._arrays
         arrays: Batch = {name: pool.empty(shape, np.float32 if name == "loss_mask" else np.int32)
                          for name in ROW_FIELDS} if whole else {
             "input_ids": pool.full(shape, self.pad_id, np.int32), "targets": pool.full(shape, self.pad_id, np.int32),

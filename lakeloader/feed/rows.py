@@ -141,11 +141,26 @@ class StepExamples:
     dataset_ids: np.ndarray             # each local row's dataset position (-1: padding), as in batches
 
 
-_PAGE = 4096
-_STAGGER = 9 * 64   # bytes between the page offsets of successively made arrays (whole cache lines)
+PAGE = 4096
+STAGGER = 9 * 64   # bytes between the page offsets of successively made arrays (whole cache lines)
 
 
-class ArrayPool:
+class ArraySource(abc.ABC):
+    """Where a batch's arrays come from (:meth:`~lakeloader.feed.loader.Loader.batch`): memory
+    nobody else holds, with unspecified contents."""
+
+    @abc.abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+        """An array of ``shape`` and ``dtype`` with unspecified contents that nobody else holds."""
+
+    def full(self, shape: tuple[int, ...], value: Any, dtype: type | np.dtype) -> np.ndarray:
+        """:meth:`empty` filled with ``value``."""
+        found = self.empty(shape, dtype)
+        found.fill(value)
+        return found
+
+
+class ArrayPool(ArraySource):
     """Arrays for batches, each handed out again only once nothing outside the pool refers to it
     (no array, view, buffer or dict of the caller's): a caller never sees memory it holds reused,
     yet batches after the first cost no fresh memory (whose page faults cost more than filling
@@ -172,15 +187,9 @@ class ArrayPool:
                 if sys.getrefcount(kept[i][0]) == 2:
                     owner, start = kept[i]
                     return np.ndarray(shape, dtype, owner, start)
-            owner = np.empty(nbytes + 2 * _PAGE, np.uint8)
-            start = -owner.ctypes.data % _PAGE + self._made * _STAGGER % _PAGE
+            owner = np.empty(nbytes + 2 * PAGE, np.uint8)
+            start = -owner.ctypes.data % PAGE + self._made * STAGGER % PAGE
             self._made += 1
             if len(kept) < self.keep:
                 kept.append((owner, start))
             return np.ndarray(shape, dtype, owner, start)
-
-    def full(self, shape: tuple[int, ...], value: Any, dtype: type | np.dtype) -> np.ndarray:
-        """:meth:`empty` filled with ``value``."""
-        found = self.empty(shape, dtype)
-        found.fill(value)
-        return found

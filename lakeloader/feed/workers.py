@@ -3,10 +3,12 @@
 Protocol. Worker ``k`` of ``N`` opens its own loader over the same config (``make_loader``, a
 picklable callable) and builds the blocks of :data:`BLOCK` consecutive steps numbered ``k``,
 ``k + N``, ... from ``start`` (stopping before ``total``; consecutive steps share decoded row
-groups) into a ring of shared-memory slots of its own (a block and the read-ahead). For each step it sends the
-consumer one message over its pipe: ``("batch", step, slot, layout, objects)`` (the numeric
-fields' dtype, shape and offset in the slot, and the few object arrays, pickled), or
-``("error", step, exception)`` after which it builds nothing more. The consumer reads the next
+groups) into a ring of shared-memory slots of its own (a block and the read-ahead): each batch is
+built in its slot's memory (its row fields where the slot's previous batch had them), so putting
+it there copies only the few small fields. For each step it sends the consumer one message over
+its pipe: ``("batch", step, slot, layout, objects)`` (the numeric fields' dtype, shape and offset
+in the slot, and the few object arrays, pickled), or ``("error", step, exception)`` after which it
+builds nothing more. The consumer reads the next
 message of the worker owning each step (:func:`owner`), so batches come out in step order and are
 exactly the batches of one process. Where shared memory is a file of /dev/shm (Linux) it hands
 out the fields as arrays over the slot itself and sends ``("release", slot)`` back only once
@@ -29,13 +31,13 @@ with the pool's ``prefix`` (``lakeloader_<pid>_<random>``), so leaks can be foun
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import secrets
+import select
 import signal
 import sys
 import threading
@@ -49,17 +51,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.feed.rows import ArrayPool, Batch
+from lakeloader.feed.rows import ArrayPool, ArraySource, Batch
+from lakeloader.feed.slots import Slots, field_of
 
 log = logging.getLogger(__name__)
 
-ALIGN = 64
 WATCH_SECONDS = 0.2
 JOIN_SECONDS = 5.0
 BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
 LENT = 2    # slots per worker the caller may hold as its batches' memory (the ring has these extra)
 _SHM_FOLDER = "/dev/shm"
-Layout = list[tuple[str, str, tuple[int, ...], int]]   # (field, dtype, shape, offset in the slot)
 
 
 def owner(offset: int, workers: int) -> int:
@@ -70,7 +71,7 @@ def owner(offset: int, workers: int) -> int:
 class BatchSource(Protocol):
     """What a worker builds batches with (a :class:`~lakeloader.feed.loader.Loader`)."""
 
-    def batch(self, step: int) -> Batch: ...
+    def batch(self, step: int, pool: ArraySource | None = None) -> Batch: ...
 
     def close(self) -> None: ...
 
@@ -89,56 +90,17 @@ def _unlink(name: str) -> None:
     segment.unlink()
 
 
-class _Slots:
-    """A worker's ring of shared-memory slots (grown when a batch does not fit)."""
+class _Inbox:
+    """Whether a connection has a message waiting, through one poll object kept for it
+    (``Connection.poll`` builds a selector on every call: a cost per batch on both sides)."""
 
-    def __init__(self, prefix: str, worker: int, ring: int) -> None:
-        self.prefix, self.worker = prefix, worker
-        self.segments: list[shared_memory.SharedMemory | None] = [None] * ring
-        self.generation = 0
-        self.lock = threading.Lock()
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+        self.poller = select.poll()
+        self.poller.register(conn.fileno(), select.POLLIN)
 
-    def write(self, slot: int, batch: Batch) -> tuple[str, Layout, dict[str, np.ndarray]]:
-        """Copy ``batch``'s numeric fields into ``slot``: (segment name, layout, object fields)."""
-        layout: Layout = []
-        objects: dict[str, np.ndarray] = {}
-        size = 0
-        for name, values in batch.items():
-            if values.dtype == object:
-                objects[name] = values
-                continue
-            layout.append((name, values.dtype.str, values.shape, size))
-            size += -(-values.nbytes // ALIGN) * ALIGN
-        with self.lock:
-            segment = self.segments[slot]
-            if segment is None or segment.size < max(size, 1):
-                if segment is not None:
-                    segment.close()
-                    segment.unlink()
-                self.generation += 1
-                name = f"{self.prefix}_{self.worker}_{slot}_{self.generation}"
-                segment = self.segments[slot] = shared_memory.SharedMemory(name, create=True, size=max(size, 1))
-        for (name, dtype, shape, offset), values in zip(layout, (batch[f] for f, *_ in layout)):
-            target = np.ndarray(shape, np.dtype(dtype), buffer=segment.buf, offset=offset)
-            target[...] = values
-            del target
-        return segment.name, layout, objects
-
-    def unlink_all(self) -> None:
-        """Remove every segment of the ring (idempotent; called by the worker and its watchdog)."""
-        with self.lock:
-            for number, segment in enumerate(self.segments):
-                if segment is None:
-                    continue
-                self.segments[number] = None
-                try:
-                    segment.unlink()
-                except FileNotFoundError:
-                    pass  # the consumer's cleanup removed it first
-                try:
-                    segment.close()
-                except BufferError:
-                    pass  # a write in flight still maps it; the mapping ends with the process
+    def waiting(self, seconds: float = 0.0) -> bool:
+        """Whether a message (or the end of the connection) can be read within ``seconds``."""
+        return bool(self.poller.poll(seconds * 1000))
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -158,7 +120,7 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
     """Body of worker ``worker``: build its steps into its ring until stopped, the end, an
     error or the parent's death."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the consumer's to handle
-    slots = _Slots(prefix, worker, ring)
+    slots = Slots(prefix, worker, ring)
     done = threading.Event()
 
     def watchdog() -> None:
@@ -169,6 +131,7 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
 
     threading.Thread(target=watchdog, name="lakeloader-worker-watchdog", daemon=True).start()
     free = list(range(ring))
+    inbox = _Inbox(conn)
     loader: BatchSource | None = None
     step = start + worker * BLOCK
     failed = False
@@ -184,17 +147,20 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
         while True:
             # Read what the consumer sent; block only when there is nothing to build now.
             idle = failed or not free or (total is not None and step >= total)
-            if idle or conn.poll():
+            if idle or inbox.waiting():
                 if not handle(conn.recv()):
                     return
                 continue
+            slot = free.pop(0)
             try:
                 if loader is None:
                     loader = make_loader()
-                batch = loader.batch(step)
-                slot = free.pop(0)
-                message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch))
+                built = slots.pool(slot)
+                batch = loader.batch(step, built)   # built in the slot: put there without a copy
+                message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch, built))
+                del batch, built
             except Exception as exc:  # handed to the consumer, which raises it at this step
+                free.insert(0, slot)
                 exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) building step {step}:\n"
                              + "".join(traceback.format_exception(exc)))
                 message = ("error", step, _sendable(exc))
@@ -219,11 +185,12 @@ class WorkerPool:
         self.prefix = f"lakeloader_{os.getpid()}_{secrets.token_hex(4)}"
         context = multiprocessing.get_context("spawn")   # no fork of a process running threads
         self._conns: list[multiprocessing.connection.Connection] = []
+        self._inboxes: list[_Inbox] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._attached: dict[str, mmap.mmap | shared_memory.SharedMemory] = {}
         self._names: set[str] = set()
         self._arrays = ArrayPool()   # what batches are copied into: no fresh pages per batch
-        self._lent: list[list[tuple[int, list[np.ndarray]]]] = [[] for _ in range(workers)]
+        self._lent: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(workers)]
         for worker in range(workers):
             mine, theirs = context.Pipe()
             process = context.Process(
@@ -232,6 +199,7 @@ class WorkerPool:
             process.start()
             theirs.close()
             self._conns.append(mine)
+            self._inboxes.append(_Inbox(mine))
             self._processes.append(process)
         self._finalizer = weakref.finalize(self, WorkerPool._shutdown, self._conns, self._processes,
                                            self._attached, self._names)
@@ -242,10 +210,10 @@ class WorkerPool:
         return [p.pid for p in self._processes if p.pid is not None]
 
     def _receive(self, worker: int) -> tuple[Any, ...]:
-        conn, process = self._conns[worker], self._processes[worker]
-        while not conn.poll(WATCH_SECONDS):
+        conn, process, inbox = self._conns[worker], self._processes[worker], self._inboxes[worker]
+        while not inbox.waiting(WATCH_SECONDS):
             if not process.is_alive():
-                if conn.poll():
+                if inbox.waiting():
                     break
                 raise WorkerError(
                     f"loader worker {worker} (pid {process.pid}) died with exit code {process.exitcode} "
@@ -277,20 +245,18 @@ class WorkerPool:
             segment = self._attached[name] = _attach(name)
         self._release_unused()
         lend = isinstance(segment, mmap.mmap) and len(self._lent[worker]) < LENT
-        buffer = segment if isinstance(segment, mmap.mmap) else segment.buf
+        # Every field, and every view of one the caller makes, has ``slot_bytes`` as its base.
+        slot_bytes = np.frombuffer(segment if isinstance(segment, mmap.mmap) else segment.buf, np.uint8)
         batch: Batch = {}
-        flats = []
         for field, dtype, shape, offset in layout:
-            # Every view of the field (the caller's slices too) has ``flat`` as its base.
-            flat = np.frombuffer(buffer, np.dtype(dtype), math.prod(shape), offset)
+            values = field_of(slot_bytes, offset, np.dtype(dtype), shape)
             if lend:
-                flats.append(flat)
-                batch[field] = flat.reshape(shape)
+                batch[field] = values
             else:
-                batch[field] = self._arrays.empty(shape, dtype)
-                np.copyto(batch[field], flat.reshape(shape))
+                batch[field] = self._arrays.empty(shape, values.dtype)
+                np.copyto(batch[field], values)
         if lend:
-            self._lent[worker].append((slot, flats))
+            self._lent[worker].append((slot, slot_bytes))
         else:
             self._conns[worker].send(("release", slot))
         batch.update(objects)
@@ -299,11 +265,11 @@ class WorkerPool:
     def _release_unused(self) -> None:
         """Give the workers back the lent slots whose arrays nobody refers to any more."""
         for worker, lent in enumerate(self._lent):
-            for slot, flats in list(lent):
-                # References: the list, the loop's name and getrefcount's argument; any array or
-                # view of the caller's adds its own.
-                if all(sys.getrefcount(flat) == 3 for flat in flats):
-                    lent.remove((slot, flats))
+            for slot, slot_bytes in list(lent):
+                # References: the list's tuple, the loop's name and getrefcount's argument; any
+                # array or view of the caller's adds its own.
+                if sys.getrefcount(slot_bytes) == 3:
+                    lent.remove((slot, slot_bytes))
                     self._conns[worker].send(("release", slot))
 
     def close(self) -> None:
