@@ -151,7 +151,7 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                 if not handle(conn.recv()):
                     return
                 continue
-            slot = free.pop(0)
+            slot = free.pop()   # the slot given back last: the likeliest still in the caches
             try:
                 if loader is None:
                     loader = make_loader()
@@ -160,7 +160,7 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                 message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch, built))
                 del batch, built
             except Exception as exc:  # handed to the consumer, which raises it at this step
-                free.insert(0, slot)
+                free.append(slot)
                 exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) building step {step}:\n"
                              + "".join(traceback.format_exception(exc)))
                 message = ("error", step, _sendable(exc))
