@@ -52,7 +52,7 @@ import numpy as np
 
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch
-from lakeloader.feed.slots import Slots, field_of
+from lakeloader.feed.slots import SlotArrays, Slots, field_of
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,20 @@ class _Inbox:
     def waiting(self, seconds: float = 0.0) -> bool:
         """Whether a message (or the end of the connection) can be read within ``seconds``."""
         return bool(self.poller.poll(seconds * 1000))
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Drop the tracebacks of ``exc`` and the exceptions it chains (their text is in its note):
+    their frames' locals may be arrays over a slot, whose segment then could not be closed."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        found = pending.pop()
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        found.__traceback__ = None
+        pending += [found.__cause__, found.__context__]
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -152,19 +166,22 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                     return
                 continue
             slot = free.pop()   # the slot given back last: the likeliest still in the caches
+            built: SlotArrays | None = None
             try:
                 if loader is None:
                     loader = make_loader()
                 built = slots.pool(slot)
                 batch = loader.batch(step, built)   # built in the slot: put there without a copy
                 message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch, built))
-                del batch, built
+                del batch
             except Exception as exc:  # handed to the consumer, which raises it at this step
                 free.append(slot)
                 exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) building step {step}:\n"
                              + "".join(traceback.format_exception(exc)))
+                _drop_frames(exc)
                 message = ("error", step, _sendable(exc))
                 failed = True
+            built = None   # nothing here refers to a slot's memory between batches (its segment can close)
             conn.send(message)
             step += 1 if (step - start + 1) % BLOCK else (workers - 1) * BLOCK + 1
     except (EOFError, BrokenPipeError, ConnectionResetError):
