@@ -103,15 +103,17 @@ def measure_loader(config: Path) -> dict[str, float]:
     steps = max(1, dataset.train_count() // BATCH)
     rates, real = [], 0
     iterator = loader.iter_from(0)
+    first_batch = 0.0
     for epoch in range(2):
         started = time.perf_counter()
         for _ in range(steps):
             batch = next(iterator)
+            first_batch = first_batch or time.perf_counter() - started + opened
             if epoch == 1:
                 real += int(np.count_nonzero(batch["segment_ids"]))
         rates.append(steps * BATCH * SEQ / (time.perf_counter() - started))
     loader.close()
-    return {"open_s": opened, "steps": steps, "first_epoch_tokens_per_s": rates[0],
+    return {"open_s": opened, "first_batch_s": first_batch, "steps": steps, "first_epoch_tokens_per_s": rates[0],
             "tokens_per_s": rates[1], "non_padding": real / (steps * BATCH * SEQ), "peak_rss_mb": peak_rss_mb()}
 
 
@@ -181,9 +183,13 @@ def main() -> None:
     parser.add_argument("--measure", help=argparse.SUPPRESS)   # internal: one configuration
     parser.add_argument("--baseline", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--workers-build-all", action="store_true", help=argparse.SUPPRESS)   # see loader_workers.py
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.measure:
+        if args.workers_build_all:
+            from lakeloader.feed import workers
+            workers.BUILD_WHILE_STARTING = False
         print(json.dumps(measure_loader(Path(args.measure))))
         return
     if args.baseline:

@@ -1,8 +1,10 @@
 """Loader throughput with ``loader.workers`` = 0, 1, 2, ... worker processes.
 
 For B=64, L=2048, ``packing: concat``, each shuffle asked for, each worker count in a fresh
-subprocess (``loader_throughput.py --measure``): tokens/s over the second epoch (row groups
-cached in every worker), rounds interleaved, medians reported with the load average, and the
+subprocess (``loader_throughput.py --measure``): tokens/s over the second epoch with the workers
+building every batch (row groups cached in every worker: their steady state), and, as users run
+it (this process building the first batches while the workers start), tokens/s over the first
+epoch and the seconds from opening the loader to its first batch, rounds interleaved, medians reported with the load average, and the
 ratio of 2 workers to 1 (target: >= 1.7; it needs spare cores: run it where the
 workers do not share cores with each other or with other work).
 
@@ -32,19 +34,31 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if not is_built(args.size):
         build_lake(args.size)
-    rates: dict[tuple[str, int], list[float]] = {}
+    rates: dict[tuple[str, int], list[float]] = {}        # second epoch, the workers building every batch
+    firsts: dict[tuple[str, int], list[float]] = {}       # first epoch, as users run it (start included)
+    starts: dict[tuple[str, int], list[float]] = {}       # seconds from opening the loader to its first batch
     loads = [Path("/proc/loadavg").read_text().split()[0]]
     for _ in range(args.repeat):   # rounds interleaved: a change of load hits every count alike
         for shuffle in args.shuffle:
             for workers in args.workers:
-                measured = in_subprocess("--measure", str(config_for(args.size, "concat", shuffle, workers)))
-                rates.setdefault((shuffle, workers), []).append(measured["tokens_per_s"])
+                config = str(config_for(args.size, "concat", shuffle, workers))
+                # Steady state: the workers build every batch (the second epoch from their caches).
+                steady = in_subprocess("--measure", config, "--workers-build-all")
+                rates.setdefault((shuffle, workers), []).append(steady["tokens_per_s"])
+                # As users run it: this process builds the first batches while the workers start.
+                measured = in_subprocess("--measure", config) if workers else steady
+                firsts.setdefault((shuffle, workers), []).append(measured["first_epoch_tokens_per_s"])
+                starts.setdefault((shuffle, workers), []).append(measured["first_batch_s"])
         loads.append(Path("/proc/loadavg").read_text().split()[0])
     figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}", "corpus": args.size, "cores": os.cpu_count(),
                                   "repeat": args.repeat, "loadavg_1min_per_round": " ".join(loads)}
     for (shuffle, workers), found in rates.items():
         figures[f"concat_{shuffle}_workers{workers}_tokens_per_s (median)"] = round(statistics.median(found))
         figures[f"concat_{shuffle}_workers{workers}_tokens_per_s (all)"] = " ".join(f"{r / 1e6:.1f}M" for r in found)
+        figures[f"concat_{shuffle}_workers{workers}_first_epoch_tokens_per_s (median)"] = round(
+            statistics.median(firsts[shuffle, workers]))
+        figures[f"concat_{shuffle}_workers{workers}_first_batch_s (median)"] = round(
+            statistics.median(starts[shuffle, workers]), 3)
     for shuffle in args.shuffle:
         if {(shuffle, 1), (shuffle, 2)} <= rates.keys():
             figures[f"concat_{shuffle}_2_vs_1_workers (target >= 1.7)"] = round(

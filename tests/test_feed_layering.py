@@ -113,6 +113,11 @@ def test_the_lru_keeps_the_recently_used_within_its_capacity() -> None:
     assert len(sized) == 1
     sized.get("small", lambda: b"y")
     assert len(sized) == 1   # the big one went to make room
+    sized.clear()   # (what a consumer decoded while its workers started)
+    assert len(sized) == 0 and "small" not in sized
+    for key in "abcdefghij":   # its whole capacity again: the cleared bytes no longer count
+        sized.get(key, lambda: b"z")
+    assert len(sized) == 10
 
 
 def test_every_reader_cache_is_the_lru(lake: dict[str, Path]) -> None:

@@ -21,12 +21,20 @@ import yaml
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import ROW_FIELDS
+from lakeloader.feed import workers as workers_module
 from lakeloader.feed.slots import Layout, Slots, field_of
 from lakeloader.ingest.driver import build
 
 from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
 
 STEPS = 10
+
+
+@pytest.fixture(autouse=True)
+def workers_build_from_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer building the first batches while its workers start would leave these short
+    tests' batches to it: here the workers build every batch (one test turns it back on)."""
+    monkeypatch.setattr(workers_module, "BUILD_WHILE_STARTING", False)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +159,34 @@ def test_a_batch_built_in_its_slot_is_put_there_without_a_copy(lake: Path, packi
     assert not shm_segments(os.getpid())
 
 
+def test_the_consumer_builds_while_its_workers_start_then_hands_over(lake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While its workers start, the consumer builds the batches itself (its first batch does not
+    wait a worker's start); once they are ready they build from the first step it has not built.
+    Bitwise the batches of one process across the hand-over, from a resume step."""
+    monkeypatch.setattr(workers_module, "BUILD_WHILE_STARTING", True)
+    start, after = 5, 3 * workers_module.BLOCK * 2
+    config = config_of(lake, "handover-2", shuffle="full", workers=2, prefetch=2)
+    got, built_here = [], []
+    with Loader(config) as loader:
+        iterator = loader.iter_from(start)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and built_here.count(False) < after:
+            batch = next(iterator)
+            # Dropped at once: a worker's batch is then always lent (an array over its slot), one
+            # built here is pool memory of its own.
+            built_here.append(bool(batch["input_ids"].base.flags.owndata))
+            got.append({name: values.copy() for name, values in batch.items()})
+            del batch
+            time.sleep(0.001)   # a trainer's step: fewer batches for the reference below
+        iterator.close()
+    assert built_here[0] and not built_here[-1], built_here[:3]
+    handover = built_here.index(False)
+    assert built_here == [True] * handover + [False] * (len(built_here) - handover)   # never back
+    assert_batches_equal(got, one_process(config_of(lake, "handover-0", shuffle="full"),
+                                          range(start, start + len(got))))
+    assert not shm_segments(os.getpid())
+
+
 def test_resume_with_workers_equals_the_tail(lake: Path) -> None:
     reference = one_process(config_of(lake, "resume-0", shuffle="full"), range(STEPS))
     config = config_of(lake, "resume-2", shuffle="full", workers=2, prefetch=1)
@@ -188,8 +224,10 @@ def test_a_workers_error_is_raised_by_the_consumer(lake: Path, tmp_path: Path, c
 
 PARENT = textwrap.dedent("""
     import signal, sys, time
+    from lakeloader.feed import workers
     from lakeloader.feed.loader import Loader
     if __name__ == "__main__":
+        workers.BUILD_WHILE_STARTING = sys.argv[2] == "starting"
         # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when this test runs where SIGINT
         # is ignored (a job started with & by a non-interactive shell: children inherit that).
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -222,17 +260,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
-def test_no_worker_or_segment_outlives_the_parent(lake: Path, tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(("how", "phase"), [("SIGKILL", "building"), ("SIGINT", "building"), ("SIGKILL", "starting")])
+def test_no_worker_or_segment_outlives_the_parent(lake: Path, tmp_path: Path, how: str, phase: str) -> None:
+    """Killed or interrupted while its workers build batches, or while they are still starting
+    (the parent building the first batches itself), the parent leaves no worker and no segment."""
     config = config_of(lake, f"kill-{how}", shuffle="full", workers=2)
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(config)], stdout=subprocess.PIPE,
+    parent = subprocess.Popen([sys.executable, str(script), str(config), phase], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None and parent.stdout.readline().strip() == "ready", parent.stderr.read()
         workers = children(parent.pid)
-        assert len(workers) >= 2 and shm_segments(parent.pid)
+        assert len(workers) >= 2 and (phase == "starting" or shm_segments(parent.pid))
         parent.send_signal(getattr(signal, how))
         try:   # communicate, not wait: a parent blocked writing to a full pipe never exits
             parent.communicate(timeout=30)

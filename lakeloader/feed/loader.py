@@ -326,7 +326,10 @@ class Loader:
             make_loader = functools.partial(Loader, self.config, process_index=self.process_index,
                                             process_count=self.process_count, mode=self.mode,
                                             rows=self.row_indices.tolist())
-            yield from worker_batches(make_loader, self.config.loader.workers, step, total, ahead)
+            # This process builds the first batches while the workers start, then drops the row
+            # groups it decoded for them (the workers read on from their own caches).
+            yield from worker_batches(make_loader, self.config.loader.workers, step, total, ahead,
+                                      self.batch, self.files.cache.clear)
             return
         if ahead == 0:
             while total is None or step < total:

@@ -1,22 +1,25 @@
 """Batches built by worker processes into shared memory (``loader.workers: N``), handed out in step order.
 
 Protocol. Worker ``k`` of ``N`` opens its own loader over the same config (``make_loader``, a
-picklable callable) and builds the blocks of :data:`BLOCK` consecutive steps numbered ``k``,
-``k + N``, ... from ``start`` (stopping before ``total``; consecutive steps share decoded row
-groups) into a ring of shared-memory slots of its own (a block and the read-ahead): each batch is
-built in its slot's memory (its row fields where the slot's previous batch had them), so putting
-it there copies only the few small fields. For each step it sends the consumer one message over
-its pipe: ``("batch", step, slot, layout, objects)`` (the numeric fields' dtype, shape and offset
-in the slot, and the few object arrays, pickled), or ``("error", step, exception)`` after which it
-builds nothing more. The consumer reads the next
-message of the worker owning each step (:func:`owner`), so batches come out in step order and are
-exactly the batches of one process. Where shared memory is a file of /dev/shm (Linux) it hands
+picklable callable) and says so (``("ready",)``, or ``("error", None, exception)``). While the
+workers start (a spawned interpreter importing lakeloader: about a second), the consumer builds
+the batches itself; once every worker is ready it sends ``("begin", step)``, the first step it has
+not built, and worker ``k`` builds the blocks of :data:`BLOCK` consecutive steps numbered ``k``,
+``k + N``, ... from there (stopping before ``total``; consecutive steps share decoded row groups)
+into a ring of shared-memory slots of its own (a block and the read-ahead): each batch is built
+in its slot's memory (its row fields where the slot's previous batch had them), so putting it
+there copies only the few small fields. For each step it sends the consumer one message over its
+pipe: ``("batch", step, slot, layout, objects)`` (the numeric fields' dtype, shape and offset in
+the slot, and the few object arrays, pickled), or ``("error", step, exception)`` after which it
+builds nothing more. The consumer reads the next message of the worker owning each step
+(:func:`owner`), so batches come out in step order and are exactly the batches of one process
+(whichever process built them). Where shared memory is a file of /dev/shm (Linux) it hands
 out the fields as arrays over the slot itself and sends ``("release", slot)`` back only once
 nothing refers to them any more (the caller dropped the batch and its slices: no copy); elsewhere
-it copies every batch out. While :data:`LENT` slots of a worker are still held by the caller, it copies the
-next batches out into arrays nobody else holds instead (:class:`~lakeloader.feed.rows.ArrayPool`)
-and releases their slots at once, so a caller keeping every batch never stalls the workers. A
-batch the caller keeps is never overwritten.
+it copies every batch out. While :data:`LENT` slots of a worker are still held by the caller, it
+copies the next batches out into arrays nobody else holds instead
+(:class:`~lakeloader.feed.rows.ArrayPool`) and releases their slots at once, so a caller keeping
+every batch never stalls the workers. A batch the caller keeps is never overwritten.
 
 Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collection and at exit)
 sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
@@ -60,6 +63,9 @@ WATCH_SECONDS = 0.2
 JOIN_SECONDS = 5.0
 BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
 LENT = 2    # slots per worker the caller may hold as its batches' memory (the ring has these extra)
+# The consumer builds the first batches itself while its workers start (tests turn it off to have
+# the workers build every batch).
+BUILD_WHILE_STARTING = True
 _SHM_FOLDER = "/dev/shm"
 
 
@@ -128,10 +134,19 @@ def _sendable(exc: BaseException) -> BaseException:
     return WorkerError(f"{type(exc).__name__}: {exc}")
 
 
-def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: int, start: int,
-                 total: int | None, ring: int, prefix: str, conn: multiprocessing.connection.Connection,
-                 parent: int) -> None:
-    """Body of worker ``worker``: build its steps into its ring until stopped, the end, an
+def _reportable(exc: Exception, worker: int, doing: str) -> BaseException:
+    """``exc`` as sent to the consumer: a note saying where it was raised (its traceback as text),
+    the frames themselves dropped (:func:`_drop_frames`), or a WorkerError if it cannot be pickled."""
+    exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) {doing}:\n"
+                 + "".join(traceback.format_exception(exc)))
+    _drop_frames(exc)
+    return _sendable(exc)
+
+
+def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: int, total: int | None,
+                 ring: int, prefix: str, conn: multiprocessing.connection.Connection, parent: int) -> None:
+    """Body of worker ``worker``: open its loader, say so (``("ready",)``), then, from the step the
+    consumer names (``("begin", step)``), build its steps into its ring until stopped, the end, an
     error or the parent's death."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the consumer's to handle
     slots = Slots(prefix, worker, ring)
@@ -147,7 +162,6 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
     free = list(range(ring))
     inbox = _Inbox(conn)
     loader: BatchSource | None = None
-    step = start + worker * BLOCK
     failed = False
 
     def handle(message: tuple[Any, ...]) -> bool:
@@ -158,6 +172,17 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
         return False
 
     try:
+        try:
+            loader = make_loader()
+            conn.send(("ready",))
+        except Exception as exc:  # raised by the consumer once it reads it
+            conn.send(("error", None, _reportable(exc, worker, "opening its loader")))
+            failed = True
+        begin = conn.recv()
+        if begin[0] != "begin":
+            return   # stopped before building anything
+        start = begin[1]
+        step = start + worker * BLOCK
         while True:
             # Read what the consumer sent; block only when there is nothing to build now.
             idle = failed or not free or (total is not None and step >= total)
@@ -165,21 +190,17 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                 if not handle(conn.recv()):
                     return
                 continue
+            assert loader is not None
             slot = free.pop()   # the slot given back last: the likeliest still in the caches
             built: SlotArrays | None = None
             try:
-                if loader is None:
-                    loader = make_loader()
                 built = slots.pool(slot)
                 batch = loader.batch(step, built)   # built in the slot: put there without a copy
                 message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch, built))
                 del batch
             except Exception as exc:  # handed to the consumer, which raises it at this step
                 free.append(slot)
-                exc.add_note(f"raised in loader worker {worker} (pid {os.getpid()}) building step {step}:\n"
-                             + "".join(traceback.format_exception(exc)))
-                _drop_frames(exc)
-                message = ("error", step, _sendable(exc))
+                message = ("error", step, _reportable(exc, worker, f"building step {step}"))
                 failed = True
             built = None   # nothing here refers to a slot's memory between batches (its segment can close)
             conn.send(message)
@@ -194,11 +215,13 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
 
 
 class WorkerPool:
-    """``workers`` processes building batches from ``start`` on (see the module docstring)."""
+    """``workers`` processes building batches from the step :meth:`begin` names on (see the
+    module docstring)."""
 
-    def __init__(self, make_loader: Callable[[], BatchSource], workers: int, start: int, total: int | None,
-                 ring: int) -> None:
-        self.workers, self.start, self.total = workers, start, total
+    def __init__(self, make_loader: Callable[[], BatchSource], workers: int, total: int | None, ring: int) -> None:
+        self.workers, self.total = workers, total
+        self.start: int | None = None                  # the step the workers began at
+        self._starting = set(range(workers))           # workers that have not said they are ready
         self.prefix = f"lakeloader_{os.getpid()}_{secrets.token_hex(4)}"
         context = multiprocessing.get_context("spawn")   # no fork of a process running threads
         self._conns: list[multiprocessing.connection.Connection] = []
@@ -212,7 +235,7 @@ class WorkerPool:
             mine, theirs = context.Pipe()
             process = context.Process(
                 target=_worker_main, name=f"lakeloader-worker-{worker}", daemon=True,
-                args=(make_loader, worker, workers, start, total, ring, self.prefix, theirs, os.getpid()))
+                args=(make_loader, worker, workers, total, ring, self.prefix, theirs, os.getpid()))
             process.start()
             theirs.close()
             self._conns.append(mine)
@@ -245,13 +268,46 @@ class WorkerPool:
                 "spawned processes: a script that iterates a loader with loader.workers > 0 must do so "
                 "under `if __name__ == \"__main__\":` (as any multiprocessing program)") from None
 
-    def batch(self, step: int) -> Batch:
-        """Batch ``step`` (the next one in order) as arrays owned by the caller."""
-        worker = owner(step - self.start, self.workers)
+    def _take_ready(self, worker: int) -> None:
+        """Read ``worker``'s first message: ``("ready",)``, or the error it met opening its loader (raised)."""
         message = self._receive(worker)
         if message[0] == "error":
             raise message[2]
-        _, got, slot, name, layout, objects = message
+        if message[0] != "ready":
+            raise AssertionError(f"worker {worker} sent {message[0]!r} before it was ready")
+        self._starting.discard(worker)
+
+    def _next(self, worker: int) -> tuple[Any, ...]:
+        """``worker``'s next batch message; its error raised here."""
+        if worker in self._starting:
+            self._take_ready(worker)
+        message = self._receive(worker)
+        if message[0] == "error":
+            raise message[2]
+        return message
+
+    def ready(self) -> bool:
+        """Whether every worker has opened its loader, without waiting for one; a worker's error,
+        or its death, raised here."""
+        for worker in sorted(self._starting):
+            if self._inboxes[worker].waiting() or not self._processes[worker].is_alive():
+                self._take_ready(worker)
+            else:
+                return False
+        return True
+
+    def begin(self, step: int) -> None:
+        """Have the workers build batches from ``step`` on."""
+        self.start = step
+        for conn in self._conns:
+            conn.send(("begin", step))
+
+    def batch(self, step: int) -> Batch:
+        """Batch ``step`` (the next one in order) as arrays owned by the caller."""
+        if self.start is None:
+            raise AssertionError("WorkerPool.batch before begin")
+        worker = owner(step - self.start, self.workers)
+        _, got, slot, name, layout, objects = self._next(worker)
         if got != step:
             raise AssertionError(f"worker {worker} sent step {got}, expected {step}")
         self._names.add(name)
@@ -356,13 +412,26 @@ def _join_all(processes: list[multiprocessing.process.BaseProcess], seconds: flo
 
 
 def worker_batches(make_loader: Callable[[], BatchSource], workers: int, start: int, total: int | None,
-                   prefetch: int) -> Iterator[Batch]:
+                   prefetch: int, build_here: Callable[[int], Batch] | None = None,
+                   handed_over: Callable[[], None] | None = None) -> Iterator[Batch]:
     """Batches ``start, start + 1, ...`` (before ``total``) built by ``workers`` processes, about
-    ``prefetch`` ahead in all (at least one per worker); the workers stop when this closes."""
+    ``prefetch`` ahead in all (at least one per worker); the workers stop when this closes.
+
+    While the workers start (a spawned interpreter importing lakeloader takes about a second),
+    ``build_here`` (when given, and :data:`BUILD_WHILE_STARTING`) builds the batches in this
+    process; the workers begin at the first step it has not built once every one of them is
+    ready, and ``handed_over`` is called then (to free what building here kept)."""
     ring = BLOCK + max(1, -(-prefetch // workers)) + LENT
-    pool = WorkerPool(make_loader, workers, start, total, ring)
+    pool = WorkerPool(make_loader, workers, total, ring)
     try:
         step = start
+        if build_here is not None and BUILD_WHILE_STARTING:
+            while (total is None or step < total) and not pool.ready():
+                yield build_here(step)
+                step += 1
+            if handed_over is not None:
+                handed_over()
+        pool.begin(step)
         while total is None or step < total:
             yield pool.batch(step)
             step += 1

@@ -45,6 +45,12 @@ class LRU(Generic[K, V]):
         with self._lock:
             return key in self._items
 
+    def clear(self) -> None:
+        """Drop every cached value (one being computed is cached when done)."""
+        with self._lock:
+            self._items.clear()
+            self._total = 0
+
     def cached(self, keys: list[K]) -> list[V | None]:
         """The values cached under ``keys`` (None where missing; nothing computed), each marked
         as just used, as :meth:`get` would: many lookups under one lock."""
