@@ -431,7 +431,8 @@ def worker_batches(make_loader: Callable[[], BatchSource], workers: int, start: 
                 step += 1
             if handed_over is not None:
                 handed_over()
-        pool.begin(step)
+        if total is None or step < total:
+            pool.begin(step)
         while total is None or step < total:
             yield pool.batch(step)
             step += 1
