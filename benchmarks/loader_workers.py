@@ -4,9 +4,9 @@ For B=64, L=2048, ``packing: concat``, each shuffle asked for, each worker count
 subprocess (``loader_throughput.py --measure``): tokens/s over the second epoch with the workers
 building every batch (row groups cached in every worker: their steady state), and, as users run
 it (this process building the first batches while the workers start), tokens/s over the first
-epoch and the seconds from opening the loader to its first batch, rounds interleaved, medians reported with the load average, and the
-ratio of 2 workers to 1 (target: >= 1.7; it needs spare cores: run it where the
-workers do not share cores with each other or with other work).
+epoch and the seconds from opening the loader to its first batch; rounds interleaved, medians
+reported with the load average, and the ratio of 2 workers to 1 (target: >= 1.7; it needs spare
+cores: run it where the workers do not share cores with each other or with other work).
 
     .venv/bin/python benchmarks/loader_workers.py [--size bench|demo] [--workers 0 1 2 4]
         [--shuffle none full] [--repeat 3]

@@ -222,6 +222,28 @@ def test_a_workers_error_is_raised_by_the_consumer(lake: Path, tmp_path: Path, c
     assert "Exception ignored" not in capfd.readouterr().err
 
 
+def a_loader_that_cannot_open() -> Loader:
+    """A worker's ``make_loader`` failing as a config the worker cannot read would."""
+    raise ChunkIntegrityError("chunk 3 of dataset 'd' is missing: opened by a worker")
+
+
+def test_a_worker_that_cannot_open_its_loader_is_an_error_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's error opening its loader reaches the consumer, same type and message, whether the
+    consumer is still building the first batches itself or already waits for the workers'."""
+    for while_starting in (True, False):
+        monkeypatch.setattr(workers_module, "BUILD_WHILE_STARTING", while_starting)
+        built_here = []
+        batches = workers_module.worker_batches(a_loader_that_cannot_open, 2, 0, None, 2,
+                                                lambda step: built_here.append(step) or {})
+        with pytest.raises(ChunkIntegrityError, match="opened by a worker") as raised:
+            for _ in itertools.islice(batches, 100_000):
+                time.sleep(0.001)
+        assert "raised in loader worker" in "".join(raised.value.__notes__)
+        assert bool(built_here) == while_starting
+        batches.close()
+    assert not shm_segments(os.getpid())
+
+
 PARENT = textwrap.dedent("""
     import signal, sys, time
     from lakeloader.feed import workers

@@ -199,7 +199,6 @@ def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: i
                 message: tuple[Any, ...] = ("batch", step, slot, *slots.write(slot, batch, built))
                 del batch
             except Exception as exc:  # handed to the consumer, which raises it at this step
-                free.append(slot)
                 message = ("error", step, _reportable(exc, worker, f"building step {step}"))
                 failed = True
             built = None   # nothing here refers to a slot's memory between batches (its segment can close)
@@ -250,6 +249,7 @@ class WorkerPool:
         return [p.pid for p in self._processes if p.pid is not None]
 
     def _receive(self, worker: int) -> tuple[Any, ...]:
+        """``worker``'s next message; the error it reports, or its death, raised here."""
         conn, process, inbox = self._conns[worker], self._processes[worker], self._inboxes[worker]
         while not inbox.waiting(WATCH_SECONDS):
             if not process.is_alive():
@@ -260,31 +260,29 @@ class WorkerPool:
                     "without reporting an error (killed? out of memory?); lower loader.workers or the "
                     "batch size, or run with loader.workers: 0 to see the error in this process")
         try:
-            return conn.recv()
+            message = conn.recv()
         except EOFError:
             raise WorkerError(
                 f"loader worker {worker} (pid {process.pid}) ended before its first batch or closed its "
                 f"pipe (exit code {process.exitcode}; its error, if any, is on stderr above). Workers are "
                 "spawned processes: a script that iterates a loader with loader.workers > 0 must do so "
                 "under `if __name__ == \"__main__\":` (as any multiprocessing program)") from None
+        if message[0] == "error":
+            raise message[2]
+        return message
 
     def _take_ready(self, worker: int) -> None:
         """Read ``worker``'s first message: ``("ready",)``, or the error it met opening its loader (raised)."""
         message = self._receive(worker)
-        if message[0] == "error":
-            raise message[2]
         if message[0] != "ready":
             raise AssertionError(f"worker {worker} sent {message[0]!r} before it was ready")
         self._starting.discard(worker)
 
     def _next(self, worker: int) -> tuple[Any, ...]:
-        """``worker``'s next batch message; its error raised here."""
+        """``worker``'s next batch message (past its ``("ready",)``); its error raised here."""
         if worker in self._starting:
             self._take_ready(worker)
-        message = self._receive(worker)
-        if message[0] == "error":
-            raise message[2]
-        return message
+        return self._receive(worker)
 
     def ready(self) -> bool:
         """Whether every worker has opened its loader, without waiting for one; a worker's error,
