@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
 
 from conftest import (
@@ -89,6 +91,27 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
     during_loader = loader_during_build(config, builder, live)
     committed_at_start = [d.chunks.committed for d in during_loader.datasets]
     during = [during_loader.batch(step) for step in range(STEPS)]
+    builder.join()
+    assert not errors, errors
+    assert any(c < d.chunks.planned for c, d in zip(committed_at_start, during_loader.datasets))
+    assert_batches_equal(during, global_batches(config, 1, range(STEPS)))
+
+
+@pytest.mark.parametrize("while_starting", [True, False])
+def test_workers_read_while_building_equals_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   while_starting: bool) -> None:
+    """``loader.workers: 2`` in the build driver's process while chunks are still being committed:
+    the consumer reads the live catalog (building the first batches itself while its workers
+    start, or leaving every batch to them), the workers read the published snapshots and wait for
+    chunks as one process does; the batches equal those read after the build."""
+    monkeypatch.setattr(workers_module, "BUILD_WHILE_STARTING", while_starting)
+    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120, workers=2)
+    builder, live, errors = start_build_thread(config, workers=1, progress=False)
+    during_loader = loader_during_build(config, builder, live)
+    committed_at_start = [d.chunks.committed for d in during_loader.datasets]
+    iterator = during_loader.iter_from(0)
+    during = [{name: values.copy() for name, values in batch.items()} for batch in itertools.islice(iterator, STEPS)]
+    iterator.close()
     builder.join()
     assert not errors, errors
     assert any(c < d.chunks.planned for c, d in zip(committed_at_start, during_loader.datasets))

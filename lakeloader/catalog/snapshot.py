@@ -18,7 +18,7 @@ import duckdb
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import catalog_failure, connect_reader
-from lakeloader.contracts.errors import CatalogError
+from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError
 from lakeloader.storage import is_transient, remove_quietly, write_atomically, write_failure
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def open_snapshot(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckd
     for attempt in (1, 2):
         pointer = read_pointer(lake)
         if pointer is None:
-            raise CatalogError(
+            raise CatalogNotPublishedError(
                 f"lake {lake.url} has no published catalog ({POINTER} is missing): start "
                 "`lakeloader build` on it first; readers can start once its first snapshot is published"
             )

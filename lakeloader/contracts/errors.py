@@ -30,6 +30,10 @@ class CatalogError(LakeloaderError):
     """The catalog is missing, from another version, or inconsistent with the lake."""
 
 
+class CatalogNotPublishedError(CatalogError):
+    """The lake has no published catalog snapshot yet (its first build has not published one)."""
+
+
 class ChunkIntegrityError(LakeloaderError):
     """A chunk file is missing or does not match its catalog record."""
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, ShuffleConfig, load_config
-from lakeloader.contracts.errors import ConfigError, LakeloaderError, StepRangeError
+from lakeloader.contracts.errors import CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
@@ -37,6 +38,7 @@ from lakeloader.read.windows import StreamReader
 from lakeloader.specs import dataset_names, mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
+PUBLISHED_POLL_SECONDS = 0.1   # how often a worker looks for the first snapshot of the build its consumer follows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,8 +324,9 @@ class Loader:
         ahead = self.config.loader.prefetch
         if self.config.loader.workers:
             # Each worker opens its own loader over the same config and rows; a build's live
-            # catalog handle stays here: workers read the published snapshot, as other processes do.
-            make_loader = functools.partial(Loader, self.config, process_index=self.process_index,
+            # catalog handle stays here: workers read the published snapshot, as other processes do
+            # (waiting for the build's first one).
+            make_loader = functools.partial(_worker_loader, self.config, process_index=self.process_index,
                                             process_count=self.process_count, mode=self.mode,
                                             rows=self.row_indices.tolist())
             # This process builds the first batches while the workers start, then drops the row
@@ -377,3 +380,17 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _worker_loader(config: Config, **options: Any) -> Loader:
+    """A worker's loader (``loader.workers``) over ``config``. Workers read the published
+    snapshot: while the build their consumer follows has published none yet, this waits for its
+    first one (``loader.wait_timeout`` at most, as a reader waits for a chunk)."""
+    deadline = time.monotonic() + config.loader.wait_timeout
+    while True:
+        try:
+            return Loader(config, **options)
+        except CatalogNotPublishedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(PUBLISHED_POLL_SECONDS)
