@@ -10,6 +10,7 @@ touching the lake's objects, and the command line reads ``s3://`` lakes.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import subprocess
@@ -31,6 +32,7 @@ from tokenizers import Tokenizer
 
 from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.cli import main
+from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import BuildReport, build
 from lakeloader.read.catalog_view import CatalogView
@@ -396,3 +398,25 @@ def test_cli_status_and_sql_on_s3_lake(lakes: Lakes, tmp_path: Path, capsys: pyt
     with np.load(tmp_path / "env.npz") as got:
         for step, expected in enumerate(batches(lakes.s3_config, range(3))):
             assert_batches_equal({k: got[k][step] for k in got.files}, expected, f"step {step}")
+
+
+# -- 5. worker processes reading an s3:// lake ----------------------------------------------------
+
+
+@pytest.mark.parametrize("while_starting", [False, True])
+def test_workers_on_an_s3_lake_give_the_batches_of_one_process(lakes: Lakes, monkeypatch: pytest.MonkeyPatch,
+                                                               while_starting: bool) -> None:
+    """``loader.workers: 2`` on the S3 lake (every worker downloading through the shared disk
+    cache), with the workers building every batch or the consumer building the first ones while
+    they start, from step 0 and from a resume step: bitwise the batches of one process."""
+    monkeypatch.setattr(workers_module, "BUILD_WHILE_STARTING", while_starting)
+    steps = epoch_steps(lakes.s3_config)
+    reference = batches(lakes.s3_config, range(steps))
+    config = lakes.config(f"workers-2-{while_starting}", workers=2, prefetch=2)
+    for start in (0, 3):
+        with Loader(config) as loader:
+            iterator = loader.iter_from(loader.state(start))
+            got = [{name: values.copy() for name, values in batch.items()}
+                   for batch in itertools.islice(iterator, steps - start)]
+            iterator.close()
+        assert_batches_equal(got, reference[start:])
