@@ -244,6 +244,32 @@ def test_a_worker_that_cannot_open_its_loader_is_an_error_here(monkeypatch: pyte
     assert not shm_segments(os.getpid())
 
 
+UNGUARDED = textwrap.dedent("""
+    import sys
+    from lakeloader.feed import workers
+    from lakeloader.feed.loader import Loader
+    workers.BUILD_WHILE_STARTING = sys.argv[2] == "starting"
+    for step, batch in zip(range(100_000), Loader(sys.argv[1]).iter_from(0)):
+        pass
+""")
+
+
+@pytest.mark.parametrize("phase", ["starting", "building"])
+def test_a_script_without_a_main_guard_is_told_to_add_one(lake: Path, tmp_path: Path, phase: str) -> None:
+    """A script that iterates a loader with workers at its top level (no ``if __name__ ==
+    "__main__":``) has spawned workers that run it again and die starting their own: the script
+    ends with a WorkerError that says to add the guard, whatever the consumer was doing then."""
+    config = config_of(lake, "unguarded", shuffle="none", workers=2)
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED)
+    done = subprocess.run([sys.executable, str(script), str(config), phase], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lakeloader.feed.workers.WorkerError: ") and 'if __name__ == "__main__":' in last, \
+        done.stderr[-3000:]
+
+
 PARENT = textwrap.dedent("""
     import signal, sys, time
     from lakeloader.feed import workers
@@ -280,6 +306,27 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_worker_killed_while_building_is_an_error_here(lake: Path) -> None:
+    """A worker killed while it builds batches (the kernel's out-of-memory killer, say) ends the
+    consumer's iteration with a WorkerError naming the signal, not an error of the pipe beneath
+    (the consumer's messages left unread make the pipe reset), and leaves no segment."""
+    config = config_of(lake, "killed-worker", shuffle="full", workers=2, prefetch=2)
+    before = children(os.getpid())
+    with Loader(config) as loader:
+        iterator = loader.iter_from(0)
+        kept = list(itertools.islice(iterator, 6))   # kept: some of their slots stay lent
+        started = {pid for pid in children(os.getpid()) - before
+                   if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()}
+        assert len(started) == 2
+        os.kill(min(started), signal.SIGKILL)
+        with pytest.raises(workers_module.WorkerError, match="was killed by SIGKILL"):
+            for _ in itertools.islice(iterator, 1000):
+                pass
+        iterator.close()
+        del kept
+    assert not shm_segments(os.getpid())
 
 
 @pytest.mark.parametrize(("how", "phase"), [("SIGKILL", "building"), ("SIGINT", "building"), ("SIGKILL", "starting")])

@@ -249,27 +249,49 @@ class WorkerPool:
         return [p.pid for p in self._processes if p.pid is not None]
 
     def _receive(self, worker: int) -> tuple[Any, ...]:
-        """``worker``'s next message; the error it reports, or its death, raised here."""
+        """``worker``'s next message; the error it reports, or its end, raised here."""
         conn, process, inbox = self._conns[worker], self._processes[worker], self._inboxes[worker]
         while not inbox.waiting(WATCH_SECONDS):
-            if not process.is_alive():
-                if inbox.waiting():
-                    break
-                raise WorkerError(
-                    f"loader worker {worker} (pid {process.pid}) died with exit code {process.exitcode} "
-                    "without reporting an error (killed? out of memory?); lower loader.workers or the "
-                    "batch size, or run with loader.workers: 0 to see the error in this process")
+            if not process.is_alive() and not inbox.waiting():
+                raise self._ended(worker)
         try:
             message = conn.recv()
-        except EOFError:
-            raise WorkerError(
-                f"loader worker {worker} (pid {process.pid}) ended before its first batch or closed its "
-                f"pipe (exit code {process.exitcode}; its error, if any, is on stderr above). Workers are "
-                "spawned processes: a script that iterates a loader with loader.workers > 0 must do so "
-                "under `if __name__ == \"__main__\":` (as any multiprocessing program)") from None
+        except (EOFError, ConnectionError):   # its end of the pipe closed (reset: with our messages unread)
+            raise self._ended(worker) from None
         if message[0] == "error":
             raise message[2]
         return message
+
+    def _send(self, worker: int, message: tuple[Any, ...]) -> None:
+        """Send ``worker`` a message; its end, if it has ended, raised here."""
+        try:
+            self._conns[worker].send(message)
+        except ConnectionError:
+            raise self._ended(worker) from None
+
+    def _ended(self, worker: int) -> BaseException:
+        """The error to raise for ``worker`` having ended: the one it reported, if its pipe still
+        holds it, else what its exit says."""
+        conn, process, inbox = self._conns[worker], self._processes[worker], self._inboxes[worker]
+        try:
+            while inbox.waiting():
+                message = conn.recv()
+                if message[0] == "error":
+                    return message[2]
+        except (EOFError, ConnectionError):
+            pass   # the pipe is read to its end: the exit code below tells the rest
+        process.join(JOIN_SECONDS)   # (an exit not yet reaped has no code)
+        code = process.exitcode
+        if code is not None and code < 0:
+            return WorkerError(
+                f"loader worker {worker} (pid {process.pid}) was killed by {signal.Signals(-code).name} "
+                "(out of memory? killed by hand?); lower loader.workers or the batch size, or run with "
+                "loader.workers: 0 to see any error in this process")
+        return WorkerError(
+            f"loader worker {worker} (pid {process.pid}) ended (exit code {code}) without reporting an "
+            "error; its own, if any, is on stderr above. Workers are spawned processes that import the "
+            "main module again: a script that iterates a loader with loader.workers > 0 must do so "
+            "under `if __name__ == \"__main__\":` (as any multiprocessing program)")
 
     def _take_ready(self, worker: int) -> None:
         """Read ``worker``'s first message: ``("ready",)``, or the error it met opening its loader (raised)."""
@@ -297,8 +319,8 @@ class WorkerPool:
     def begin(self, step: int) -> None:
         """Have the workers build batches from ``step`` on."""
         self.start = step
-        for conn in self._conns:
-            conn.send(("begin", step))
+        for worker in range(self.workers):
+            self._send(worker, ("begin", step))
 
     def batch(self, step: int) -> Batch:
         """Batch ``step`` (the next one in order) as arrays owned by the caller."""
@@ -329,7 +351,7 @@ class WorkerPool:
         if lend:
             self._lent[worker].append((slot, slot_bytes))
         else:
-            self._conns[worker].send(("release", slot))
+            self._send(worker, ("release", slot))
         batch.update(objects)
         return batch
 
@@ -341,7 +363,7 @@ class WorkerPool:
                 # array or view of the caller's adds its own.
                 if sys.getrefcount(slot_bytes) == 3:
                     lent.remove((slot, slot_bytes))
-                    self._conns[worker].send(("release", slot))
+                    self._send(worker, ("release", slot))
 
     def close(self) -> None:
         """Stop the workers and remove every shared-memory segment (idempotent)."""
