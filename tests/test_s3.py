@@ -4,7 +4,9 @@ Sources in S3 (JSONL, JSONL.gz, Parquet) are built on the shared Dask cluster in
 the worker processes reach the endpoint only through the config's ``storage_options``. The S3 lake
 holds the same chunks and gives the same batches as a local build of the same files, a reader in
 another process reads it while it is built, the local disk cache stays within its bound without
-touching the lake's objects, and the command line reads ``s3://`` lakes.
+touching the lake's objects, the command line reads ``s3://`` lakes, loader workers read them, and
+a mixture read by the workers of two processes while its build runs, is killed and resumes gives
+the batches of the finished lake.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from test_loader import assert_batches_equal, paragraphs
 from tokenizers import Tokenizer
 
 from lakeloader.catalog.lake import Lake, open_lake
+from lakeloader.catalog.snapshot import read_pointer
 from lakeloader.cli import main
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
@@ -420,3 +423,93 @@ def test_workers_on_an_s3_lake_give_the_batches_of_one_process(lakes: Lakes, mon
                    for batch in itertools.islice(iterator, steps - start)]
             iterator.close()
         assert_batches_equal(got, reference[start:])
+
+
+# -- 6. all at once: a mixture read by workers of two processes across a killed S3 build ----------
+
+
+READER = """
+import sys
+import numpy as np
+from lakeloader.feed.loader import Loader
+if __name__ == "__main__":
+    config, index, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    got = []
+    with Loader(config, process_index=index, process_count=2) as loader:
+        for step, batch in zip(range(steps), loader.iter_from(0)):
+            got.append({name: values.copy() for name, values in batch.items()})
+            if step == 0:
+                print("first batch", flush=True)
+    np.savez(out, **{name: np.stack([batch[name] for batch in got]) for name in got[0]})
+"""
+
+
+def test_a_mixture_read_by_workers_of_two_processes_across_a_killed_s3_build(
+        s3_endpoint: str, tmp_path: Path, dask_scheduler: str) -> None:
+    """A two-dataset mixture on an S3 lake, read from its first published snapshot on by two
+    processes (half the rows each) with ``loader.workers: 2`` each, while its build runs, is
+    SIGKILLed and is resumed: each process's batches are its rows of the batches after the build."""
+    sources = tmp_path / "sources"
+    write_jsonl(sources / "a.jsonl", paragraphs("asyncio"))
+    write_jsonl(sources / "b.jsonl", paragraphs("email"))
+    upload(s3_endpoint, sources, "crashsrc")
+    raw = config_dict(f"s3://{BUCKET}/crash", [], storage_options(s3_endpoint), shuffle="none", workers=2,
+                      prefetch=2, wait_timeout=240)
+    raw["datasets"] = {name: {"sources": [f"s3://{BUCKET}/crashsrc/{name}.jsonl"]} for name in ("a", "b")}
+    raw["mixture"] = {"weights": {"a": 0.5, "b": 0.5}}
+    raw["build"]["split_size"] = "4KB"
+    config = write_yaml(tmp_path / "crash.yaml", raw)
+    tokenizer = Tokenizer.from_file(str(DEMO_TOKENIZER))
+    streams = [sum(len(e.ids) + 1 for e in tokenizer.encode_batch(paragraphs(package), add_special_tokens=False))
+               for package in ("asyncio", "email")]
+    steps = max(streams) // SEQ_LEN // (BATCH // 2) + 2   # every chunk of both datasets (half the rows each)
+    build_command = [*CLI, "build", str(config), "--scheduler", dask_scheduler, "--no-progress"]
+    builder = subprocess.Popen(build_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env_of(tmp_path / "builder-cache"))
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    readers: list[subprocess.Popen[str]] = []
+    try:
+        lake = Lake(raw["lake"], raw["storage_options"])
+        deadline = time.monotonic() + 60
+        while read_pointer(lake) is None:
+            assert builder.poll() is None, f"the build ended before publishing: {builder.communicate()}"
+            assert time.monotonic() < deadline, "the build published nothing in 60s"
+            time.sleep(0.05)
+        readers = [subprocess.Popen([sys.executable, str(script), str(config), str(index), str(steps),
+                                     str(tmp_path / f"during-{index}.npz")], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env_of(tmp_path / f"reader-cache-{index}"))
+                   for index in range(2)]
+        assert readers[0].stdout is not None
+        assert readers[0].stdout.readline().strip() == "first batch"   # read while the build runs
+        builder.kill()
+        killed_out, killed_err = builder.communicate(timeout=60)
+        assert builder.returncode == -9, f"the build ended before it was killed:\n{killed_out}\n{killed_err}"
+        view = CatalogView(lake)
+        try:   # what the killed build left published: every dataset still short of its plan
+            left = {name: (view.dataset(name).committed, view.dataset(name).planned) for name in ("a", "b")}
+        finally:
+            view.close()
+        assert all(committed < planned for committed, planned in left.values()), left
+        assert all(reader.poll() is None for reader in readers)   # still reading
+        time.sleep(1)
+        builder = subprocess.Popen(build_command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=env_of(tmp_path / "builder-cache"))
+        built_out, built_err = builder.communicate(timeout=300)
+        assert builder.returncode == 0, f"the resumed build exited {builder.returncode}:\n{built_out}\n{built_err}"
+        for reader in readers:
+            out, err = reader.communicate(timeout=300)
+            assert reader.returncode == 0, f"a reader exited {reader.returncode}:\n{out[-2000:]}\n{err[-5000:]}"
+    finally:
+        for process in (builder, *readers):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    after = batches(config, range(steps))
+    rows = BATCH // 2
+    for index in range(2):
+        with np.load(tmp_path / f"during-{index}.npz") as during:
+            for step in range(steps):
+                expected = {name: values[index * rows:(index + 1) * rows] for name, values in after[step].items()}
+                assert_batches_equal({name: during[name][step] for name in during.files}, expected,
+                                     f"process {index} step {step}")
