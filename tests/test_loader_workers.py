@@ -4,6 +4,7 @@ consumer, and no worker or shared-memory segment outlives the loader, even a SIG
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +243,17 @@ def test_a_worker_that_cannot_open_its_loader_is_an_error_here(monkeypatch: pyte
         assert "raised in loader worker" in "".join(raised.value.__notes__)
         assert bool(built_here) == while_starting
         batches.close()
+    assert not shm_segments(os.getpid())
+
+
+def test_closing_removes_a_segment_a_killed_worker_never_announced(lake: Path) -> None:
+    """A worker killed between creating a slot's segment and announcing it leaves one the
+    consumer never heard of: closing the pool finds it by the pool's name prefix and removes it."""
+    pool = workers_module.WorkerPool(functools.partial(Loader, config_of(lake, "stray", shuffle="none")), 1, None, 4)
+    stray = shared_memory.SharedMemory(f"{pool.prefix}_0_3_9", create=True, size=4096)
+    stray.close()
+    assert shm_segments(os.getpid())
+    pool.close()
     assert not shm_segments(os.getpid())
 
 

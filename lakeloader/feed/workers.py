@@ -23,7 +23,8 @@ every batch never stalls the workers. A batch the caller keeps is never overwrit
 
 Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collection and at exit)
 sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
-segment they created. Workers ignore SIGINT (Ctrl-C reaches the consumer, which closes them)
+segment they created (one a killed worker made but never announced is found by the pool's
+prefix in /dev/shm). Workers ignore SIGINT (Ctrl-C reaches the consumer, which closes them)
 and notice a dead parent (the pipe closes, or ``os.getppid`` changes: a watchdog thread polls it
 even while a batch is being built) and then unlink their segments and exit. Workers are spawned
 (no fork of a process running threads), so a script using them runs its loop under
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.2
 JOIN_SECONDS = 5.0
+SHM_FOLDER = "/dev/shm"   # where Linux lists POSIX shared-memory segments as files
 BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
 LENT = 2    # slots per worker the caller may hold as its batches' memory (the ring has these extra)
 # The consumer builds the first batches itself while its workers start (tests turn it off to have
@@ -94,6 +96,14 @@ def _unlink(name: str) -> None:
         return  # already removed by its worker: nothing left to clean
     segment.close()
     segment.unlink()
+
+
+def _listed_segments(prefix: str) -> set[str]:
+    """Names of the shared-memory segments starting with ``prefix`` + "_" where the system lists
+    them as files (Linux: /dev/shm); none elsewhere."""
+    if not os.path.isdir(SHM_FOLDER):
+        return set()
+    return {name for name in os.listdir(SHM_FOLDER) if name.startswith(prefix + "_")}
 
 
 class _Inbox:
@@ -241,7 +251,7 @@ class WorkerPool:
             self._inboxes.append(_Inbox(mine))
             self._processes.append(process)
         self._finalizer = weakref.finalize(self, WorkerPool._shutdown, self._conns, self._processes,
-                                           self._attached, self._names)
+                                           self._attached, self._names, self.prefix)
 
     @property
     def pids(self) -> list[int]:
@@ -372,7 +382,8 @@ class WorkerPool:
     @staticmethod
     def _shutdown(conns: list[multiprocessing.connection.Connection],
                   processes: list[multiprocessing.process.BaseProcess],
-                  attached: dict[str, mmap.mmap | shared_memory.SharedMemory], names: set[str]) -> None:
+                  attached: dict[str, mmap.mmap | shared_memory.SharedMemory], names: set[str],
+                  prefix: str) -> None:
         for conn in conns:
             try:
                 conn.send(("stop",))
@@ -394,8 +405,10 @@ class WorkerPool:
         for segment in attached.values():
             _close(segment)
         attached.clear()
-        for name in names:
-            _unlink(name)   # a worker that was killed could not remove its own
+        # A worker that was killed could not remove its own: those it announced, and any it made
+        # but was killed before announcing.
+        for name in sorted(names | _listed_segments(prefix)):
+            _unlink(name)
 
 
 def _attach(name: str) -> mmap.mmap | shared_memory.SharedMemory:
