@@ -32,13 +32,12 @@ from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, ArraySource, Batch, Example, StepExamples, fill_batch
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
-from lakeloader.read.catalog_view import CatalogView
+from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.windows import StreamReader
 from lakeloader.specs import dataset_names, mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
-PUBLISHED_POLL_SECONDS = 0.1   # how often a worker looks for the first snapshot of the build its consumer follows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,4 +392,4 @@ def _worker_loader(config: Config, **options: Any) -> Loader:
         except CatalogNotPublishedError:
             if time.monotonic() >= deadline:
                 raise
-            time.sleep(PUBLISHED_POLL_SECONDS)
+            time.sleep(POLL_SECONDS)   # (as a reader polls for a chunk)

@@ -62,13 +62,12 @@ log = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.2
 JOIN_SECONDS = 5.0
-SHM_FOLDER = "/dev/shm"   # where Linux lists POSIX shared-memory segments as files
 BLOCK = 4   # consecutive steps per worker: neighbouring steps share row groups (decoded once)
 LENT = 2    # slots per worker the caller may hold as its batches' memory (the ring has these extra)
 # The consumer builds the first batches itself while its workers start (tests turn it off to have
 # the workers build every batch).
 BUILD_WHILE_STARTING = True
-_SHM_FOLDER = "/dev/shm"
+_SHM_FOLDER = "/dev/shm"   # where Linux lists POSIX shared-memory segments as files
 
 
 def owner(offset: int, workers: int) -> int:
@@ -101,9 +100,9 @@ def _unlink(name: str) -> None:
 def _listed_segments(prefix: str) -> set[str]:
     """Names of the shared-memory segments starting with ``prefix`` + "_" where the system lists
     them as files (Linux: /dev/shm); none elsewhere."""
-    if not os.path.isdir(SHM_FOLDER):
+    if not os.path.isdir(_SHM_FOLDER):
         return set()
-    return {name for name in os.listdir(SHM_FOLDER) if name.startswith(prefix + "_")}
+    return {name for name in os.listdir(_SHM_FOLDER) if name.startswith(prefix + "_")}
 
 
 class _Inbox:
