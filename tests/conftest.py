@@ -58,6 +58,47 @@ def write_parquet(path: Path, texts: list[str | None], row_group_size: int = 4) 
     return path
 
 
+def shm_segments(pid: int) -> list[str]:
+    """The loader-worker shared-memory segments of process ``pid`` left in /dev/shm."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"lakeloader_{pid}_")]
+
+
+def children(pid: int) -> set[int]:
+    """Process ids whose parent is ``pid`` (zombies included)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def spawned_workers(before: set[int]) -> set[int]:
+    """Live children of this process not in ``before`` (loader workers), the shared-memory
+    resource tracker excepted (it serves the interpreter, not a loader)."""
+    found = set()
+    for pid in children(os.getpid()) - before:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if alive(pid) and b"resource_tracker" not in command:
+            found.add(pid)
+    return found
+
+
 def write_config(tmp: Path, datasets: dict[str, Any], **sections: Any) -> Path:
     """A config file in ``tmp`` for a lake in ``tmp/lake`` with the demo tokenizer."""
     config = {"lake": str(tmp / "lake"), "tokenizer": str(DEMO_TOKENIZER), "datasets": datasets}

@@ -25,7 +25,8 @@ from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import Batch
 from lakeloader.ingest.driver import build
 
-from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+from conftest import (assert_batches_equal, children, shm_segments, spawned_workers, stdlib_texts, write_config,
+                      write_jsonl)
 
 BATCH = 8
 SCRIBBLE = -7   # what a user writes into a batch it keeps
@@ -68,28 +69,6 @@ class Oracle:
         return {k: v[rows] for k, v in self.batches[step].items()}
 
 
-def shm_segments() -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"lakeloader_{os.getpid()}_")]
-
-
-def worker_children(before: set[int]) -> set[int]:
-    """Live children of this process started since ``before`` (the shared-memory resource
-    tracker excepted: it serves the interpreter, not a loader)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in before:
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            command = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in command:
-            found.add(int(entry))
-    return found
-
-
 def sessions(lake: Path, oracles: dict[tuple[str, str], Oracle]) -> type[RuleBasedStateMachine]:
     """The state machine of one trainer's session over ``lake`` (oracles shared across runs)."""
 
@@ -100,7 +79,7 @@ def sessions(lake: Path, oracles: dict[tuple[str, str], Oracle]) -> type[RuleBas
             if key not in oracles:
                 oracles[key] = Oracle(config_of(lake, packing, shuffle))
             self.packing, self.shuffle, self.oracle = packing, shuffle, oracles[key]
-            self.children_before = worker_children(set())
+            self.children_before = children(os.getpid())
             self.loader: Loader | None = None
             self.iterator: Any = None
             self.next_step = 0
@@ -196,10 +175,10 @@ def sessions(lake: Path, oracles: dict[tuple[str, str], Oracle]) -> type[RuleBas
             gc.collect()
             workers_module.BUILD_WHILE_STARTING = True
             deadline = time.monotonic() + 30
-            while (worker_children(self.children_before) or shm_segments()) and time.monotonic() < deadline:
+            while (spawned_workers(self.children_before) or shm_segments(os.getpid())) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not worker_children(self.children_before), "worker processes outlived the session"
-            assert not shm_segments(), "shared-memory segments outlived the session"
+            assert not spawned_workers(self.children_before), "worker processes outlived the session"
+            assert not shm_segments(os.getpid()), "shared-memory segments outlived the session"
 
     return TrainingSession
 

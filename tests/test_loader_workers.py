@@ -27,7 +27,8 @@ from lakeloader.feed import workers as workers_module
 from lakeloader.feed.slots import Layout, Slots, field_of
 from lakeloader.ingest.driver import build
 
-from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+from conftest import (alive, assert_batches_equal, children, shm_segments, spawned_workers, stdlib_texts,
+                      write_config, write_jsonl)
 
 STEPS = 10
 
@@ -70,10 +71,6 @@ def from_workers(config: Path, start: int, count: int) -> list[dict[str, np.ndar
         batches = list(itertools.islice(iterator, count))
         iterator.close()
     return batches
-
-
-def shm_segments(pid: int) -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"lakeloader_{pid}_")]
 
 
 @pytest.mark.parametrize(("packing", "shuffle"), [("concat", "none"), ("concat", "full"), ("pack", "none"),
@@ -301,26 +298,6 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def children(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_worker_killed_while_building_is_an_error_here(lake: Path) -> None:
     """A worker killed while it builds batches (the kernel's out-of-memory killer, say) ends the
     consumer's iteration with a WorkerError naming the signal, not an error of the pipe beneath
@@ -330,8 +307,7 @@ def test_a_worker_killed_while_building_is_an_error_here(lake: Path) -> None:
     with Loader(config) as loader:
         iterator = loader.iter_from(0)
         kept = list(itertools.islice(iterator, 6))   # kept: some of their slots stay lent
-        started = {pid for pid in children(os.getpid()) - before
-                   if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()}
+        started = spawned_workers(before)
         assert len(started) == 2
         os.kill(min(started), signal.SIGKILL)
         with pytest.raises(workers_module.WorkerError, match="was killed by SIGKILL"):
