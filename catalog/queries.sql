@@ -209,7 +209,14 @@ WHERE d.name = $name;
 -- Per-chunk counts of the committed prefix: all a reader needs to seek (each chunk's path and
 -- checksum come with its row groups when it is read: reader_row_groups_of). Unsorted (a sort of
 -- every chunk costs more than the reader's scatter by global_index).
-SELECT global_index, num_docs, num_tokens, num_parts
+SELECT global_index, num_docs, num_tokens
+FROM chunks WHERE dataset = $name AND global_index < $prefix;
+
+-- name: reader_chunk_parts
+-- Parts of each kind per chunk of the committed prefix (reader_chunks' order), for templates that
+-- add tokens around parts; a reader of any other template never reads the list column (~7 ms of a
+-- loader's open at 200,000 chunks).
+SELECT global_index, num_parts
 FROM chunks WHERE dataset = $name AND global_index < $prefix;
 
 -- name: packing_plan_registered
@@ -226,9 +233,17 @@ ORDER BY e.global_index;
 -- name: reader_row_groups_of
 -- The row groups of the chunks a batch's rows lie in, with each chunk's file record. Only the
 -- columns a reader needs: on a cold catalog every column costs its reads for rows spread over the
--- table (~3 ms each for 64 chunks of 200,000); first_doc is counted from num_docs instead.
-SELECT r.global_index, r.num_docs, r.num_tokens, r.num_parts,
+-- table (~3-6 ms each for 64 chunks of 200,000); first_doc is counted from num_docs instead, and
+-- the parts of each kind come from reader_row_group_parts_of only for templates that count them.
+SELECT r.global_index, r.num_docs, r.num_tokens,
        c.path, c.num_bytes, c.checksum, c.shard_index
+FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
+WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'
+ORDER BY r.global_index, r.row_group;
+
+-- name: reader_row_group_parts_of
+-- Parts of each kind per row group of committed chunks (reader_row_groups_of's rows and order).
+SELECT r.num_parts
 FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
 WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'
 ORDER BY r.global_index, r.row_group;

@@ -213,6 +213,11 @@ class Template:
         return np.array([len(p) + len(s) for p, s in zip(self.part_prefix, self.part_suffix)], np.int64)
 
     @functools.cached_property
+    def counts_parts(self) -> bool:
+        """Whether rendered lengths depend on how many parts of each kind a document has."""
+        return bool(self.part_overhead.any())
+
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Hash of everything that decides rendered tokens and their loss."""
         payload = {

@@ -20,7 +20,8 @@ class GrowingDataset:
         self.view = view
         self.reader = reader
         self.wait_timeout = wait_timeout
-        self._set(view.dataset(name, self.plan_key))
+        self.part_counts = reader.template.counts_parts   # whether rendered lengths need them
+        self._set(view.dataset(name, self.plan_key, self.part_counts))
 
     def _set(self, chunks: DatasetChunks) -> None:
         self.chunks = chunks
@@ -30,7 +31,8 @@ class GrowingDataset:
         """Wait for the next chunk of the committed prefix (or for the dataset to be complete)."""
         if self.chunks.complete:
             raise AssertionError("complete datasets never wait")
-        self._set(self.view.wait_for(self.name, self.chunks.committed, self.wait_timeout, self.plan_key))
+        self._set(self.view.wait_for(self.name, self.chunks.committed, self.wait_timeout, self.plan_key,
+                                     self.part_counts))
 
     @property
     def fingerprint(self) -> str:
@@ -40,5 +42,6 @@ class GrowingDataset:
     def complete_chunks(self) -> DatasetChunks:
         """The dataset once every chunk is committed (waits for the build if needed)."""
         while not self.chunks.complete:
-            self._set(self.view.wait_for(self.name, self.chunks.planned - 1, self.wait_timeout, self.plan_key))
+            self._set(self.view.wait_for(self.name, self.chunks.planned - 1, self.wait_timeout, self.plan_key,
+                                         self.part_counts))
         return self.chunks

@@ -65,14 +65,19 @@ def fim_choice(fim: Fim | None, chunk: int, chunk_docs: int, docs: np.ndarray,
 # -- lengths (no tokens needed) -------------------------------------------------------------------
 
 def stream_lengths(template: Template, num_tokens: np.ndarray, num_docs: np.ndarray,
-                   num_parts: np.ndarray, fim_docs: np.ndarray) -> np.ndarray:
+                   num_parts: np.ndarray | None, fim_docs: np.ndarray) -> np.ndarray:
     """Rendered tokens of whole chunks or row groups from their stored counts: tokens, documents,
-    parts per kind (``[n, kinds]``) and FIM documents. ``n`` may be 0 (a dataset with no
-    committed chunk yet, or a chunk without row groups): the result is then empty."""
-    kinds = len(template.part_overhead)   # not -1: numpy cannot infer it from an empty array
-    return (np.asarray(num_tokens, np.int64) + np.asarray(num_docs, np.int64) * template.doc_overhead
-            + np.asarray(num_parts, np.int64).reshape(len(num_tokens), kinds) @ template.part_overhead
-            + FIM_SENTINELS * np.asarray(fim_docs, np.int64))
+    parts per kind (``[n, kinds]``; None will do where ``template.counts_parts`` is false) and FIM
+    documents. ``n`` may be 0 (a dataset with no committed chunk yet, or a chunk without row
+    groups): the result is then empty."""
+    lengths = (np.asarray(num_tokens, np.int64) + np.asarray(num_docs, np.int64) * template.doc_overhead
+               + FIM_SENTINELS * np.asarray(fim_docs, np.int64))
+    if template.counts_parts:
+        if num_parts is None:
+            raise ValueError("the template adds tokens around parts: their counts per kind are needed")
+        kinds = len(template.part_overhead)   # not -1: numpy cannot infer it from an empty array
+        lengths += np.asarray(num_parts, np.int64).reshape(len(num_tokens), kinds) @ template.part_overhead
+    return lengths
 
 
 def doc_lengths(template: Template, part_lengths: np.ndarray, part_kinds: np.ndarray,

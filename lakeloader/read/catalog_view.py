@@ -62,7 +62,7 @@ class DatasetChunks:
     num_docs: np.ndarray           # int64 per chunk
     num_tokens: np.ndarray         # int64 per chunk
     token_type: str
-    num_parts: np.ndarray          # int64 [chunks, kinds]: parts of each kind
+    num_parts: np.ndarray | None   # int64 [chunks, kinds]: parts of each kind (None: not asked for)
     num_examples: np.ndarray | None = None   # int64 per chunk under a packing plan (pack | pad)
     filtered: bool = False         # defined by a filter: chunk files hold more than its documents
     records: Callable[[int], ChunkRecord] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -110,6 +110,14 @@ class ChunkShards(Mapping[int, int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.chunks.committed))
+
+
+def _rows_by_chunk(table: pa.Table, prefix: int) -> np.ndarray:
+    """The row of ``table`` (one per chunk of a committed prefix of ``prefix``, any order) holding
+    each chunk, by global index."""
+    row = np.empty(prefix, np.int64)
+    row[table.column("global_index").to_numpy()] = np.arange(prefix)
+    return row
 
 
 def part_lists(column: pa.ListArray | pa.ChunkedArray, kinds: int) -> np.ndarray:
@@ -245,11 +253,12 @@ class CatalogView:
         with self.reading() as cursor:
             return cursor.sql(query(name), params=params).to_arrow_table()
 
-    def dataset(self, name: str, plan_key: str | None = None) -> DatasetChunks:
+    def dataset(self, name: str, plan_key: str | None = None, part_counts: bool = True) -> DatasetChunks:
         """The committed prefix of dataset ``name``; with a packing ``plan_key``, the prefix of
         chunks whose example counts under that plan are kept, with those counts. Per-chunk counts
-        only (int64 arrays, a few queries whatever the number of chunks); the paths and checksums
-        of chunks come with the row groups of the chunks a batch reads (:meth:`row_groups_of`)."""
+        only (int64 arrays, a few queries whatever the number of chunks; the parts of each kind
+        only with ``part_counts``); the paths and checksums of chunks come with the row groups of
+        the chunks a batch reads (:meth:`row_groups_of`)."""
         plan = self.named("reader_dataset", {"name": name}, FetchOne)
         if plan is None:
             raise CatalogError(
@@ -270,13 +279,16 @@ class CatalogView:
             raise CatalogError(f"the catalog of {self.lake.url} lists {table.num_rows} of the {prefix} chunks "
                                f"of dataset {name!r}'s committed prefix: it is damaged; restore it with "
                                "`lakeloader build CONFIG --recover-catalog`")
-        row = np.empty(prefix, np.int64)   # row of the result holding each chunk (global order)
-        row[table.column("global_index").to_numpy()] = np.arange(prefix)
+        row = _rows_by_chunk(table, prefix)
+        num_parts = None
+        if part_counts:
+            parts = self.named_table("reader_chunk_parts", {"name": name, "prefix": prefix})
+            num_parts = part_lists(parts.column("num_parts"), len(kinds))[_rows_by_chunk(parts, prefix)]
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
             num_docs=table.column("num_docs").to_numpy().astype(np.int64)[row],
             num_tokens=table.column("num_tokens").to_numpy().astype(np.int64)[row],
-            token_type=token_type, num_parts=part_lists(table.column("num_parts"), len(kinds))[row],
+            token_type=token_type, num_parts=num_parts,
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
             filtered=source is not None, records=functools.partial(self.chunk_record, name),
         )
@@ -328,12 +340,16 @@ class CatalogView:
         path, size, checksum, shard = row
         return ChunkRecord(path, int(size), checksum, int(shard))
 
-    def row_groups_of(self, name: str, global_indexes: list[int]) -> dict[int, dict[str, np.ndarray]]:
-        """Counts (``num_docs``, ``num_tokens``, ``num_parts``) and first document (``first_doc``,
-        within the chunk) of each row group of committed chunks ``global_indexes``, in row-group
-        order, from one query that also brings (and keeps) those chunks' records
-        (:meth:`chunk_record`)."""
-        rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes}, FetchNumpy)
+    def row_groups_of(self, name: str, global_indexes: list[int],
+                      part_counts: bool = True) -> dict[int, dict[str, np.ndarray]]:
+        """Counts (``num_docs``, ``num_tokens``, and ``num_parts`` with ``part_counts``) and first
+        document (``first_doc``, within the chunk) of each row group of committed chunks
+        ``global_indexes``, in row-group order, from one query that also brings (and keeps) those
+        chunks' records (:meth:`chunk_record`), and one for the parts."""
+        params = {"name": name, "global_indexes": global_indexes}
+        rows = self.named("reader_row_groups_of", params, FetchNumpy)
+        if part_counts:
+            rows["num_parts"] = self.named("reader_row_group_parts_of", params, FetchNumpy)["num_parts"]
         index = np.asarray(rows.pop("global_index"), np.int64)
         # A row group's first document follows its chunk's earlier row groups' documents (as the
         # writer stores it), counted here rather than read.
@@ -352,12 +368,14 @@ class CatalogView:
                         **{k: np.asarray(v)[a:b] for k, v in rows.items()}}
                 for chunk, a, b in zip(global_indexes, bounds, ends)}
 
-    def wait_for(self, name: str, chunk: int, timeout: float, plan_key: str | None = None) -> DatasetChunks:
-        """Block until chunk ``chunk`` of ``name`` is committed or the dataset is complete."""
+    def wait_for(self, name: str, chunk: int, timeout: float, plan_key: str | None = None,
+                 part_counts: bool = True) -> DatasetChunks:
+        """Block until chunk ``chunk`` of ``name`` is committed or the dataset is complete
+        (:meth:`dataset` then)."""
         deadline = time.monotonic() + timeout
         announced = False
         while True:
-            chunks = self.dataset(name, plan_key)
+            chunks = self.dataset(name, plan_key, part_counts)
             if chunk < chunks.committed or chunks.complete:
                 return chunks
             if not announced:

@@ -267,7 +267,7 @@ class StreamReader:
         found = self._row_groups.cached(keys)
         missing = sorted({chunk for chunk, value in zip(wanted, found) if value is None})
         if missing:
-            rows = self.view.row_groups_of(chunks.name, missing)
+            rows = self.view.row_groups_of(chunks.name, missing, self.template.counts_parts)
             for i, chunk in enumerate(wanted):
                 if found[i] is None:
                     found[i] = self._row_groups.get(keys[i], lambda c=chunk: self._groups(chunks, c, rows[c]))
@@ -276,7 +276,7 @@ class StreamReader:
     def _groups(self, chunks: DatasetChunks, chunk: int,
                 groups: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         if groups is None:
-            groups = self.view.row_groups_of(chunks.name, [chunk])[chunk]
+            groups = self.view.row_groups_of(chunks.name, [chunk], self.template.counts_parts)[chunk]
         first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
         num_docs = groups["num_docs"].astype(np.int64)
         fim_docs = np.zeros(len(first_doc), np.int64)
@@ -285,8 +285,8 @@ class StreamReader:
             docs = np.arange(int(chunks.num_docs[chunk]), dtype=np.int64)
             selected = self._fim(chunks, chunk, docs, np.zeros(len(docs), np.int64))[0]
             fim_docs = np.add.reduceat(selected.astype(np.int64), first_doc) if len(docs) else fim_docs
-        lengths = stream_lengths(self.template, groups["num_tokens"], num_docs,
-                                 part_matrix(groups["num_parts"], len(self.template.kind_names)), fim_docs)
+        num_parts = part_matrix(groups["num_parts"], len(self.template.kind_names)) if "num_parts" in groups else None
+        lengths = stream_lengths(self.template, groups["num_tokens"], num_docs, num_parts, fim_docs)
         return cumulative(lengths), first_doc
 
     def rendered_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
