@@ -9,8 +9,13 @@ process that imports lakeloader (not timed), opens a ``Loader`` and reads one ba
 N ...`` it measures the same on copies of the lake's catalog grown to N chunks each (the built
 chunks repeated: :mod:`lakeloader.demo.many_chunks`; the chunk files are shared).
 
+With ``verify: checksum`` a process hashes each chunk file it opens unless an earlier process on
+the machine recorded it unchanged since (:mod:`lakeloader.read.hash_records`): by default one
+unmeasured run per case comes first, as a resumed run finds the machine; ``--first-on-machine``
+clears the records before every run instead, so that each one hashes its files.
+
     .venv/bin/python benchmarks/loader_start.py [--size bench|demo] [--verify checksum|size]
-                                                [--chunks 2000 20000 200000]
+                                                [--chunks 2000 20000 200000] [--first-on-machine]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import yaml
 from _common import OUT, REPO, report
 
 BATCH, SEQ = 64, 2048
+CACHE = OUT / "start-cache"   # LAKELOADER_CACHE of the measured processes (their hash records)
 KINDS = ("none", "window", "block", "full")
 STEPS = (10, 100_000)
 ROUNDS = 3
@@ -109,6 +115,9 @@ def main() -> None:
                         "windows reach; later batches decode whole row groups)")
     parser.add_argument("--chunks", type=int, nargs="*", default=[],
                         help="also measure on copies of the lake's catalog grown to these numbers of chunks")
+    parser.add_argument("--first-on-machine", action="store_true",
+                        help="clear the records of chunk files hashed before every run (each run hashes "
+                        "the files it opens); by default one unmeasured run per case makes them first")
     parser.add_argument("--measure", nargs=2, metavar=("CONFIG", "STEP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -116,18 +125,28 @@ def main() -> None:
         return
     configs = {kind: lake_config(args.size, args.verify, kind, args.row_group_tokens) for kind in KINDS}
     figures: dict[str, object] = {"size": args.size, "verify": args.verify, "row_group_tokens": args.row_group_tokens,
-                                  "batch": BATCH, "seq_len": SEQ}
+                                  "batch": BATCH, "seq_len": SEQ,
+                                  "hash records": "cleared before each run" if args.first_on_machine
+                                  else "made by an unmeasured run first"}
+    environment = {**os.environ, "LAKELOADER_CACHE": str(CACHE)}
+    shutil.rmtree(CACHE, ignore_errors=True)
+
+    def run(config: Path, step: int) -> dict[str, float]:
+        if args.first_on_machine:
+            shutil.rmtree(CACHE, ignore_errors=True)
+        out = subprocess.run([sys.executable, __file__, "--measure", str(config), str(step)],
+                             check=True, capture_output=True, text=True, env=environment).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
     lakes: dict[str, dict[str, Path]] = {"": configs}
     for chunks in args.chunks:
         lakes[f"{chunks:,} chunks, "] = {kind: grown_config(configs[kind], kind, chunks) for kind in KINDS}
     for label, lake in lakes.items():
         for kind in KINDS:
+            if not args.first_on_machine:
+                run(lake[kind], STEPS[0])
             for step in STEPS:
-                runs = []
-                for _ in range(ROUNDS):
-                    out = subprocess.run([sys.executable, __file__, "--measure", str(lake[kind]), str(step)],
-                                         check=True, capture_output=True, text=True).stdout
-                    runs.append(json.loads(out.strip().splitlines()[-1]))
+                runs = [run(lake[kind], step) for _ in range(ROUNDS)]
                 opened = statistics.median(r["open"] for r in runs)
                 first = statistics.median(r["first"] for r in runs)
                 total = statistics.median(r["open"] + r["first"] for r in runs)

@@ -335,7 +335,9 @@ class LoaderConfig(_Strict):
     workers: int = Field(default=0, ge=0, le=256, description=(
         "Worker processes building batches into shared memory (0: in this process); same batches."))
     verify: Literal["checksum", "size"] = Field(default="checksum", description=(
-        "How each chunk file is checked once before use (page checksums are checked on every read)."))
+        "How each chunk file is checked once before use: its size, and with checksum its sha256 (hashed "
+        "once per process, and for a local lake once per machine while the file is unchanged); page "
+        "checksums are checked on every read."))
     cache_bytes: int = Field(default=256 * 2**20, description=(
         "Bytes of decoded row groups kept in memory (a size): about 2 bytes per token when the "
         "vocabulary fits 16 bits, least recently used first out."))

@@ -122,8 +122,9 @@ def dask_scheduler() -> Iterator[str]:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LAKELOADER_CACHE", str(tmp_path / "cache"))
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Beside the test's tmp_path, not in it: tests list what they write there.
+    monkeypatch.setenv("LAKELOADER_CACHE", str(tmp_path_factory.mktemp("cache")))
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 

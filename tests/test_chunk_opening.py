@@ -1,10 +1,14 @@
 """Opening chunk files: each is checked against the catalog once, even by threads opening it
-together; footers are parsed once per file, not once per row group read, and a chunk file rebuilt
-in place (same path, other bytes) is never read with the footer of its former bytes."""
+together, and hashed again by a later process only once it has changed; footers are parsed once
+per file, not once per row group read, and a chunk file rebuilt in place (same path, other bytes)
+is never read with the footer of its former bytes."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -14,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import lakeloader.read.chunks as chunks_module
+import lakeloader.read.hash_records as hashed_module
 from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.read.catalog_view import CatalogView
@@ -74,14 +79,14 @@ def test_threads_opening_a_chunk_together_hash_it_once(built_lake: Path, monkeyp
     do): the file is hashed once. A chunk failing its check fails every thread, and is checked
     again on the next read (the failure is not remembered: a repaired file then reads)."""
     hashed: list[str] = []
-    real = chunks_module.sha256_of
+    real = hashed_module.sha256_of
 
     def slow(handle: object) -> str:
         hashed.append(threading.current_thread().name)
         time.sleep(0.2)   # every other thread opens the chunk meanwhile
         return real(handle)
 
-    monkeypatch.setattr(chunks_module, "sha256_of", slow)
+    monkeypatch.setattr(hashed_module, "sha256_of", slow)
     lake = open_lake(built_lake)
     view = CatalogView(lake)
     chunks = view.dataset("d")
@@ -110,4 +115,98 @@ def test_threads_opening_a_chunk_together_hash_it_once(built_lake: Path, monkeyp
     assert all(isinstance(e, ChunkIntegrityError) and "sha256" in str(e) for e in errors), errors
     path.write_bytes(intact)
     assert len(files.read_row_group(chunks, 1, 0).values) > 0
+    view.close()
+
+
+def _hash_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files hashed from now on (each time one is)."""
+    hashed: list[str] = []
+    real = hashed_module.sha256_of
+
+    def spy(handle: object) -> str:
+        hashed.append(os.readlink(f"/proc/self/fd/{handle.fileno()}"))   # type: ignore[attr-defined]
+        return real(handle)
+
+    monkeypatch.setattr(hashed_module, "sha256_of", spy)
+    return hashed
+
+
+def _read_every_chunk(lake: object, chunks: object) -> list[np.ndarray]:
+    """Row group 0 of every chunk, read by a new ChunkFiles (as a new process would)."""
+    files = ChunkFiles(lake, "checksum", 0, 0)   # type: ignore[arg-type]
+    return [files.read_row_group(chunks, c, 0).values for c in range(chunks.committed)]   # type: ignore[attr-defined]
+
+
+def test_a_later_process_hashes_a_chunk_file_again_only_once_it_changed(
+        built_lake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files hashed and found as the catalog says are recorded on the machine: a later reader
+    (a new ChunkFiles, as in a new process) reads them without hashing. A byte changed in place,
+    even with the file's modification time set back, is hashed again and refused; so is a file
+    whose record names another checksum or is damaged; the intact file reads again."""
+    monkeypatch.setattr(hashed_module, "RACY_SECONDS", 0.0)   # the copy was just written
+    hashed = _hash_spy(monkeypatch)
+    lake = open_lake(built_lake)
+    view = CatalogView(lake)
+    chunks = view.dataset("d")
+    paths = [os.path.realpath(lake.path_of(chunks.record(c).path)) for c in range(chunks.committed)]
+    first = _read_every_chunk(lake, chunks)
+    assert sorted(hashed) == sorted(paths) and len(paths) >= 3
+    records = sorted(Path(lake.cache_dir, "hashed").glob("*.json"))
+    assert len(records) == len(paths)
+
+    hashed.clear()
+    again = _read_every_chunk(lake, chunks)
+    assert hashed == []
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+    victim = Path(paths[1])
+    intact, times = victim.read_bytes(), victim.stat()
+    victim.write_bytes(intact[:100] + bytes([intact[100] ^ 1]) + intact[101:])   # same size, other bytes
+    os.utime(victim, ns=(times.st_atime_ns, times.st_mtime_ns))                  # and the same mtime
+    with pytest.raises(ChunkIntegrityError, match="sha256"):
+        ChunkFiles(lake, "checksum", 0, 0).read_row_group(chunks, 1, 0)
+    assert hashed == [str(victim)]
+    victim.write_bytes(intact)
+    hashed.clear()
+    assert all(np.array_equal(a, b) for a, b in zip(first, _read_every_chunk(lake, chunks)))
+    assert hashed == [str(victim)]   # recorded again: the next reader hashes nothing
+    hashed.clear()
+    _read_every_chunk(lake, chunks)
+    assert hashed == []
+
+    record = records[0]
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "sha256": "0" * 64}))
+    _read_every_chunk(lake, chunks)
+    record.write_text("{not json")
+    _read_every_chunk(lake, chunks)
+    assert hashed == [kept["path"], kept["path"]]
+    assert json.loads(record.read_text()) == kept
+    view.close()
+
+
+def test_a_file_changed_just_before_it_is_hashed_is_not_recorded(
+        built_lake: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A file whose times are within RACY_SECONDS of its hash (a write then could keep them on a
+    file system with coarse times) is hashed by every reader. A cache folder that cannot be
+    written is a warning naming it, once, and reading goes on."""
+    hashed = _hash_spy(monkeypatch)
+    lake = open_lake(built_lake)
+    view = CatalogView(lake)
+    chunks = view.dataset("d")
+    path = os.path.realpath(lake.path_of(chunks.record(0).path))
+    os.utime(path)   # changed now
+    for _ in range(2):
+        _read_every_chunk(lake, chunks)
+    assert hashed.count(path) == 2
+
+    monkeypatch.setattr(hashed_module, "RACY_SECONDS", 0.0)
+    Path(lake.cache_dir).mkdir(parents=True, exist_ok=True)
+    Path(lake.cache_dir, "hashed").write_text("a file where the records' folder should be")
+    hashed.clear()
+    with caplog.at_level(logging.WARNING, logger=hashed_module.__name__):
+        values = _read_every_chunk(lake, chunks)
+    assert len(values) == chunks.committed and len(hashed) == chunks.committed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(Path(lake.cache_dir, "hashed")) in warnings[0], warnings
     view.close()

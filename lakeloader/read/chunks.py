@@ -30,6 +30,7 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
+from lakeloader.read.hash_records import HashRecords
 from lakeloader.read.lru import LRU
 from lakeloader.read.pages import leaf_column, read_column_ranges
 from lakeloader.storage import sha256_of, with_retries
@@ -106,6 +107,9 @@ class ChunkFiles:
         self.verify = verify
         self.cache = RowGroupCache(cache_bytes)
         self.disk = None if lake.is_local else DiskCache(lake, disk_cache_bytes)
+        # A local lake's files hashed by an earlier process stay vouched for while unchanged (the
+        # disk cache touches its copies on every use: they are hashed once per process).
+        self.hash_records = HashRecords(lake.cache_dir) if lake.is_local else None
         self._verified: LRU[str, bool] = LRU(sys.maxsize)   # paths checked against the catalog (never evicted)
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
@@ -147,9 +151,7 @@ class ChunkFiles:
         if size != record.num_bytes:
             problem = f"has {size} bytes, the catalog says {record.num_bytes}"
         elif self.verify == "checksum":
-            handle.seek(0)
-            digest = sha256_of(handle)
-            handle.seek(0)
+            digest = self._sha256(path, handle, record.checksum)
             if digest != record.checksum:
                 problem = f"has sha256 {digest[:16]}…, the catalog says {record.checksum[:16]}…"
         if problem:
@@ -159,6 +161,15 @@ class ChunkFiles:
                 "damaged chunks of the lake."
             )
         return True
+
+    def _sha256(self, path: str, handle: pa.NativeFile, expected: str) -> str:
+        """The sha256 of lake file ``path`` open as ``handle`` (left at its start)."""
+        if self.hash_records is not None:
+            return self.hash_records.sha256(self.lake.path_of(path), handle, expected)
+        handle.seek(0)
+        digest = sha256_of(handle)
+        handle.seek(0)
+        return digest
 
     @contextlib.contextmanager
     def _parquet(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, pq.ParquetFile]]:
