@@ -9,6 +9,8 @@ import concurrent.futures
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -131,6 +133,30 @@ def _hash_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return hashed
 
 
+_OTHER_PROCESS = """
+import json, sys
+import lakeloader.read.hash_records as records
+from lakeloader.catalog.lake import open_lake
+from lakeloader.read.catalog_view import CatalogView
+from lakeloader.read.chunks import ChunkFiles
+hashed, real = [], records.sha256_of
+records.sha256_of = lambda handle: hashed.append(handle.fileno()) or real(handle)
+lake = open_lake(sys.argv[1])
+chunks = CatalogView(lake).dataset("d")
+files = ChunkFiles(lake, "checksum", 0, 0)
+for chunk in range(chunks.committed):
+    files.read_row_group(chunks, chunk, 0)
+print(json.dumps(hashed))
+"""
+
+
+def _hashed_by_another_process(config: Path) -> list[int]:
+    """What a fresh Python process reading row group 0 of every chunk hashes (from another folder)."""
+    done = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, str(config)], capture_output=True, text=True,
+                          check=True, cwd="/", env=os.environ)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _read_every_chunk(lake: object, chunks: object) -> list[np.ndarray]:
     """Row group 0 of every chunk, read by a new ChunkFiles (as a new process would)."""
     files = ChunkFiles(lake, "checksum", 0, 0)   # type: ignore[arg-type]
@@ -158,6 +184,7 @@ def test_a_later_process_hashes_a_chunk_file_again_only_once_it_changed(
     again = _read_every_chunk(lake, chunks)
     assert hashed == []
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert _hashed_by_another_process(built_lake) == []
 
     victim = Path(paths[1])
     intact, times = victim.read_bytes(), victim.stat()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,6 +84,11 @@ def test_plain_text_is_documents_with_bos_and_eos_all_trained():
     rendered = render(template, np.array([5, 6, 7]), np.array([2, 1]), np.zeros(2, int), np.arange(2), 2)
     assert rendered.tokens.tolist() == [BOS, 5, 6, EOS, BOS, 7, EOS]
     assert rendered.trainable.all()
+    # Its lengths need no part counts (readers do not fetch them); a chat template's do.
+    assert not template.counts_parts and _chat_template().counts_parts
+    assert stream_lengths(template, [3], [2], None, [0]).tolist() == [len(rendered.tokens)]
+    with pytest.raises(ValueError, match="counts per kind"):
+        stream_lengths(_chat_template(), [3], [2], None, [0])
 
 
 FIM = Fim(rate=0.5, spm_rate=0.5, prefix=PRE, middle=MID, suffix=SUF, key=12345)
