@@ -235,17 +235,22 @@ ORDER BY e.global_index;
 -- columns a reader needs: on a cold catalog every column costs its reads for rows spread over the
 -- table (~3-6 ms each for 64 chunks of 200,000); first_doc is counted from num_docs instead, and
 -- the parts of each kind come from reader_row_group_parts_of only for templates that count them.
+-- Both tables are filtered by the chunks asked for (semi-joins): then the chunks' strings are read
+-- for those rows only (at 200,000 chunks ~15 ms cold against ~19-24 ms filtering the row groups
+-- alone; at 22 chunks ~1 ms more).
 SELECT r.global_index, r.num_docs, r.num_tokens,
        c.path, c.num_bytes, c.checksum, c.shard_index
 FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
-WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'
+WHERE r.dataset = $name AND c.dataset = $name AND c.status = 'committed'
+  AND r.global_index IN (SELECT unnest($global_indexes)) AND c.global_index IN (SELECT unnest($global_indexes))
 ORDER BY r.global_index, r.row_group;
 
 -- name: reader_row_group_parts_of
 -- Parts of each kind per row group of committed chunks (reader_row_groups_of's rows and order).
 SELECT r.num_parts
 FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
-WHERE r.dataset = $name AND list_contains($global_indexes, r.global_index) AND c.status = 'committed'
+WHERE r.dataset = $name AND c.dataset = $name AND c.status = 'committed'
+  AND r.global_index IN (SELECT unnest($global_indexes)) AND c.global_index IN (SELECT unnest($global_indexes))
 ORDER BY r.global_index, r.row_group;
 
 -- name: reader_chunk_record
