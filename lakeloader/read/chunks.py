@@ -30,10 +30,10 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
-from lakeloader.read.hash_records import HashRecords
+from lakeloader.read.hash_records import HashRecords, whole_sha256
 from lakeloader.read.lru import LRU
 from lakeloader.read.pages import leaf_column, read_column_ranges
-from lakeloader.storage import sha256_of, with_retries
+from lakeloader.storage import with_retries
 
 # Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
 # otherwise parses its file's footer again, a cost that grows with the file's row groups).
@@ -166,10 +166,7 @@ class ChunkFiles:
         """The sha256 of lake file ``path`` open as ``handle`` (left at its start)."""
         if self.hash_records is not None:
             return self.hash_records.sha256(self.lake.path_of(path), handle, expected)
-        handle.seek(0)
-        digest = sha256_of(handle)
-        handle.seek(0)
-        return digest
+        return whole_sha256(handle)
 
     @contextlib.contextmanager
     def _parquet(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, pq.ParquetFile]]:

@@ -29,6 +29,14 @@ RACY_SECONDS = 2.0
 _FOLDER = "hashed"
 
 
+def whole_sha256(handle: Any) -> str:
+    """The sha256 of everything in the seekable binary file ``handle`` (left at its start)."""
+    handle.seek(0)
+    digest = sha256_of(handle)
+    handle.seek(0)
+    return digest
+
+
 def _identity(stat: os.stat_result) -> list[int]:
     return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
@@ -52,9 +60,7 @@ class HashRecords:
         if self._vouches(path, descriptor, expected):
             return expected
         hashed_from, hashed_at_ns = os.fstat(descriptor), time.time_ns()
-        handle.seek(0)
-        digest = sha256_of(handle)
-        handle.seek(0)
+        digest = whole_sha256(handle)
         if digest == expected:
             self._remember(path, descriptor, digest, hashed_from, hashed_at_ns)
         return digest
