@@ -208,15 +208,10 @@ WHERE d.name = $name;
 -- name: reader_chunks
 -- Per-chunk counts of the committed prefix: all a reader needs to seek (each chunk's path and
 -- checksum come with its row groups when it is read: reader_row_groups_of). Unsorted (a sort of
--- every chunk costs more than the reader's scatter by global_index).
-SELECT global_index, num_docs, num_tokens
-FROM chunks WHERE dataset = $name AND global_index < $prefix;
-
--- name: reader_chunk_parts
--- Parts of each kind per chunk of the committed prefix (reader_chunks' order), for templates that
--- add tokens around parts; a reader of any other template never reads the list column (~7 ms of a
--- loader's open at 200,000 chunks).
-SELECT global_index, num_parts
+-- every chunk costs more than the reader's scatter by global_index). The parts of each kind only
+-- with $part_counts (templates that add tokens around parts): otherwise NULL, and the list column
+-- is never read (~5 ms of a loader's open at 200,000 chunks).
+SELECT global_index, num_docs, num_tokens, CASE WHEN $part_counts THEN num_parts END AS num_parts
 FROM chunks WHERE dataset = $name AND global_index < $prefix;
 
 -- name: packing_plan_registered
@@ -234,20 +229,12 @@ ORDER BY e.global_index;
 -- The row groups of the chunks a batch's rows lie in, with each chunk's file record. Only the
 -- columns a reader needs: on a cold catalog every column costs its reads for rows spread over the
 -- table (~3-6 ms each for 64 chunks of 200,000); first_doc is counted from num_docs instead, and
--- the parts of each kind come from reader_row_group_parts_of only for templates that count them.
+-- the parts of each kind are read only with $part_counts (as in reader_chunks).
 -- Both tables are filtered by the chunks asked for (semi-joins): then the chunks' strings are read
 -- for those rows only (at 200,000 chunks ~15 ms cold against ~19-24 ms filtering the row groups
 -- alone; at 22 chunks ~1 ms more).
-SELECT r.global_index, r.num_docs, r.num_tokens,
+SELECT r.global_index, r.num_docs, r.num_tokens, CASE WHEN $part_counts THEN r.num_parts END AS num_parts,
        c.path, c.num_bytes, c.checksum, c.shard_index
-FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
-WHERE r.dataset = $name AND c.dataset = $name AND c.status = 'committed'
-  AND r.global_index IN (SELECT unnest($global_indexes)) AND c.global_index IN (SELECT unnest($global_indexes))
-ORDER BY r.global_index, r.row_group;
-
--- name: reader_row_group_parts_of
--- Parts of each kind per row group of committed chunks (reader_row_groups_of's rows and order).
-SELECT r.num_parts
 FROM row_groups r JOIN chunks c ON c.dataset = r.dataset AND c.global_index = r.global_index
 WHERE r.dataset = $name AND c.dataset = $name AND c.status = 'committed'
   AND r.global_index IN (SELECT unnest($global_indexes)) AND c.global_index IN (SELECT unnest($global_indexes))

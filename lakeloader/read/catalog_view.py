@@ -112,14 +112,6 @@ class ChunkShards(Mapping[int, int]):
         return iter(range(self.chunks.committed))
 
 
-def _rows_by_chunk(table: pa.Table, prefix: int) -> np.ndarray:
-    """The row of ``table`` (one per chunk of a committed prefix of ``prefix``, any order) holding
-    each chunk, by global index."""
-    row = np.empty(prefix, np.int64)
-    row[table.column("global_index").to_numpy()] = np.arange(prefix)
-    return row
-
-
 def part_lists(column: pa.ListArray | pa.ChunkedArray, kinds: int) -> np.ndarray:
     """A LIST column of per-kind counts as an int64 ``[rows, kinds]`` matrix without a Python
     loop over rows; missing or empty lists count zero."""
@@ -274,16 +266,14 @@ class CatalogView:
             # The prefix ends at the first chunk without counts.
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
             prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
-        table = self.named_table("reader_chunks", {"name": name, "prefix": prefix})
+        table = self.named_table("reader_chunks", {"name": name, "prefix": prefix, "part_counts": part_counts})
         if table.num_rows != prefix:
             raise CatalogError(f"the catalog of {self.lake.url} lists {table.num_rows} of the {prefix} chunks "
                                f"of dataset {name!r}'s committed prefix: it is damaged; restore it with "
                                "`lakeloader build CONFIG --recover-catalog`")
-        row = _rows_by_chunk(table, prefix)
-        num_parts = None
-        if part_counts:
-            parts = self.named_table("reader_chunk_parts", {"name": name, "prefix": prefix})
-            num_parts = part_lists(parts.column("num_parts"), len(kinds))[_rows_by_chunk(parts, prefix)]
+        row = np.empty(prefix, np.int64)   # row of the result holding each chunk (global order)
+        row[table.column("global_index").to_numpy()] = np.arange(prefix)
+        num_parts = part_lists(table.column("num_parts"), len(kinds))[row] if part_counts else None
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
             num_docs=table.column("num_docs").to_numpy().astype(np.int64)[row],
@@ -345,11 +335,11 @@ class CatalogView:
         """Counts (``num_docs``, ``num_tokens``, and ``num_parts`` with ``part_counts``) and first
         document (``first_doc``, within the chunk) of each row group of committed chunks
         ``global_indexes``, in row-group order, from one query that also brings (and keeps) those
-        chunks' records (:meth:`chunk_record`), and one for the parts."""
-        params = {"name": name, "global_indexes": global_indexes}
-        rows = self.named("reader_row_groups_of", params, FetchNumpy)
-        if part_counts:
-            rows["num_parts"] = self.named("reader_row_group_parts_of", params, FetchNumpy)["num_parts"]
+        chunks' records (:meth:`chunk_record`)."""
+        rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes,
+                                                   "part_counts": part_counts}, FetchNumpy)
+        if not part_counts:
+            del rows["num_parts"]   # (NULL: not read)
         index = np.asarray(rows.pop("global_index"), np.int64)
         # A row group's first document follows its chunk's earlier row groups' documents (as the
         # writer stores it), counted here rather than read.
