@@ -21,9 +21,9 @@ import pytest
 
 import lakeloader.read.chunks as chunks_module
 import lakeloader.read.hash_records as hashed_module
-from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.contracts.errors import ChunkIntegrityError
-from lakeloader.read.catalog_view import CatalogView
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
 
 
@@ -136,8 +136,8 @@ def _hash_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 _OTHER_PROCESS = """
 import json, sys
 import lakeloader.read.hash_records as records
-from lakeloader.catalog.lake import open_lake
-from lakeloader.read.catalog_view import CatalogView
+from lakeloader.catalog.lake import Lake, open_lake
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
 hashed, real = [], records.sha256_of
 records.sha256_of = lambda handle: hashed.append(handle.fileno()) or real(handle)
@@ -157,10 +157,10 @@ def _hashed_by_another_process(config: Path) -> list[int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _read_every_chunk(lake: object, chunks: object) -> list[np.ndarray]:
+def _read_every_chunk(lake: Lake, chunks: DatasetChunks) -> list[np.ndarray]:
     """Row group 0 of every chunk, read by a new ChunkFiles (as a new process would)."""
-    files = ChunkFiles(lake, "checksum", 0, 0)   # type: ignore[arg-type]
-    return [files.read_row_group(chunks, c, 0).values for c in range(chunks.committed)]   # type: ignore[attr-defined]
+    files = ChunkFiles(lake, "checksum", 0, 0)
+    return [files.read_row_group(chunks, c, 0).values for c in range(chunks.committed)]
 
 
 def test_a_later_process_hashes_a_chunk_file_again_only_once_it_changed(
