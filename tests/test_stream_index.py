@@ -1,6 +1,7 @@
 """The stream index of row groups a reader has met: windows located in it are the row groups a
-plain scan over the held chunks finds, whatever the order chunks were added in, with row groups
-and chunks without tokens, and across the index starting afresh at its size bound."""
+plain scan over the held chunks finds (the one holding a window whole, or the pieces of each row
+group a window reaches), whatever the order chunks were added in, with row groups and chunks
+without tokens, and across the index starting afresh at its size bound."""
 
 from __future__ import annotations
 
@@ -69,6 +70,25 @@ def _check_located(chunks: list[list[int]], data: st.DataObject, bound: int) -> 
                 assert (int(index.position[row]), int(index.group[row])) == (position, group)
                 assert start - int(index.start[row]) == offset
                 assert int(index.first_doc[row]) == group * 3
+        rows, groups, lo, hi = index.reached(starts, length)
+        pieces = [(int(index.position[g]), int(index.group[g]), a, b)
+                  for g, a, b in zip(groups.tolist(), lo.tolist(), hi.tolist())]
+        for k, start in enumerate(starts.tolist()):
+            mine = [piece for row, piece in zip(rows.tolist(), pieces) if row == k]
+            assert mine == _scan_pieces(chunks, held, start, length)
+
+
+def _scan_pieces(chunks: list[list[int]], held: set[int], start: int, length: int) -> list[tuple[int, int, int, int]]:
+    """(chunk position, row group, first and one past the last offset within it) of each held row
+    group the window reaches a token of, in stream order."""
+    found, at = [], 0
+    for position, lengths in enumerate(chunks):
+        for group, size in enumerate(lengths):
+            lo, hi = max(start, at), min(start + length, at + size)
+            if position in held and hi > lo:
+                found.append((position, group, lo - at, hi - at))
+            at += size
+    return found
 
 
 def test_an_empty_index_locates_nothing() -> None:

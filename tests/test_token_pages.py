@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import lakeloader.ingest.chunk as chunk_module
 import lakeloader.read.chunks as chunks_module
+import lakeloader.read.pages as pages_module
 from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.chunk_file import TOKENS_COLUMN, ChunkParts, open_chunk
 from lakeloader.contracts.errors import ChunkIntegrityError
@@ -159,6 +160,85 @@ def test_a_range_reaching_a_damaged_page_raises() -> None:
     assert read([(0, first)]) is not None
     with pytest.raises(PageChecksumError, match="page_ordinal 3"):
         read([(0, 1), (first, first + 1)])
+
+
+# -- page headers: a Thrift compact-protocol writer of the tests' own -----------------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n >> 7 else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _zigzag(n: int) -> bytes:
+    return _varint((n << 1) ^ (n >> 63))
+
+
+def _struct_bytes(fields: list[tuple[int, int, Any]]) -> bytes:
+    """A compact-protocol struct of ``(field id, Thrift type, value)`` in the order given (a field
+    id not 1-15 past the last one written takes the long form)."""
+    out, last = bytearray(), 0
+    for field_id, kind, value in fields:
+        wire_kind = (1 if value else 2) if kind == 1 else kind
+        out += bytes([(field_id - last) << 4 | wire_kind]) if 0 < field_id - last <= 15 else bytes([wire_kind]) + _zigzag(field_id)
+        last = field_id
+        out += _value_bytes(kind, value)
+    return bytes(out + b"\x00")
+
+
+def _value_bytes(kind: int, value: Any, in_list: bool = False) -> bytes:
+    if kind == 1:   # bool: in the field's type, a byte in a list
+        return bytes([1 if value else 2]) if in_list else b""
+    if kind in (5, 6):   # i32, i64
+        return _zigzag(value)
+    if kind == 7:   # double
+        return bytes(8)
+    if kind == 8:   # binary
+        return _varint(len(value)) + value
+    if kind == 9:   # list: (element type, elements)
+        element, items = value
+        head = bytes([len(items) << 4 | element]) if len(items) < 15 else bytes([0xF0 | element]) + _varint(len(items))
+        return head + b"".join(_value_bytes(element, item, True) for item in items)
+    if kind == 12:
+        return _struct_bytes(value)
+    raise AssertionError(kind)
+
+
+EXTRA_FIELDS = st.lists(st.tuples(st.integers(6, 40), st.one_of(
+    st.tuples(st.just(1), st.booleans()), st.tuples(st.just(6), st.integers(-2**63, 2**63 - 1)),
+    st.tuples(st.just(7), st.just(0.0)), st.tuples(st.just(8), st.binary(max_size=20)),
+    st.tuples(st.just(9), st.tuples(st.just(5), st.lists(st.integers(-2**31, 2**31 - 1), max_size=20))),
+    st.tuples(st.just(9), st.tuples(st.just(1), st.lists(st.booleans(), max_size=3))),
+    st.tuples(st.just(12), st.lists(st.tuples(st.integers(1, 3), st.just(8), st.binary(max_size=8)), max_size=3)),
+)).map(lambda t: (t[0], *t[1])), max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1), st.integers(-2**31, 2**31 - 1)),
+       values=st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
+       with_crc=st.booleans(), extra=EXTRA_FIELDS, nested_extra=EXTRA_FIELDS, data=st.data())
+def test_page_headers_read_as_written(sizes: tuple[int, int, int], values: tuple[int, int, int, int], with_crc: bool,
+                                      extra: list[tuple[int, int, Any]], nested_extra: list[tuple[int, int, Any]],
+                                      data: st.DataObject) -> None:
+    """A page header with fields of every kind a writer may add (skipped), in any order: its
+    sizes, CRC and data page header read back, the page's bytes found where the header ends; cut
+    short anywhere, it is refused (the column chunk is then left to pyarrow)."""
+    uncompressed, compressed, crc = sizes
+    data_page = data.draw(st.permutations([(i + 1, 5, v) for i, v in enumerate(values)] + nested_extra))
+    fields = [(1, 5, 0), (2, 5, uncompressed), (3, 5, compressed), (5, 12, data_page)] + ([(4, 5, crc)] if with_crc else [])
+    encoded = _struct_bytes(data.draw(st.permutations(fields + extra)))
+    before = b"\x07" * data.draw(st.integers(0, 3))
+    header, end = read_page_header(memoryview(before + encoded + b"\x99"), len(before))
+    assert end == len(before) + len(encoded)
+    assert (header.type, header.uncompressed_page_size, header.compressed_page_size) == (0, uncompressed, compressed)
+    assert header.crc == (crc if with_crc else None)
+    assert header.data_page_header == values
+    cut = data.draw(st.integers(0, len(encoded) - 1))
+    with pytest.raises(pages_module._NotDecoded):
+        read_page_header(memoryview(before + encoded[:cut]), len(before))
 
 
 def test_written_files_have_many_pages() -> None:

@@ -6,10 +6,10 @@ the caller reads it with pyarrow, so every valid file still reads, to the same v
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import zlib
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -42,16 +42,14 @@ class _NotDecoded(Exception):
     pyarrow then reports them as it always has)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DataPageHeader:
+class DataPageHeader(NamedTuple):
     num_values: int                 # level entries (values, nulls and empty lists), not values
     encoding: int
     definition_level_encoding: int
     repetition_level_encoding: int
 
 
-@dataclasses.dataclass(frozen=True)
-class PageHeader:
+class PageHeader(NamedTuple):
     type: int
     uncompressed_page_size: int
     compressed_page_size: int
@@ -59,97 +57,106 @@ class PageHeader:
     data_page_header: DataPageHeader | None = None   # data pages v1 only (any other is left to pyarrow)
 
 
-class _CompactReader:
-    """The Thrift compact protocol, as much as page headers need; any other field is skipped."""
+# One Thrift struct's fields by id: integers and booleans as values, nested structs as their fields.
+_Fields = dict[int, "int | bool | _Fields"]
 
-    def __init__(self, data: bytes | memoryview, pos: int) -> None:
-        self.data = data
-        self.pos = pos
 
-    def byte(self) -> int:
-        if self.pos >= len(self.data):
+def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """(the unsigned varint at ``data[pos]``, where it ends)."""
+    value = shift = 0
+    end = len(data)
+    while True:
+        if pos >= end:
             raise _NotDecoded("page header runs past the column chunk")
-        self.pos += 1
-        return self.data[self.pos - 1]
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise _NotDecoded("varint longer than 10 bytes in a page header")
 
-    def varint(self) -> int:
-        value = shift = 0
-        while True:
-            b = self.byte()
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return value
-            shift += 7
-            if shift > 63:
-                raise _NotDecoded("varint longer than 10 bytes in a page header")
 
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def advance(self, count: int) -> None:
-        if count < 0 or self.pos + count > len(self.data):
+def _struct(data: bytes | memoryview, pos: int, depth: int = 0) -> tuple[_Fields, int]:
+    """The Thrift compact-protocol struct at ``data[pos]`` (its fields of other types skipped), and
+    where it ends. One pass over the bytes: a loader's first batch walks the headers of many pages."""
+    if depth > _MAX_DEPTH:
+        raise _NotDecoded("page header nests too deep")
+    found: _Fields = {}
+    field_id = 0
+    end = len(data)
+    while True:
+        if pos >= end:
             raise _NotDecoded("page header runs past the column chunk")
-        self.pos += count
-
-    def fields(self) -> dict[int, int | bool | tuple[int, int]]:
-        """One struct's fields by id: integers and booleans as values, nested structs as
-        ``(start, end)`` positions of their fields (read again with :meth:`at`), others skipped."""
-        found: dict[int, int | bool | tuple[int, int]] = {}
-        field_id = 0
-        while True:
-            head = self.byte()
-            if head == 0:
-                return found
-            kind, delta = head & 0x0F, head >> 4
-            field_id = field_id + delta if delta else self.zigzag()
-            if kind in (_TRUE, _FALSE):
-                found[field_id] = kind == _TRUE
-            elif kind in (_I16, _I32, _I64):
-                found[field_id] = self.zigzag()
-            elif kind == _STRUCT:
-                start = self.pos
-                self.skip(_STRUCT, 1)
-                found[field_id] = (start, self.pos)
-            else:
-                self.skip(kind, 0)
-
-    def skip(self, kind: int, depth: int, in_collection: bool = False) -> None:
-        if depth > _MAX_DEPTH:
-            raise _NotDecoded("page header nests too deep")
-        if kind in (_TRUE, _FALSE):
-            if in_collection:   # a struct field's boolean is in its type; a list's takes a byte
-                self.advance(1)
-        elif kind == _BYTE:
-            self.advance(1)
-        elif kind in (_I16, _I32, _I64):
-            self.varint()
-        elif kind == _DOUBLE:
-            self.advance(8)
-        elif kind == _BINARY:
-            self.advance(self.varint())
-        elif kind in (_LIST, _SET):
-            head = self.byte()
-            size = head >> 4 if head >> 4 != 15 else self.varint()
-            for _ in range(size):   # each element takes at least a byte: bounded by the data
-                self.skip(head & 0x0F, depth + 1, True)
-        elif kind == _MAP:
-            size = self.varint()
-            types = self.byte() if size else 0
-            for _ in range(size):
-                self.skip(types >> 4, depth + 1, True)
-                self.skip(types & 0x0F, depth + 1, True)
-        elif kind == _STRUCT:
-            while (head := self.byte()) != 0:
-                if not head >> 4:
-                    self.zigzag()
-                self.skip(head & 0x0F, depth + 1)
+        head = data[pos]
+        pos += 1
+        if not head:
+            return found, pos
+        kind = head & 0x0F
+        if head >> 4:
+            field_id += head >> 4
         else:
-            raise _NotDecoded(f"unknown Thrift type {kind} in a page header")
+            number, pos = _varint(data, pos)
+            field_id = (number >> 1) ^ -(number & 1)
+        if _I16 <= kind <= _I64:
+            number, pos = _varint(data, pos)
+            found[field_id] = (number >> 1) ^ -(number & 1)
+        elif kind == _TRUE or kind == _FALSE:
+            found[field_id] = kind == _TRUE
+        elif kind == _STRUCT:
+            found[field_id], pos = _struct(data, pos, depth + 1)
+        else:
+            pos = _skip(data, pos, kind, depth + 1)
 
 
-def _int(fields: dict[int, int | bool | tuple[int, int]], field_id: int, name: str,
-         default: int | None = None) -> int:
+def _skip(data: bytes | memoryview, pos: int, kind: int, depth: int, in_collection: bool = False) -> int:
+    """Where the value of Thrift type ``kind`` at ``data[pos]`` ends."""
+    if depth > _MAX_DEPTH:
+        raise _NotDecoded("page header nests too deep")
+    if kind in (_TRUE, _FALSE):
+        return pos + 1 if in_collection else pos   # a struct field's boolean is in its type; a list's takes a byte
+    if kind == _BYTE:
+        size = 1
+    elif kind in (_I16, _I32, _I64):
+        return _varint(data, pos)[1]
+    elif kind == _DOUBLE:
+        size = 8
+    elif kind == _BINARY:
+        size, pos = _varint(data, pos)
+    elif kind in (_LIST, _SET):
+        if pos >= len(data):
+            raise _NotDecoded("page header runs past the column chunk")
+        head = data[pos]
+        pos += 1
+        count = head >> 4
+        if count == 15:
+            count, pos = _varint(data, pos)
+        for _ in range(count):   # each element takes at least a byte: bounded by the data
+            pos = _skip(data, pos, head & 0x0F, depth + 1, True)
+        return pos
+    elif kind == _MAP:
+        count, pos = _varint(data, pos)
+        types = 0
+        if count:
+            if pos >= len(data):
+                raise _NotDecoded("page header runs past the column chunk")
+            types = data[pos]
+            pos += 1
+        for _ in range(count):
+            pos = _skip(data, pos, types >> 4, depth + 1, True)
+            pos = _skip(data, pos, types & 0x0F, depth + 1, True)
+        return pos
+    elif kind == _STRUCT:
+        return _struct(data, pos, depth)[1]
+    else:
+        raise _NotDecoded(f"unknown Thrift type {kind} in a page header")
+    if pos + size > len(data):
+        raise _NotDecoded("page header runs past the column chunk")
+    return pos + size
+
+
+def _int(fields: _Fields, field_id: int, name: str, default: int | None = None) -> int:
     value = fields.get(field_id, default)
     if not isinstance(value, int) or isinstance(value, bool):
         raise _NotDecoded(f"page header without a valid {name}")
@@ -158,19 +165,10 @@ def _int(fields: dict[int, int | bool | tuple[int, int]], field_id: int, name: s
 
 def read_page_header(data: bytes | memoryview, pos: int) -> tuple[PageHeader, int]:
     """The page header starting at ``data[pos]`` and where the page's bytes start."""
-    reader = _CompactReader(data, pos)
-    fields = reader.fields()
-    end = reader.pos
-
-    def nested(field_id: int) -> dict[int, int | bool | tuple[int, int]] | None:
-        span = fields.get(field_id)
-        if span is None:
-            return None
-        if not isinstance(span, tuple):
-            raise _NotDecoded(f"page header field {field_id} is not a struct")
-        return _CompactReader(data, span[0]).fields()
-
-    v1 = nested(5)
+    fields, end = _struct(data, pos)
+    v1 = fields.get(5)
+    if v1 is not None and not isinstance(v1, dict):
+        raise _NotDecoded("page header field 5 is not a struct")
     crc = fields.get(4)
     header = PageHeader(
         type=_int(fields, 1, "type"),
@@ -224,8 +222,7 @@ def read_column_ranges(handle: pa.NativeFile, metadata: pq.FileMetaData, group: 
         return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Page:
+class _Page(NamedTuple):
     ordinal: int
     header: PageHeader
     data_page_header: DataPageHeader

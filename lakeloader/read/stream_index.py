@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lakeloader.index.ranges import spans
+
 # Row groups an index holds at most (five int64 each: ~2.6 MB); past it, it starts afresh with the
 # chunks of the batch at hand (a full shuffle over a lake of many chunks keeps meeting new ones).
 INDEXED_GROUPS = 1 << 16
@@ -66,6 +68,22 @@ class StreamIndex:
         inside = held & (starts + length <= self.stop[found]) if len(self.start) else held
         found[~inside] = -1
         return found
+
+    def reached(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every (window, row group) pair where a window of ``length`` tokens starting at stream
+        offset ``starts[i]`` reaches tokens of a row group held here, in stream order for each
+        window: (the window, the row group, the window's first token within it, one past its
+        last). A window reaching a chunk not held has only the pieces held (their lengths then
+        add up to less than ``length``)."""
+        starts = np.asarray(starts, np.int64)
+        first = np.maximum(np.searchsorted(self.start, starts, side="right") - 1, 0)
+        count = np.maximum(np.searchsorted(self.start, starts + length, side="left") - first, 0)
+        rows = np.repeat(np.arange(len(starts), dtype=np.int64), count)
+        groups = spans(first, count)
+        lo = np.maximum(starts[rows], self.start[groups]) - self.start[groups]
+        hi = np.minimum(starts[rows] + length, self.stop[groups]) - self.start[groups]
+        kept = hi > lo
+        return rows[kept], groups[kept], lo[kept], hi[kept]
 
 
 def _order_key(start: np.ndarray, stop: np.ndarray) -> np.ndarray:

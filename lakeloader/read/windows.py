@@ -70,20 +70,20 @@ def _log_failure(future: concurrent.futures.Future[Any]) -> None:
         log.debug("a row group decoded ahead failed (read again when asked for): %s", future.exception())
 
 
-def _reach(at: np.ndarray, length: int, group_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """For windows of ``length`` tokens starting at ``at`` in a row group of ``group_length``
-    rendered tokens: (the range of each window, the ranges' starts, their ends), ranges merging
-    windows less than :data:`RANGE_GAP` apart; None when the ranges reach more than
-    1 / :data:`PAGES_SHARE` of the row group (then it is read whole)."""
-    order = np.argsort(at, kind="stable")
-    ordered = at[order]
+def _reach(first: np.ndarray, stop: np.ndarray, group_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """For the tokens ``[first[i], stop[i])`` of a row group of ``group_length`` rendered tokens
+    that windows (or the pieces of windows across row groups) need: (the range of each, the
+    ranges' starts, their ends), ranges merging those less than :data:`RANGE_GAP` apart; None when
+    the ranges reach more than 1 / :data:`PAGES_SHARE` of the row group (then it is read whole)."""
+    order = np.argsort(first, kind="stable")
+    ordered, ends = first[order], stop[order]
     opens = np.ones(len(ordered), bool)
-    opens[1:] = ordered[1:] > ordered[:-1] + length + RANGE_GAP
+    opens[1:] = ordered[1:] > np.maximum.accumulate(ends)[:-1] + RANGE_GAP
     begins = np.flatnonzero(opens)
-    lo, hi = ordered[begins], np.maximum.reduceat(ordered, begins) + length
+    lo, hi = ordered[begins], np.maximum.reduceat(ends, begins)
     if int((hi - lo).sum()) * PAGES_SHARE > group_length:
         return None
-    ranges = np.empty(len(at), np.int64)
+    ranges = np.empty(len(first), np.int64)
     ranges[order] = np.cumsum(opens) - 1
     return ranges, lo, hi
 
@@ -142,6 +142,24 @@ def _piece(position: int, chunk: int, start: int, rendered: RenderedGroup, first
                  starts[lo:max(lo, hi)] - a)
 
 
+def _joined(pieces: list[Piece]) -> Piece:
+    """One piece of consecutive pieces of a chunk's stream, from its row groups in order."""
+    if len(pieces) == 1:   # the common case: views of one row group
+        return pieces[0]
+    at, last_doc, doc_offsets = 0, pieces[0].first_doc, []
+    for piece in pieces:
+        # Row groups hold whole documents: a later group's first document starts where the
+        # group does (as do any documents without rendered tokens before it).
+        doc_offsets += [np.full(piece.first_doc - last_doc, at, np.int64), piece.doc_offsets + at]
+        last_doc = piece.first_doc + len(piece.doc_offsets)
+        at += len(piece.tokens)
+    trainable = None if all(p.trainable is None for p in pieces) else np.concatenate([p.flags() for p in pieces])
+    first = pieces[0]
+    return Piece(first.position, first.chunk, first.start, np.concatenate([p.tokens for p in pieces]), trainable,
+                 first.first_doc, np.concatenate(doc_offsets))
+
+
+_NO_PIECES = (np.zeros(0, np.int64),) * 4
 _MANY_DOCS = 4096   # a row group with more documents is searched only where windows lie
 
 
@@ -335,20 +353,9 @@ class StreamReader:
             b = min(stop - int(offsets[group]), len(rendered.tokens))
             pieces.append(_piece(position, chunk, start, rendered, int(first_docs[group]), a, b))
             group += 1
-        if len(pieces) == 1:   # the common case: views of one cached row group
-            return pieces[0]
         if not pieces:
             return Piece(position, chunk, start, np.zeros(0, np.int32), None, 0, np.zeros(0, np.int64))
-        at, last_doc, doc_offsets = 0, pieces[0].first_doc, []
-        for piece in pieces:
-            # Row groups hold whole documents: a later group's first document starts where the
-            # group does (as do any documents without rendered tokens before it).
-            doc_offsets += [np.full(piece.first_doc - last_doc, at, np.int64), piece.doc_offsets + at]
-            last_doc = piece.first_doc + len(piece.doc_offsets)
-            at += len(piece.tokens)
-        trainable = None if all(p.trainable is None for p in pieces) else np.concatenate([p.flags() for p in pieces])
-        return Piece(position, chunk, start, np.concatenate([p.tokens for p in pieces]), trainable,
-                     pieces[0].first_doc, np.concatenate(doc_offsets))
+        return _joined(pieces)
 
     def window(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                start: int, length: int) -> list[Piece]:
@@ -372,10 +379,12 @@ class StreamReader:
 
     def windows(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                 starts: np.ndarray, length: int) -> WindowSet:
-        """:meth:`window` of many starts. Windows inside one row group (nearly all of them) are
-        located together, in the reader's index of the row groups of the sequence's chunks read so
-        far (one search; a chunk met for the first time is added from its row-group table), and
-        stay slices of the row groups' cached renderings; the rest take the general path. The
+        """:meth:`window` of many starts, located together in the reader's index of the row groups
+        of the sequence's chunks read so far (one search; the chunks met for the first time are
+        added from their row-group tables, one catalog query). Windows inside one row group (nearly
+        all of them) stay slices of the row groups' cached renderings; those across row groups or
+        chunks are joined from slices of theirs, the row groups of both kinds read together. Only a
+        window past the sequence's end takes the general path (:meth:`window`, which raises). The
         reader's first windows are read cold: see :meth:`_add_groups`."""
         starts = np.asarray(starts, np.int64)
         first, self._started = not self._started, True
@@ -388,14 +397,20 @@ class StreamReader:
         if index is None or index.offsets is not sequence_offsets:   # another sequence, or the dataset grew
             index = StreamIndex.empty(sequence_offsets)
         in_sequence = position < len(sequence)
-        new = sorted(set(position[in_sequence].tolist()) - index.known)
+        # The chunks from each window's first token to its last (one, but for windows across chunks).
+        last = np.minimum(locate(sequence_offsets, starts + length - 1), len(sequence) - 1)
+        wanted = set(spans(position[in_sequence], np.maximum(last - position + 1, 1)[in_sequence]).tolist())
+        if self.sequential and wanted:   # and those the look-ahead reaches (:meth:`_fetch_tables_ahead`): one query
+            wanted.update(range(max(wanted) + 1, min(max(wanted) + TABLES_AHEAD, len(sequence))))
+        new = sorted(wanted - index.known)
         if new:
             index = index.with_chunks(new, self.groups_of(chunks, np.asarray(sequence)[new].tolist()))
         self._index = index
         found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index,
                             from_pages=first or beyond, ahead=first and not beyond)
         for row in np.flatnonzero(found.group < 0).tolist():
-            found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
+            if row not in found.others:
+                found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         if self.sequential and len(starts):
             self._look_ahead(chunks, sequence, sequence_offsets, int(starts.max()) + length)
         return found
@@ -506,55 +521,91 @@ class StreamReader:
     def _views(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, from_pages: bool,
                ahead: bool) -> WindowSet:
-        """The windows that lie in one row group of ``index`` (which holds every chunk they start
-        in), as slices of its cached rendering, each row group fetched once; the others are left
-        with group -1."""
+        """The windows whose row groups ``index`` holds, each row group fetched once: a window
+        inside one row group as a slice of its cached rendering, one across row groups or chunks
+        as its pieces (in ``others``, joined per chunk from slices of its row groups). Any other
+        (past the sequence's end) is left with group -1 and no pieces."""
         n = len(starts)
         held = index.locate(starts, length)
         inside = held >= 0
-        if n and bool(inside.all()):   # the common case: every window inside a row group
-            used, group_of = _distinct(held)
-            at = starts - index.start[held]
-            local_start = starts - sequence_offsets[position]
-            found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
-        else:
-            rows = np.flatnonzero(inside)
-            group_of = np.full(n, -1, np.int64)
-            at = np.zeros(n, np.int64)
-            local_start = np.zeros(n, np.int64)
-            found = WindowSet(length, [], [], [], [], group_of, at, local_start, position, {})
-            if not len(rows):
-                return found
-            held = held[rows]
-            used, group_of[rows] = _distinct(held)
-            at[rows] = starts[rows] - index.start[held]
-            local_start[rows] = starts[rows] - sequence_offsets[position[rows]]
-        used_position = index.position[used]
-        found.group_position = used_position.tolist()
-        found.group_chunk = np.asarray(sequence)[used_position].tolist()
+        found = WindowSet(length, [], [], [], [], np.full(n, -1, np.int64), np.zeros(n, np.int64),
+                          np.zeros(n, np.int64), position, {})
+        rows = np.flatnonzero(inside) if not (n and bool(inside.all())) else None   # None: every window
+        piece_row, piece_group, piece_lo, piece_hi = _NO_PIECES
+        if rows is not None:   # windows across row groups: their pieces, when every one is held
+            across = np.flatnonzero(~inside)
+            piece_row, piece_group, piece_lo, piece_hi = index.reached(starts[across], length)
+            reached = np.zeros(len(across), np.int64)
+            np.add.at(reached, piece_row, piece_hi - piece_lo)
+            kept = (reached == length)[piece_row]
+            piece_row, piece_group, piece_lo, piece_hi = (across[piece_row[kept]], piece_group[kept],
+                                                          piece_lo[kept], piece_hi[kept])
+        window_group = held if rows is None else held[rows]
+        span_group = np.concatenate([window_group, piece_group]) if len(piece_row) else window_group
+        if not len(span_group):
+            return found
+        used, span_group = _distinct(span_group)
+        window_at = starts - index.start[held] if rows is None else starts[rows] - index.start[window_group]
+        span_lo = np.concatenate([window_at, piece_lo]) if len(piece_row) else window_at
+        span_hi = np.concatenate([window_at + length, piece_hi]) if len(piece_row) else window_at + length
+        found.group_position = index.position[used].tolist()
+        found.group_chunk = np.asarray(sequence)[index.position[used]].tolist()
         found.group_first_doc = index.first_doc[used].tolist()
         self._add_groups(chunks, found, list(zip(found.group_chunk, index.group[used].tolist())),
-                         index.stop[used] - index.start[used], from_pages, ahead)
+                         index.stop[used] - index.start[used], (span_group, span_lo, span_hi), from_pages, ahead)
+        windows = len(window_group)
+        if rows is None:
+            found.group, found.at = span_group, span_lo
+            found.start = starts - sequence_offsets[position]
+        else:
+            found.group[rows], found.at[rows] = span_group[:windows], span_lo[:windows]
+            found.start[rows] = starts[rows] - sequence_offsets[position[rows]]
+        if len(piece_row):
+            self._join_pieces(found, starts, sequence_offsets, piece_row, span_group[windows:], span_lo[windows:],
+                              span_hi[windows:])
         return found
 
+    @staticmethod
+    def _join_pieces(found: WindowSet, starts: np.ndarray, sequence_offsets: np.ndarray, piece_row: np.ndarray,
+                     piece_group: np.ndarray, piece_lo: np.ndarray, piece_hi: np.ndarray) -> None:
+        """``found.others`` of the windows across row groups or chunks: each window's pieces
+        (``piece_row``, in stream order: tokens ``[piece_lo, piece_hi)`` of ``found.groups[piece_group]``)
+        joined into one piece per chunk, as :meth:`window` makes them."""
+        pieces: dict[int, list[list[Piece]]] = {}
+        for row, g, lo, hi in zip(piece_row.tolist(), piece_group.tolist(), piece_lo.tolist(), piece_hi.tolist()):
+            at = found.group_position[g]
+            chunk_start = max(int(starts[row]) - int(sequence_offsets[at]), 0)
+            piece = _piece(at, found.group_chunk[g], chunk_start, found.groups[g], found.group_first_doc[g], lo, hi)
+            per_chunk = pieces.setdefault(row, [])
+            if per_chunk and per_chunk[-1][0].position == at:
+                per_chunk[-1].append(piece)
+            else:
+                per_chunk.append([piece])
+        for row, per_chunk in pieces.items():
+            found.others[row] = [_joined(chunk_pieces) for chunk_pieces in per_chunk]
+
     def _add_groups(self, chunks: DatasetChunks, found: WindowSet, wanted: list[tuple[int, int]],
-                    lengths: np.ndarray, from_pages: bool, ahead: bool) -> None:
+                    lengths: np.ndarray, ranges: tuple[np.ndarray, np.ndarray, np.ndarray], from_pages: bool,
+                    ahead: bool) -> None:
         """Fills ``found.groups`` with the renderings of the row groups ``wanted`` (``(chunk,
         group)`` of each group of ``found``, ``lengths`` their rendered tokens): the cached ones,
-        and those not cached decoded whole, concurrently.
+        and those not cached decoded whole, concurrently. ``ranges`` are the tokens the windows
+        need (index into ``wanted``, first token, one past the last; a window inside a row group,
+        or a piece of one across row groups).
 
         ``from_pages`` (a reader's first windows: a start, or a resume; and scattered windows beyond
-        the cache): a row group not cached whose windows reach little of it is read from the pages
-        they need instead. Its windows are re-pointed at renderings of just the documents they
-        reach (one per range of nearby windows), and with ``ahead`` it is decoded whole in the
+        the cache): a row group not cached whose ranges reach little of it is read from the pages
+        they need instead. Its ranges are re-pointed (in place) at renderings of just the documents
+        they reach (one per run of nearby ranges), and with ``ahead`` it is decoded whole in the
         background once these windows are out (when the cache can keep it). Otherwise windows
         decode whole row groups: the windows of the batches that follow reach the rest of them
         (every shuffle's do, within an epoch, while the cache keeps them)."""
+        range_group, range_lo, range_hi = ranges
         groups = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
         missing = [j for j, rendered in enumerate(groups) if rendered is None]
         reaches = {} if not from_pages or self._keeps_parts or chunks.filtered else {
             j: reach for j in missing
-            if (reach := _reach(found.at[found.group == j], found.length, int(lengths[j]))) is not None}
+            if (reach := _reach(range_lo[mine := range_group == j], range_hi[mine], int(lengths[j]))) is not None}
 
         reads: list[Callable[[], RenderedGroup | list[tuple[RenderedGroup, int, int]]]] = [
             functools.partial(self._render_ranges, chunks, *wanted[j], *reaches[j][1:]) if j in reaches
@@ -563,7 +614,7 @@ class StreamReader:
             if isinstance(result, RenderedGroup):
                 groups[j] = result
                 continue
-            rows = np.flatnonzero(found.group == j)
+            mine = np.flatnonzero(range_group == j)
             first_doc = found.group_first_doc[j]
             for k, (rendered, base, first) in enumerate(result):
                 g = j if k == 0 else len(groups)
@@ -575,9 +626,10 @@ class StreamReader:
                 else:
                     groups[j] = rendered
                     found.group_first_doc[j] = first_doc + first
-                moved = rows[reaches[j][0] == k]
-                found.group[moved] = g
-                found.at[moved] -= base
+                moved = mine[reaches[j][0] == k]
+                range_group[moved] = g
+                range_lo[moved] -= base
+                range_hi[moved] -= base
             # (4 bytes a token at most)
             if ahead and int(lengths[j]) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:
                 self._decode_later.append((chunks, *wanted[j]))
