@@ -14,21 +14,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import lakeloader.ingest.chunk as chunk_module
 import lakeloader.read.chunks as chunks_module
 import lakeloader.read.pages as pages_module
 from lakeloader.catalog.lake import open_lake
-from lakeloader.contracts.chunk_file import TOKENS_COLUMN, ChunkParts, open_chunk
+from lakeloader.contracts.chunk_file import (
+    PART_KINDS_COLUMN,
+    PART_LENGTHS_COLUMN,
+    TOKENS_COLUMN,
+    ChunkParts,
+    open_chunk,
+    table_parts,
+)
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.chunk import EncodedParts, chunk_table, encode_chunk_file, row_group_bounds
 from lakeloader.read.catalog_view import CatalogView
-from lakeloader.read.chunks import ChunkFiles
+from lakeloader.read.chunks import ChunkFiles, Footer
 from lakeloader.read.pages import (
     PageChecksumError,
+    column_chunk,
     leaf_column,
     read_column_ranges,
     read_page_header,
@@ -70,7 +78,7 @@ def decoded(data: bytes, group: int, count: int | None = None) -> np.ndarray | N
     parquet = open_chunk(pa.BufferReader(data))
     metadata = parquet.metadata
     count = len(pyarrow_tokens(parquet, group)) if count is None else count
-    found = read_column_ranges(pa.BufferReader(data), metadata, group, leaf_column(metadata, TOKENS_COLUMN),
+    found = read_column_ranges(pa.BufferReader(data), column_chunk(metadata, group, leaf_column(metadata, TOKENS_COLUMN)),
                                parquet.schema_arrow.field(TOKENS_COLUMN).type.value_type, count, [(0, count)])
     return None if found is None else found[0]
 
@@ -101,6 +109,33 @@ def test_pages_decode_bitwise_as_pyarrow(docs: list[list[list[int]]], dtype: typ
         assert got is not None, f"row group {group} left to pyarrow"
         assert got.dtype == expected.dtype == dtype and np.array_equal(got, expected)
         assert not got.flags.writeable   # cached and shared, as pyarrow's zero-copy arrays are
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=DOCS, single=st.booleans(), partless=st.sets(st.integers(0, 39), max_size=3),
+       row_group_tokens=st.integers(1, 800), page_bytes=st.integers(8, 2000))
+# As many parts as documents, yet not one each: a document of none beside one of two.
+@example(docs=[[[1, 2]], [[5]], [[3], [4]]], single=False, partless={1}, row_group_tokens=800, page_bytes=2000)
+def test_one_part_documents_have_their_layout_decoded_as_pyarrow_reads_it(
+        docs: list[list[list[int]]], single: bool, partless: set[int], row_group_tokens: int, page_bytes: int) -> None:
+    """A row group whose documents have one part each (plain text; empty parts too) has its part
+    layout decoded here, equal to pyarrow's; any other row group (documents of several parts, or
+    of none) is left to pyarrow (None)."""
+    if single:
+        docs = [doc[:1] for doc in docs]
+    docs = [[] if i in partless else doc for i, doc in enumerate(docs)]
+    docs = [[[t % 65536 for t in part] for part in doc] for doc in docs]
+    data = chunk_bytes(docs, np.uint16, row_group_tokens, data_page_size=page_bytes, write_batch_size=7)
+    parquet = open_chunk(pa.BufferReader(data))
+    footer = Footer(parquet.metadata)
+    for group in range(parquet.metadata.num_row_groups):
+        expected = table_parts(parquet.read_row_groups([group], columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN]))
+        got = footer.single_part_layout(pa.BufferReader(data), group)
+        assert (got is not None) == bool((expected.parts_per_doc == 1).all()), group
+        if got is not None:
+            assert got.num_docs == expected.num_docs
+            for name in ("part_lengths", "part_kinds", "part_doc"):
+                assert getattr(got, name).dtype == np.int64 and np.array_equal(getattr(got, name), getattr(expected, name))
 
 
 def page_spans(data: bytes, group: int) -> list[tuple[int, int, int]]:
@@ -137,8 +172,9 @@ def test_ranges_decode_only_the_pages_they_reach(docs: list[list[list[int]]], pa
             damaged[start] ^= 0xFF   # a page nobody needs: its CRC would fail if it were checked
         first += entries
     parquet = open_chunk(pa.BufferReader(file))
-    got = read_column_ranges(pa.BufferReader(bytes(damaged)), parquet.metadata, 0,
-                             leaf_column(parquet.metadata, TOKENS_COLUMN), pa.uint16(), n, ranges)
+    got = read_column_ranges(pa.BufferReader(bytes(damaged)),
+                             column_chunk(parquet.metadata, 0, leaf_column(parquet.metadata, TOKENS_COLUMN)),
+                             pa.uint16(), n, ranges)
     assert got is not None and len(got) == len(ranges)
     for (a, b), values in zip(ranges, got):
         assert values.dtype == np.uint16 and np.array_equal(values, expected[a:b]), (a, b)
@@ -155,8 +191,9 @@ def test_a_range_reaching_a_damaged_page_raises() -> None:
     damaged[spans[3][0]] ^= 0xFF
     parquet = open_chunk(pa.BufferReader(file))
     first = sum(entries for _, _, entries in spans[:3])
-    read = functools.partial(read_column_ranges, pa.BufferReader(bytes(damaged)), parquet.metadata, 0,
-                             leaf_column(parquet.metadata, TOKENS_COLUMN), pa.uint16(), 2000)
+    read = functools.partial(read_column_ranges, pa.BufferReader(bytes(damaged)),
+                             column_chunk(parquet.metadata, 0, leaf_column(parquet.metadata, TOKENS_COLUMN)),
+                             pa.uint16(), 2000)
     assert read([(0, first)]) is not None
     with pytest.raises(PageChecksumError, match="page_ordinal 3"):
         read([(0, 1), (first, first + 1)])
@@ -391,7 +428,7 @@ def test_damaged_token_page_message_is_unchanged(built_lake: Path, monkeypatch: 
         with pytest.raises(ChunkIntegrityError, match="a page failed its CRC-32 checksum") as error:
             ChunkFiles(lake, "size", 0, 0).read_row_group(chunks, 0, 0)
         if not force_pyarrow:
-            assert calls == []   # the decoder raised: it returned nothing
+            assert calls == [True, True]   # the part columns decoded; the tokens' decoder raised (returned nothing)
         messages.append(str(error.value))
     view.close()
     assert messages[0] == messages[1]

@@ -32,7 +32,7 @@ from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
 from lakeloader.read.hash_records import HashRecords, whole_sha256
 from lakeloader.read.lru import LRU
-from lakeloader.read.pages import leaf_column, read_column_ranges
+from lakeloader.read.pages import ColumnChunk, column_chunk, leaf_column, read_column_ranges
 from lakeloader.storage import with_retries
 
 # Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
@@ -52,6 +52,55 @@ def _footer_bytes(handle: pa.NativeFile) -> bytes | None:
     if tail[4:] != _PARQUET_MAGIC or length + 12 > size:
         return None
     return handle.read_at(length, size - 8 - length)
+
+
+_PART_COLUMNS = (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN)
+
+
+class Footer:
+    """A chunk file's parsed footer and what reading its row groups asks of it, taken out once
+    per file (its Arrow schema's names and value types, each row group's documents and the
+    column chunks decoded by :mod:`lakeloader.read.pages`)."""
+
+    def __init__(self, metadata: pq.FileMetaData) -> None:
+        self.metadata = metadata
+        schema = metadata.schema.to_arrow_schema()
+        self.names = frozenset(schema.names)
+        # The value type of each list column decoded here, and its one leaf (None: left to pyarrow).
+        self.value_types = {name: schema.field(name).type.value_type for name in (TOKENS_COLUMN, *_PART_COLUMNS)
+                            if name in self.names and isinstance(schema.field(name).type, (pa.ListType, pa.LargeListType))}
+        self.leaves = {name: leaf_column(metadata, name) for name in self.value_types}
+        self.num_rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        self._chunks: dict[tuple[int, str], ColumnChunk | None] = {}
+
+    def column(self, group: int, name: str) -> ColumnChunk | None:
+        """The chunk of list column ``name`` in row group ``group`` (None: not one decoded here)."""
+        key = (group, name)
+        if key not in self._chunks:   # (threads may both fill it: the same value)
+            leaf = self.leaves.get(name)
+            self._chunks[key] = None if leaf is None else column_chunk(self.metadata, group, leaf)
+        return self._chunks[key]
+
+    def read_values(self, handle: pa.NativeFile, group: int, name: str, count: int,
+                    ranges: Sequence[tuple[int, int]]) -> list[np.ndarray] | None:
+        """:func:`~lakeloader.read.pages.read_column_ranges` of list column ``name`` in row group
+        ``group`` (None: read it with pyarrow)."""
+        chunk = self.column(group, name)
+        return None if chunk is None else read_column_ranges(handle, chunk, self.value_types[name], count, ranges)
+
+    def single_part_layout(self, handle: pa.NativeFile, group: int) -> ChunkParts | None:
+        """The part layout of row group ``group`` decoded here when each of its documents has
+        exactly one part (plain text): one level entry per document in both part columns, each a
+        value. None otherwise (read it with pyarrow)."""
+        docs = self.num_rows[group]
+        if PART_REFS_COLUMN in self.names or any(
+                (chunk := self.column(group, name)) is None or chunk.num_values != docs for name in _PART_COLUMNS):
+            return None
+        lengths = self.read_values(handle, group, PART_LENGTHS_COLUMN, docs, [(0, docs)])
+        kinds = None if lengths is None else self.read_values(handle, group, PART_KINDS_COLUMN, docs, [(0, docs)])
+        if lengths is None or kinds is None:
+            return None
+        return ChunkParts(lengths[0].astype(np.int64), kinds[0].astype(np.int64), np.arange(docs, dtype=np.int64), docs)
 
 
 def _nbytes(item: Any) -> int:
@@ -116,8 +165,8 @@ class ChunkFiles:
         # Keyed by the footer's own bytes, read from the file each time: a chunk rebuilt in place
         # (other bytes, whatever the catalog says) is parsed again, never read with a stale footer.
         # Each counted as 10 times its serialized size: the key's bytes, and parsed (about 9 times, measured).
-        self._footers: LRU[tuple[str, bytes], pq.FileMetaData] = LRU(
-            FOOTER_BYTES_KEPT, lambda metadata: 10 * metadata.serialized_size)
+        self._footers: LRU[tuple[str, bytes], Footer] = LRU(
+            FOOTER_BYTES_KEPT, lambda footer: 10 * footer.metadata.serialized_size)
 
     def _open(self, chunks: DatasetChunks, index: int) -> pa.NativeFile:
         """An open handle of chunk ``index``'s bytes (the lake's own file, or a cached copy)."""
@@ -169,9 +218,9 @@ class ChunkFiles:
         return whole_sha256(handle)
 
     @contextlib.contextmanager
-    def _parquet(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, pq.ParquetFile]]:
-        """Chunk ``index`` checked (:meth:`_check`) and opened; what fails to read in the block is
-        an error naming the chunk."""
+    def _opened(self, chunks: DatasetChunks, index: int) -> Iterator[tuple[pa.NativeFile, Footer]]:
+        """Chunk ``index`` checked (:meth:`_check`) and opened, with its footer (parsed once while
+        its bytes stay the same); what fails to read in the block is an error naming the chunk."""
         path = chunks.record(index).path
         with self._open(chunks, index) as handle:
             self._check(chunks, index, handle)
@@ -179,18 +228,18 @@ class ChunkFiles:
                 self.files_opened.add(path)
             try:
                 footer = _footer_bytes(handle)
-                if footer is None:
-                    yield handle, open_chunk(handle)
+                if footer is None:   # (parsing raises as it would have)
+                    yield handle, Footer(open_chunk(handle).metadata)
                 else:
-                    metadata = self._footers.get((path, footer), lambda: open_chunk(handle).metadata)
-                    yield handle, open_chunk(handle, metadata)
+                    yield handle, self._footers.get((path, footer), lambda: Footer(open_chunk(handle).metadata))
             except (OSError, pa.ArrowException) as exc:
                 raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
                                        exc, None if self.disk is None else self.disk.local_path(path)) from exc
 
     def _read(self, chunks: DatasetChunks, index: int, groups: list[int] | None, columns: list[str]) -> pa.Table:
-        with self._parquet(chunks, index) as (_, parquet):
-            present = [c for c in columns if c in parquet.schema_arrow.names]
+        with self._opened(chunks, index) as (handle, footer):
+            present = [c for c in columns if c in footer.names]
+            parquet = open_chunk(handle, footer.metadata)
             if groups is None:
                 return parquet.read(columns=present)
             return parquet.read_row_groups(groups, columns=present)
@@ -212,32 +261,33 @@ class ChunkFiles:
         for a dataset defined by a filter."""
         if pick is not None and chunks.filtered:
             raise ValueError(f"dataset {chunks.name!r} is defined by a filter: its row groups are read whole")
-        with self._parquet(chunks, index) as (handle, parquet):
-            names = parquet.schema_arrow.names
-            # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
-            table = parquet.read_row_groups(
-                [group], columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_REFS_COLUMN) if c in names],
-                use_threads=False)
-            parts = table_parts(table)
+        refs = None
+        with self._opened(chunks, index) as (handle, footer):
+            # The part layout: plain text's decoded here, any other read by pyarrow.
+            parts = footer.single_part_layout(handle, group)
+            parquet = None
+            if parts is None:
+                parquet = open_chunk(handle, footer.metadata)
+                # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
+                table = parquet.read_row_groups([group], columns=[c for c in (*_PART_COLUMNS, PART_REFS_COLUMN)
+                                                                  if c in footer.names], use_threads=False)
+                parts = table_parts(table)
+                if PART_REFS_COLUMN in table.column_names:
+                    refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
             doc_ranges = [(0, parts.num_docs)] if pick is None else list(pick(parts))
             part_ranges = np.searchsorted(parts.part_doc, np.array(doc_ranges, np.int64).reshape(-1, 2))
             part_values = cumulative(parts.part_lengths)
             value_ranges = [(int(part_values[a]), int(part_values[b])) for a, b in part_ranges.tolist()]
             # The tokens' pages decoded here (their levels skipped), or by pyarrow when stored otherwise.
-            leaf = leaf_column(parquet.metadata, TOKENS_COLUMN)
-            values = None if leaf is None else read_column_ranges(
-                handle, parquet.metadata, group, leaf, parquet.schema_arrow.field(TOKENS_COLUMN).type.value_type,
-                int(part_values[-1]), value_ranges)
+            values = footer.read_values(handle, group, TOKENS_COLUMN, int(part_values[-1]), value_ranges)
             if values is None:
+                parquet = parquet or open_chunk(handle, footer.metadata)
                 column = parquet.read_row_groups([group], columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN)
         if values is None:
             array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
             offsets = array.offsets.to_numpy(zero_copy_only=True)
             whole = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
             values = [whole[a:b] for a, b in value_ranges]
-        refs = None
-        if PART_REFS_COLUMN in table.column_names:
-            refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
         if pick is None:
             stored = RowGroup(values[0], parts, refs)
             if chunks.filtered:

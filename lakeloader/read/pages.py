@@ -189,6 +189,32 @@ def leaf_column(metadata: pq.FileMetaData, name: str) -> int | None:
     return leaves[0] if len(leaves) == 1 else None
 
 
+class ColumnChunk(NamedTuple):
+    """Where one leaf column's chunk of a row group lies in its file and how it is stored: what
+    decoding it needs of the footer, taken out once (pyarrow's metadata objects cost microseconds
+    per attribute, and a shuffled first batch reads many row groups)."""
+
+    group: int
+    column: int
+    data_page_offset: int
+    total_compressed_size: int
+    num_values: int                 # level entries
+    physical_type: str
+    compression: str
+    has_dictionary_page: bool
+    max_repetition_level: int
+    max_definition_level: int
+
+
+def column_chunk(metadata: pq.FileMetaData, group: int, column: int) -> ColumnChunk:
+    """Leaf column ``column``'s chunk in row group ``group`` of the file whose footer is ``metadata``."""
+    chunk = metadata.row_group(group).column(column)
+    schema = metadata.schema.column(column)
+    return ColumnChunk(group, column, chunk.data_page_offset, chunk.total_compressed_size, chunk.num_values,
+                       chunk.physical_type, chunk.compression, chunk.has_dictionary_page,
+                       schema.max_repetition_level, schema.max_definition_level)
+
+
 def _skip_level_block(page: memoryview, pos: int, encoding: int, max_level: int) -> int:
     """Where a v1 page's levels of one kind end (an RLE block: 4-byte length, then the runs)."""
     if max_level == 0:
@@ -200,12 +226,11 @@ def _skip_level_block(page: memoryview, pos: int, encoding: int, max_level: int)
     return pos + 4 + int.from_bytes(page[pos:pos + 4], "little")
 
 
-def read_column_ranges(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
-                       value_type: pa.DataType, count: int, ranges: Sequence[tuple[int, int]]
-                       ) -> list[np.ndarray] | None:
-    """Values ``[start, stop)``, for each of ``ranges``, of the ``count`` values of leaf column
-    ``column`` in row group ``group`` (read-only, of the numpy type of ``value_type``, the column's
-    Arrow value type), bitwise what pyarrow decodes, read with one read of ``handle``. Only the
+def read_column_ranges(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataType, count: int,
+                       ranges: Sequence[tuple[int, int]]) -> list[np.ndarray] | None:
+    """Values ``[start, stop)``, for each of ``ranges``, of the ``count`` values of column chunk
+    ``chunk`` (read-only, of the numpy type of ``value_type``, the column's Arrow value type),
+    bitwise what pyarrow decodes, read with one read of ``handle``. Only the
     pages holding them are decompressed and checked when every level entry of the column chunk is
     a value (no empty list, no null: a page header's count is then its values'); otherwise every
     page is. Raises :class:`PageChecksumError` for a page that fails its CRC-32. None when the
@@ -216,9 +241,9 @@ def read_column_ranges(handle: pa.NativeFile, metadata: pq.FileMetaData, group: 
         if not 0 <= start <= stop <= count:
             raise ValueError(f"values [{start}, {stop}) of a column chunk of {count}")
     try:
-        return _read_values(handle, metadata, group, column, value_type, count, ranges)
+        return _read_values(handle, chunk, value_type, count, ranges)
     except _NotDecoded as reason:
-        log.debug("row group %d, column %d left to pyarrow: %s", group, column, reason)
+        log.debug("row group %d, column %d left to pyarrow: %s", chunk.group, chunk.column, reason)
         return None
 
 
@@ -280,10 +305,8 @@ def _page_values(page: _Page, decompress: Callable[[memoryview], bytes] | None, 
     return body, at, values
 
 
-def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, column: int,
-                 value_type: pa.DataType, count: int, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
-    chunk = metadata.row_group(group).column(column)
-    schema = metadata.schema.column(column)
+def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataType, count: int,
+                 ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
     dtype = _DTYPES.get(value_type)
     if chunk.physical_type != "INT32" or dtype is None:
         raise _NotDecoded(f"{chunk.physical_type} values of Arrow type {value_type}")
@@ -310,7 +333,7 @@ def _read_values(handle: pa.NativeFile, metadata: pq.FileMetaData, group: int, c
         out = np.empty(expected, dtype)
         filled = 0
         for page in chosen:
-            body, at, values = _page_values(page, decompress, schema.max_repetition_level, schema.max_definition_level)
+            body, at, values = _page_values(page, decompress, chunk.max_repetition_level, chunk.max_definition_level)
             if filled + values > expected:
                 raise _NotDecoded(f"more than the {expected} values expected")
             out[filled:filled + values] = np.frombuffer(body, "<i4", values, at)
