@@ -215,6 +215,40 @@ def test_cold_batches_read_from_pages_equal_the_numpy_reference(lake: Path, shuf
     one.close()
 
 
+def test_a_first_batch_reads_windows_across_row_groups_from_pages(lake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh loader's first batch locates its windows across row groups or chunks as pieces of
+    the row groups they reach, read with the others in the batch's one catalog query: none takes
+    the general path, which decoded whole row groups one after another in the asking thread.
+    Rows bitwise the reference's."""
+    general: list[int] = []
+    joined: list[int] = []   # the chunks each window read from pieces reaches
+    window, join_pieces = windows_module.StreamReader.window, windows_module.StreamReader._join_pieces
+
+    def general_spy(self: Any, *args: Any) -> Any:
+        general.append(args[3])
+        return window(self, *args)
+
+    def join_spy(found: Any, starts: Any, offsets: Any, rows: Any, *args: Any) -> None:
+        join_pieces(found, starts, offsets, rows, *args)
+        joined.extend(len(found.others[row]) for row in set(rows.tolist()))
+
+    config = loader_config(lake, "across-cold", ("t",), shuffle={"kind": "full"})
+    with Loader(config) as one:
+        stream = Stream(one, "t").laid_out(list(range(one.datasets[0].chunks.committed)))
+        examples = {step: one.examples(step).examples for step in range(40)}
+    monkeypatch.setattr(windows_module.StreamReader, "window", general_spy)
+    monkeypatch.setattr(windows_module.StreamReader, "_join_pieces", staticmethod(join_spy))
+    for step, rows in examples.items():
+        with Loader(config) as loader:
+            queries: list[str] = []
+            named = loader.view.named
+            loader.view.named = lambda name, *args: queries.append(name) or named(name, *args)  # type: ignore[method-assign]
+            expected = [reference_row(*stream, e.example * SEQ_LEN) for e in rows]
+            assert_rows_equal(loader.batch(step), expected, [0] * BATCH, f"step {step}")
+            assert queries.count("reader_row_groups_of") == 1, queries
+    assert len(joined) >= 10 and max(joined) > 1 and not general, (joined, general)   # across chunks too
+
+
 @pytest.mark.parametrize("shuffle", [{"kind": "full"}, {"kind": "block", "block_size": 7, "window_blocks": 3}],
                          ids=["full", "block"])
 def test_a_full_shuffle_beyond_the_cache_reads_pages_for_every_batch(lake: Path, shuffle: dict[str, Any],

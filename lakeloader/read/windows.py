@@ -382,10 +382,11 @@ class StreamReader:
         """:meth:`window` of many starts, located together in the reader's index of the row groups
         of the sequence's chunks read so far (one search; the chunks met for the first time are
         added from their row-group tables, one catalog query). Windows inside one row group (nearly
-        all of them) stay slices of the row groups' cached renderings; those across row groups or
-        chunks are joined from slices of theirs, the row groups of both kinds read together. Only a
-        window past the sequence's end takes the general path (:meth:`window`, which raises). The
-        reader's first windows are read cold: see :meth:`_add_groups`."""
+        all of them) stay slices of the row groups' cached renderings. The reader's first windows (and
+        a full shuffle's beyond the cache) are read cold, see :meth:`_add_groups`: then those across
+        row groups or chunks are joined from slices of theirs, their row groups read with the
+        others. Any other window takes the general path (:meth:`window`; past the sequence's end,
+        it raises)."""
         starts = np.asarray(starts, np.int64)
         first, self._started = not self._started, True
         beyond = self.scattered and chunks.stored_bytes > 2 * self.files.cache.capacity
@@ -397,14 +398,17 @@ class StreamReader:
         if index is None or index.offsets is not sequence_offsets:   # another sequence, or the dataset grew
             index = StreamIndex.empty(sequence_offsets)
         in_sequence = position < len(sequence)
-        # The chunks from each window's first token to its last (one, but for windows across chunks).
-        last = np.minimum(locate(sequence_offsets, starts + length - 1), len(sequence) - 1)
-        wanted = set(spans(position[in_sequence], np.maximum(last - position + 1, 1)[in_sequence]).tolist())
-        if self.sequential and wanted:   # and those the look-ahead reaches (:meth:`_fetch_tables_ahead`): one query
-            wanted.update(range(max(wanted) + 1, min(max(wanted) + TABLES_AHEAD, len(sequence))))
-        new = sorted(wanted - index.known)
-        if new:
-            index = index.with_chunks(new, self.groups_of(chunks, np.asarray(sequence)[new].tolist()))
+        first_chunks = position[in_sequence]
+        new = set(first_chunks.tolist()) - index.known
+        if new:   # a catalog query is due: it also fetches the chunks windows across chunks reach, and
+            # (reading in order) those the look-ahead will need; a batch inside known chunks pays nothing more
+            last = np.minimum(locate(sequence_offsets, starts + length - 1), len(sequence) - 1)[in_sequence]
+            if bool((last > first_chunks).any()):
+                new.update(spans(first_chunks, np.maximum(last - first_chunks + 1, 1)).tolist())
+            if self.sequential:   # (:meth:`_fetch_tables_ahead` finds them)
+                new.update(range(max(new) + 1, min(max(new) + TABLES_AHEAD, len(sequence))))
+            wanted = sorted(new - index.known)
+            index = index.with_chunks(wanted, self.groups_of(chunks, np.asarray(sequence)[wanted].tolist()))
         self._index = index
         found = self._views(chunks, sequence, sequence_offsets, starts, length, position, index,
                             from_pages=first or beyond, ahead=first and not beyond)
@@ -522,24 +526,27 @@ class StreamReader:
                starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, from_pages: bool,
                ahead: bool) -> WindowSet:
         """The windows whose row groups ``index`` holds, each row group fetched once: a window
-        inside one row group as a slice of its cached rendering, one across row groups or chunks
-        as its pieces (in ``others``, joined per chunk from slices of its row groups). Any other
-        (past the sequence's end) is left with group -1 and no pieces."""
+        inside one row group as a slice of its cached rendering; with ``from_pages`` (a batch read
+        cold), one across row groups or chunks as its pieces (in ``others``, joined per chunk from
+        slices of its row groups, read with the others). Any other is left with group -1 and no
+        pieces: across row groups in a warm batch (:meth:`window` finds its row groups cached, for
+        less than locating its pieces costs: ~2% of the steady rate without a shuffle), or past
+        the sequence's end."""
         n = len(starts)
         held = index.locate(starts, length)
         inside = held >= 0
-        found = WindowSet(length, [], [], [], [], np.full(n, -1, np.int64), np.zeros(n, np.int64),
-                          np.zeros(n, np.int64), position, {})
-        rows = np.flatnonzero(inside) if not (n and bool(inside.all())) else None   # None: every window
+        rows = None if n and bool(inside.all()) else np.flatnonzero(inside)   # None: every window
+        found = WindowSet(length, [], [], [], [], *_NO_PIECES[:3], position, {})   # (group, at, start: below)
         piece_row, piece_group, piece_lo, piece_hi = _NO_PIECES
-        if rows is not None:   # windows across row groups: their pieces, when every one is held
-            across = np.flatnonzero(~inside)
-            piece_row, piece_group, piece_lo, piece_hi = index.reached(starts[across], length)
-            reached = np.zeros(len(across), np.int64)
-            np.add.at(reached, piece_row, piece_hi - piece_lo)
-            kept = (reached == length)[piece_row]
-            piece_row, piece_group, piece_lo, piece_hi = (across[piece_row[kept]], piece_group[kept],
-                                                          piece_lo[kept], piece_hi[kept])
+        if rows is not None:
+            found.group = np.full(n, -1, np.int64)
+            found.at, found.start = np.zeros(n, np.int64), np.zeros(n, np.int64)
+            if from_pages:   # windows across row groups: their pieces, when every one is held
+                across = np.flatnonzero(~inside)
+                piece_row, piece_group, piece_lo, piece_hi = index.reached(starts[across], length)
+                kept = (np.bincount(piece_row, piece_hi - piece_lo, len(across)) == length)[piece_row]
+                piece_row, piece_group, piece_lo, piece_hi = (across[piece_row[kept]], piece_group[kept],
+                                                              piece_lo[kept], piece_hi[kept])
         window_group = held if rows is None else held[rows]
         span_group = np.concatenate([window_group, piece_group]) if len(piece_row) else window_group
         if not len(span_group):
