@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import publish_snapshot
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import CatalogWriter
+from lakeloader.contracts.errors import CatalogError
 from lakeloader.demo.many_chunks import grow
 from lakeloader.feed.loader import Loader
 from lakeloader.read import windows as windows_module
@@ -155,3 +158,60 @@ def test_batches_are_those_of_the_loader_before(configs: dict[str, dict[str, Pat
     with Loader(configs[lake][kind]) as loader:
         found = digest([loader.batch(step) for step in STEPS])
     assert found == EXPECTED["small" if lake == "small" else "grown", kind]
+
+
+@pytest.fixture(scope="module")
+def statuses_lake(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    """A private copy of the small lake, its chunks' statuses free to change."""
+    corpus, datasets = {"d.jsonl": texts()}, {"d": {"sources": ["d.jsonl"]}}
+    config = lakes.copy(tmp_path_factory.mktemp("statuses"), corpus, datasets,
+                        build={"split_size": "8KB", "row_group_tokens": 512})
+    return Lake(yaml.safe_load(config.read_text())["lake"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(uncommitted=st.sets(st.integers(0, 40), max_size=4))
+def test_the_committed_prefix_a_loader_opens_is_the_catalogs(statuses_lake: Lake, uncommitted: set[int]) -> None:
+    """A reader takes the committed prefix from the one scan of the chunks it opens with: the
+    chunks before the first one not committed, as the catalog's committed_prefix view says, with
+    their counts in global order, whichever chunks are not committed (a build in progress commits
+    chunks in any order)."""
+    with CatalogWriter(statuses_lake.writer_catalog_path) as writer:
+        with writer.transaction():
+            writer.con.execute("UPDATE chunks SET status = 'committed'")
+            writer.con.execute("UPDATE chunks SET status = 'planned' WHERE list_contains($1, global_index)",
+                               [sorted(uncommitted)])
+        publish_snapshot(writer.con, statuses_lake, None)
+    view = CatalogView(statuses_lake)
+    try:
+        chunks = view.dataset("d", part_counts=False)
+        counts = view.execute("SELECT num_chunks, planned_chunks FROM committed_prefix WHERE dataset = 'd'").to_pylist()
+        prefix, planned = counts[0]["num_chunks"], counts[0]["planned_chunks"]
+        expected = view.execute("SELECT num_tokens, num_docs FROM chunks WHERE dataset = 'd' AND global_index < $1 "
+                                "ORDER BY global_index", [prefix])
+    finally:
+        view.close()
+    assert planned > 20 and (chunks.committed, chunks.planned, chunks.complete) == (prefix, planned, prefix == planned)
+    assert chunks.num_tokens.tolist() == expected.column("num_tokens").to_pylist()
+    assert chunks.num_docs.tolist() == expected.column("num_docs").to_pylist()
+
+
+def test_a_catalog_missing_a_chunk_row_is_an_error_naming_the_dataset(statuses_lake: Lake) -> None:
+    """Chunk rows whose global indexes are not 0 to one less than their number (a row lost or
+    renumbered by hand) are refused on open, with what to do, never read as another prefix."""
+    def renumber(sql: str) -> None:
+        with CatalogWriter(statuses_lake.writer_catalog_path) as writer:
+            with writer.transaction():
+                writer.con.execute("UPDATE chunks SET status = 'committed'")
+                writer.con.execute(sql)
+            publish_snapshot(writer.con, statuses_lake, None)
+
+    renumber("UPDATE chunks SET global_index = global_index + 1000 WHERE global_index = 3")
+    try:
+        view = CatalogView(statuses_lake)
+        with pytest.raises(CatalogError, match=r"dataset 'd' .* damaged; restore it with `lakeloader build CONFIG "
+                                               r"--recover-catalog`"):
+            view.dataset("d", part_counts=False)
+        view.close()
+    finally:
+        renumber("UPDATE chunks SET global_index = global_index - 1000 WHERE global_index >= 1000")

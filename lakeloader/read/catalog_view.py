@@ -252,12 +252,25 @@ class CatalogView:
         only with ``part_counts``); the paths and checksums of chunks come with the row groups of
         the chunks a batch reads (:meth:`row_groups_of`)."""
         plan = self.named("reader_dataset", {"name": name}, FetchOne)
-        if plan is None:
+        table = self.named_table("reader_chunks", {"name": name, "part_counts": part_counts})
+        planned = table.num_rows
+        if plan is None or not planned:
             raise CatalogError(
                 f"dataset {name!r} is not in the lake {self.lake.url}: build it first "
                 "(lakeloader build CONFIG)"
             )
-        fingerprint, token_type, planned, prefix, kinds, source = plan
+        fingerprint, token_type, kinds, source = plan
+        global_index = table.column("global_index").to_numpy()
+        if (int(global_index.min()) < 0 or int(global_index.max()) >= planned
+                or int(np.bincount(global_index, minlength=planned).max()) > 1):
+            raise CatalogError(f"the catalog of {self.lake.url} lists the {planned} chunks of dataset {name!r} "
+                               "under global indexes other than 0 to one less than their number: it is damaged; "
+                               "restore it with `lakeloader build CONFIG --recover-catalog`")
+        row = np.empty(planned, np.int64)   # row of the result holding each chunk (global order)
+        row[global_index] = np.arange(planned)
+        # The committed prefix (catalog/prefix.sql): the chunks before the first one not committed.
+        uncommitted = np.flatnonzero(~table.column("committed").to_numpy()[row])
+        prefix = int(uncommitted[0]) if len(uncommitted) else planned
         examples = None
         if plan_key is not None:
             examples = self.named("reader_chunk_examples", {"name": name, "plan_key": plan_key,
@@ -266,13 +279,7 @@ class CatalogView:
             # The prefix ends at the first chunk without counts.
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
             prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
-        table = self.named_table("reader_chunks", {"name": name, "prefix": prefix, "part_counts": part_counts})
-        if table.num_rows != prefix:
-            raise CatalogError(f"the catalog of {self.lake.url} lists {table.num_rows} of the {prefix} chunks "
-                               f"of dataset {name!r}'s committed prefix: it is damaged; restore it with "
-                               "`lakeloader build CONFIG --recover-catalog`")
-        row = np.empty(prefix, np.int64)   # row of the result holding each chunk (global order)
-        row[table.column("global_index").to_numpy()] = np.arange(prefix)
+        row = row[:prefix]
         num_parts = part_lists(table.column("num_parts"), len(kinds))[row] if part_counts else None
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
