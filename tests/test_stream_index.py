@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakeloader.index.ranges import cumulative
+from lakeloader.index.ranges import cumulative, merged_runs
 from lakeloader.read import stream_index
 from lakeloader.read.stream_index import StreamIndex
 
@@ -95,3 +95,26 @@ def test_an_empty_index_locates_nothing() -> None:
     index = StreamIndex.empty(np.array([0, 10], np.int64))
     assert index.locate(np.array([0, 5], np.int64), 2).tolist() == [-1, -1]
     assert index.with_chunks([], []).known == frozenset()
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 60), st.integers(0, 30)), max_size=25),
+       gap=st.integers(0, 10))
+def test_ranges_merge_into_runs_as_a_scan_merges_them(ranges: list[tuple[int, int, int]], gap: int) -> None:
+    """The runs a cold batch reads a row group's pages by (index.ranges.merged_runs): per row
+    group, ranges sorted by start join the run before them when they start at most ``gap`` past
+    its furthest end; as a plain scan finds them, every range in its run."""
+    item = np.array([r[0] for r in ranges], np.int64)
+    first = np.array([r[1] for r in ranges], np.int64)
+    stop = first + np.array([r[2] for r in ranges], np.int64)
+    run_item, run_lo, run_hi, run_of = merged_runs(item, first, stop, gap)
+    expected: list[tuple[int, int, int]] = []
+    expected_of = [0] * len(ranges)
+    for i in sorted(range(len(ranges)), key=lambda i: (item[i], first[i], i)):
+        if expected and expected[-1][0] == item[i] and first[i] <= expected[-1][2] + gap:
+            expected[-1] = (expected[-1][0], expected[-1][1], max(expected[-1][2], int(stop[i])))
+        else:
+            expected.append((int(item[i]), int(first[i]), int(stop[i])))
+        expected_of[i] = len(expected) - 1
+    assert list(zip(run_item.tolist(), run_lo.tolist(), run_hi.tolist())) == expected
+    assert run_of.tolist() == expected_of

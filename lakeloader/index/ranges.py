@@ -32,6 +32,29 @@ def spans(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
 
 
+def merged_runs(item: np.ndarray, first: np.ndarray, stop: np.ndarray, gap: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Ranges ``[first[i], stop[i])`` (non-negative) of items ``item[i]`` (non-negative), merged
+    per item into runs: sorted by start, a range joins the run before it when it starts at most
+    ``gap`` past the furthest end in that run. (each run's item, start and end, runs sorted by item
+    then start; the run of each range), in a fixed number of array operations."""
+    item, first, stop = (np.asarray(a, np.int64) for a in (item, first, stop))
+    if not len(item):
+        none = np.zeros(0, np.int64)
+        return none, none, none, none
+    order = np.lexsort((first, item))
+    owner, lo, hi = item[order], first[order], stop[order]
+    # Each item's ends shifted past every earlier item's: one running maximum restarts per item.
+    shift = owner * (int(hi.max()) + 1)
+    furthest = np.maximum.accumulate(hi + shift) - shift
+    opens = np.ones(len(owner), bool)
+    opens[1:] = (owner[1:] != owner[:-1]) | (lo[1:] > furthest[:-1] + gap)
+    begins = np.flatnonzero(opens)
+    run_of = np.empty(len(owner), np.int64)
+    run_of[order] = np.cumsum(opens) - 1
+    return owner[begins], lo[begins], np.maximum.reduceat(hi, begins), run_of
+
+
 def train_examples(stream_total: int, seq_len: int) -> int:
     """Whole examples in one epoch of a stream of ``stream_total`` tokens (the tail is dropped)."""
     return max(0, (stream_total - 1) // seq_len)

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
-from lakeloader.index.ranges import cumulative, locate, spans
+from lakeloader.index.ranges import cumulative, locate, merged_runs, spans
 from lakeloader.index.render import fim_choice, fim_counts, render_compact, rendered_doc_starts, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
@@ -70,22 +70,25 @@ def _log_failure(future: concurrent.futures.Future[Any]) -> None:
         log.debug("a row group decoded ahead failed (read again when asked for): %s", future.exception())
 
 
-def _reach(first: np.ndarray, stop: np.ndarray, group_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """For the tokens ``[first[i], stop[i])`` of a row group of ``group_length`` rendered tokens
-    that windows (or the pieces of windows across row groups) need: (the range of each, the
-    ranges' starts, their ends), ranges merging those less than :data:`RANGE_GAP` apart; None when
-    the ranges reach more than 1 / :data:`PAGES_SHARE` of the row group (then it is read whole)."""
-    order = np.argsort(first, kind="stable")
-    ordered, ends = first[order], stop[order]
-    opens = np.ones(len(ordered), bool)
-    opens[1:] = ordered[1:] > np.maximum.accumulate(ends)[:-1] + RANGE_GAP
-    begins = np.flatnonzero(opens)
-    lo, hi = ordered[begins], np.maximum.reduceat(ends, begins)
-    if int((hi - lo).sum()) * PAGES_SHARE > group_length:
-        return None
-    ranges = np.empty(len(first), np.int64)
-    ranges[order] = np.cumsum(opens) - 1
-    return ranges, lo, hi
+def _page_runs(missing: list[int], ranges: tuple[np.ndarray, np.ndarray, np.ndarray], lengths: np.ndarray
+               ) -> tuple[dict[int, tuple[int, int]], np.ndarray, np.ndarray, np.ndarray]:
+    """Which row groups of ``missing`` to read from pages: those whose ``ranges`` (row group,
+    first token, one past the last, per window or piece) reach at most 1 / :data:`PAGES_SHARE` of
+    their ``lengths`` rendered tokens, as runs of ranges less than :data:`RANGE_GAP` apart. (For
+    each of them its runs ``[a, b)``; the runs' starts and ends; the run of each range, -1 where
+    its row group is read otherwise.)"""
+    group, lo, hi = ranges
+    candidate = np.zeros(len(lengths), bool)
+    candidate[missing] = True
+    mine = np.flatnonzero(candidate[group])
+    run_group, run_lo, run_hi, run_of = merged_runs(group[mine], lo[mine], hi[mine], RANGE_GAP)
+    kept = ~(np.bincount(run_group, run_hi - run_lo, len(lengths)) * PAGES_SHARE > lengths)[run_group]
+    run_of_range = np.full(len(group), -1, np.int64)
+    run_of_range[mine] = np.where(kept[run_of], (np.cumsum(kept) - 1)[run_of], -1)
+    run_group, run_lo, run_hi = run_group[kept], run_lo[kept], run_hi[kept]
+    used, firsts = np.unique(run_group, return_index=True)
+    bounds = np.append(firsts, len(run_group)).tolist()
+    return ({j: (a, b) for j, a, b in zip(used.tolist(), bounds[:-1], bounds[1:])}, run_lo, run_hi, run_of_range)
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -607,21 +610,22 @@ class StreamReader:
         background once these windows are out (when the cache can keep it). Otherwise windows
         decode whole row groups: the windows of the batches that follow reach the rest of them
         (every shuffle's do, within an epoch, while the cache keeps them)."""
-        range_group, range_lo, range_hi = ranges
         groups = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
         missing = [j for j, rendered in enumerate(groups) if rendered is None]
-        reaches = {} if not from_pages or self._keeps_parts or chunks.filtered else {
-            j: reach for j in missing
-            if (reach := _reach(range_lo[mine := range_group == j], range_hi[mine], int(lengths[j]))) is not None}
-
+        runs: dict[int, tuple[int, int]] = {}
+        run_lo = run_hi = run_of_range = _NO_PIECES[0]
+        if from_pages and missing and not self._keeps_parts and not chunks.filtered:
+            runs, run_lo, run_hi, run_of_range = _page_runs(missing, ranges, lengths)
         reads: list[Callable[[], RenderedGroup | list[tuple[RenderedGroup, int, int]]]] = [
-            functools.partial(self._render_ranges, chunks, *wanted[j], *reaches[j][1:]) if j in reaches
+            functools.partial(self._render_ranges, chunks, *wanted[j], run_lo[runs[j][0]:runs[j][1]],
+                              run_hi[runs[j][0]:runs[j][1]]) if j in runs
             else functools.partial(self.rendered_group, chunks, *wanted[j]) for j in missing]
+        # Where each run's rendering went (index into groups) and where it starts in its row group.
+        run_target, run_base = np.zeros(len(run_lo), np.int64), np.zeros(len(run_lo), np.int64)
         for j, result in zip(missing, _concurrently(reads)):
             if isinstance(result, RenderedGroup):
                 groups[j] = result
                 continue
-            mine = np.flatnonzero(range_group == j)
             first_doc = found.group_first_doc[j]
             for k, (rendered, base, first) in enumerate(result):
                 g = j if k == 0 else len(groups)
@@ -633,13 +637,17 @@ class StreamReader:
                 else:
                     groups[j] = rendered
                     found.group_first_doc[j] = first_doc + first
-                moved = mine[reaches[j][0] == k]
-                range_group[moved] = g
-                range_lo[moved] -= base
-                range_hi[moved] -= base
+                run_target[runs[j][0] + k], run_base[runs[j][0] + k] = g, base
             # (4 bytes a token at most)
             if ahead and int(lengths[j]) * AHEAD_CACHE_SHARE <= self.files.cache.capacity // 4:
                 self._decode_later.append((chunks, *wanted[j]))
+        if runs:   # the ranges re-pointed at their runs' renderings
+            moved = np.flatnonzero(run_of_range >= 0)
+            run = run_of_range[moved]
+            range_group, range_lo, range_hi = ranges
+            range_group[moved] = run_target[run]
+            range_lo[moved] -= run_base[run]
+            range_hi[moved] -= run_base[run]
         found.groups.extend(groups)  # type: ignore[arg-type]
 
     @property
