@@ -283,8 +283,9 @@ class CatalogView:
         num_parts = part_lists(table.column("num_parts"), len(kinds))[row] if part_counts else None
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
-            num_docs=table.column("num_docs").to_numpy().astype(np.int64)[row],
-            num_tokens=table.column("num_tokens").to_numpy().astype(np.int64)[row],
+            # (taken before the cast: the counts of chunks not committed yet are NULL)
+            num_docs=table.column("num_docs").to_numpy()[row].astype(np.int64),
+            num_tokens=table.column("num_tokens").to_numpy()[row].astype(np.int64),
             token_type=token_type, num_parts=num_parts,
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
             filtered=source is not None, records=functools.partial(self.chunk_record, name),
