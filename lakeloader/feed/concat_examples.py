@@ -17,7 +17,8 @@ from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, ExampleRun, Row, Se
 from lakeloader.feed.shuffled import ShuffledDataset
 from lakeloader.index.ranges import cumulative, cut_segments, eval_examples, strided_chunk, train_examples
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
-from lakeloader.read.windows import Piece, StreamReader, WindowSet
+from lakeloader.read.window_set import Piece, WindowSet
+from lakeloader.read.windows import StreamReader
 
 
 @dataclasses.dataclass

@@ -21,7 +21,8 @@ from lakeloader.index.ranges import cumulative, locate, run_positions, spans
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
-from lakeloader.read.windows import RenderedGroup, StreamReader
+from lakeloader.read.window_set import RenderedGroup
+from lakeloader.read.windows import StreamReader
 
 
 @dataclasses.dataclass
