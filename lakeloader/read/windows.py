@@ -493,15 +493,15 @@ class StreamReader:
         groups = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
         missing = [j for j, rendered in enumerate(groups) if rendered is None]
         runs: dict[int, tuple[int, int]] = {}
-        run_lo = run_hi = run_of_range = _NO_PIECES[0]
+        # (per run: where its rendering went, an index into groups, and where it starts in its row group)
+        run_lo = run_hi = run_of_range = run_target = run_base = _NO_PIECES[0]
         if from_pages and missing and not self._keeps_parts and not chunks.filtered:
             runs, run_lo, run_hi, run_of_range = _page_runs(missing, ranges, lengths)
+            run_target, run_base = np.zeros(len(run_lo), np.int64), np.zeros(len(run_lo), np.int64)
         reads: list[Callable[[], RenderedGroup | list[tuple[RenderedGroup, int, int]]]] = [
             functools.partial(self._render_ranges, chunks, *wanted[j], run_lo[runs[j][0]:runs[j][1]],
                               run_hi[runs[j][0]:runs[j][1]]) if j in runs
             else functools.partial(self.rendered_group, chunks, *wanted[j]) for j in missing]
-        # Where each run's rendering went (index into groups) and where it starts in its row group.
-        run_target, run_base = np.zeros(len(run_lo), np.int64), np.zeros(len(run_lo), np.int64)
         for j, result in zip(missing, _concurrently(reads)):
             if isinstance(result, RenderedGroup):
                 groups[j] = result
