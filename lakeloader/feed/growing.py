@@ -20,7 +20,6 @@ class GrowingDataset:
         self.view = view
         self.reader = reader
         self.wait_timeout = wait_timeout
-        self.part_counts = reader.template.counts_parts   # whether rendered lengths need them
         self._set(view.dataset(name, self.plan_key, self.part_counts))
 
     def _set(self, chunks: DatasetChunks) -> None:
@@ -33,6 +32,11 @@ class GrowingDataset:
             raise AssertionError("complete datasets never wait")
         self._set(self.view.wait_for(self.name, self.chunks.committed, self.wait_timeout, self.plan_key,
                                      self.part_counts))
+
+    @property
+    def part_counts(self) -> bool:
+        """Whether the dataset's rendered lengths need the parts of each kind (its template's)."""
+        return self.reader.template.counts_parts
 
     @property
     def fingerprint(self) -> str:

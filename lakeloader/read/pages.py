@@ -61,6 +61,13 @@ class PageHeader(NamedTuple):
 _Fields = dict[int, "int | bool | _Fields"]
 
 
+def _byte(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """(the byte at ``data[pos]``, where it ends)."""
+    if pos >= len(data):
+        raise _NotDecoded("page header runs past the column chunk")
+    return data[pos], pos + 1
+
+
 def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     """(the unsigned varint at ``data[pos]``, where it ends)."""
     value = shift = 0
@@ -87,7 +94,7 @@ def _struct(data: bytes | memoryview, pos: int, depth: int = 0) -> tuple[_Fields
     field_id = 0
     end = len(data)
     while True:
-        if pos >= end:
+        if pos >= end:   # (_byte inline: ~10% of a header's walk)
             raise _NotDecoded("page header runs past the column chunk")
         head = data[pos]
         pos += 1
@@ -125,10 +132,7 @@ def _skip(data: bytes | memoryview, pos: int, kind: int, depth: int, in_collecti
     elif kind == _BINARY:
         size, pos = _varint(data, pos)
     elif kind in (_LIST, _SET):
-        if pos >= len(data):
-            raise _NotDecoded("page header runs past the column chunk")
-        head = data[pos]
-        pos += 1
+        head, pos = _byte(data, pos)
         count = head >> 4
         if count == 15:
             count, pos = _varint(data, pos)
@@ -139,10 +143,7 @@ def _skip(data: bytes | memoryview, pos: int, kind: int, depth: int, in_collecti
         count, pos = _varint(data, pos)
         types = 0
         if count:
-            if pos >= len(data):
-                raise _NotDecoded("page header runs past the column chunk")
-            types = data[pos]
-            pos += 1
+            types, pos = _byte(data, pos)
         for _ in range(count):
             pos = _skip(data, pos, types >> 4, depth + 1, True)
             pos = _skip(data, pos, types & 0x0F, depth + 1, True)
@@ -156,8 +157,8 @@ def _skip(data: bytes | memoryview, pos: int, kind: int, depth: int, in_collecti
     return pos + size
 
 
-def _int(fields: _Fields, field_id: int, name: str, default: int | None = None) -> int:
-    value = fields.get(field_id, default)
+def _int(fields: _Fields, field_id: int, name: str) -> int:
+    value = fields.get(field_id)
     if not isinstance(value, int) or isinstance(value, bool):
         raise _NotDecoded(f"page header without a valid {name}")
     return value
