@@ -112,6 +112,24 @@ class ChunkShards(Mapping[int, int]):
         return iter(range(self.chunks.committed))
 
 
+def _in_global_order(table: pa.Table, url: str, name: str) -> pa.Table:
+    """The rows of reader_chunks (every planned chunk of dataset ``name`` of lake ``url``) in
+    global order; a CatalogError unless their global indexes are 0 to one less than their number."""
+    global_index = table.column("global_index").to_numpy()
+    planned = len(global_index)
+    if planned and global_index[0] == 0 and global_index[-1] == planned - 1 and (
+            np.diff(global_index) == 1).all():
+        return table   # the usual case: a scan in the order the plan inserted them
+    if (int(global_index.min()) < 0 or int(global_index.max()) >= planned
+            or int(np.bincount(global_index, minlength=planned).max()) > 1):
+        raise CatalogError(f"the catalog of {url} lists the {planned} chunks of dataset {name!r} "
+                           "under global indexes other than 0 to one less than their number: it is damaged; "
+                           "restore it with `lakeloader build CONFIG --recover-catalog`")
+    row = np.empty(planned, np.int64)   # row of the table holding each chunk
+    row[global_index] = np.arange(planned)
+    return table.take(row)
+
+
 def part_lists(column: pa.ListArray | pa.ChunkedArray, kinds: int) -> np.ndarray:
     """A LIST column of per-kind counts as an int64 ``[rows, kinds]`` matrix without a Python
     loop over rows; missing or empty lists count zero."""
@@ -260,16 +278,9 @@ class CatalogView:
                 "(lakeloader build CONFIG)"
             )
         fingerprint, token_type, kinds, source = plan
-        global_index = table.column("global_index").to_numpy()
-        if (int(global_index.min()) < 0 or int(global_index.max()) >= planned
-                or int(np.bincount(global_index, minlength=planned).max()) > 1):
-            raise CatalogError(f"the catalog of {self.lake.url} lists the {planned} chunks of dataset {name!r} "
-                               "under global indexes other than 0 to one less than their number: it is damaged; "
-                               "restore it with `lakeloader build CONFIG --recover-catalog`")
-        row = np.empty(planned, np.int64)   # row of the result holding each chunk (global order)
-        row[global_index] = np.arange(planned)
+        table = _in_global_order(table, self.lake.url, name)
         # The committed prefix (catalog/prefix.sql): the chunks before the first one not committed.
-        uncommitted = np.flatnonzero(~table.column("committed").to_numpy()[row])
+        uncommitted = np.flatnonzero(~table.column("committed").to_numpy())
         prefix = int(uncommitted[0]) if len(uncommitted) else planned
         examples = None
         if plan_key is not None:
@@ -279,13 +290,12 @@ class CatalogView:
             # The prefix ends at the first chunk without counts.
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
             prefix = min(prefix, int(gaps[0]) if len(gaps) else len(counted))
-        row = row[:prefix]
-        num_parts = part_lists(table.column("num_parts"), len(kinds))[row] if part_counts else None
+        table = table.slice(0, prefix)   # (the counts of chunks not committed yet are NULL)
+        num_parts = part_lists(table.column("num_parts"), len(kinds)) if part_counts else None
         return DatasetChunks(
             name=name, fingerprint=fingerprint, complete=prefix == planned, planned=int(planned),
-            # (taken before the cast: the counts of chunks not committed yet are NULL)
-            num_docs=table.column("num_docs").to_numpy()[row].astype(np.int64),
-            num_tokens=table.column("num_tokens").to_numpy()[row].astype(np.int64),
+            num_docs=table.column("num_docs").to_numpy().astype(np.int64, copy=False),
+            num_tokens=table.column("num_tokens").to_numpy().astype(np.int64, copy=False),
             token_type=token_type, num_parts=num_parts,
             num_examples=None if examples is None else examples["num_examples"][:prefix].astype(np.int64),
             filtered=source is not None, records=functools.partial(self.chunk_record, name),
