@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import lakeloader.index.render as render_module
 from lakeloader.contracts.specs import Fim, Template, make_template
 from lakeloader.feed.loader import Loader
-from lakeloader.index.render import fim_choice, render, render_compact
+from lakeloader.index.render import fim_choice, render, render_compact, rendered_doc_starts
 
 TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32, np.int32, np.int64)
 
@@ -93,6 +93,31 @@ def test_render_compact_is_bitwise_the_general_render_narrowed(case: dict[str, A
     with mock.patch.object(render_module, "TOKENS_PER_PART_COPY", per_part_copy):
         got = render_compact(*args)
     assert_same(got, narrowed(*args))
+
+
+@given(dtype=st.sampled_from(TOKEN_DTYPES), bos=st.none() | st.integers(0, 70_000), eos=st.integers(0, 70_000),
+       lengths=st.lists(st.integers(0, 40), max_size=12), fim_rate=st.sampled_from([None, 0.0]),
+       per_part_copy=st.sampled_from([0, 10**9]), data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_plain_documents_render_bitwise_the_general_render_narrowed(
+        dtype: type, bos: int | None, eos: int, lengths: list[int], fim_rate: float | None,
+        per_part_copy: int, data: st.DataObject) -> None:
+    """Documents of one text part each under a template adding tokens around documents only (a
+    shuffled first batch's usual row group, rendered by a shorter path): the general path's
+    tokens, no flags, and document starts, which ``rendered_doc_starts`` also gives from the
+    layout alone."""
+    top = int(np.iinfo(dtype).max) if np.dtype(dtype).itemsize < 4 else 100_000
+    fim = None if fim_rate is None else Fim(rate=fim_rate, spm_rate=0.5, prefix=1, middle=2, suffix=3, key=4)
+    template = make_template(("text",), bos=bos, eos=eos, fim=fim)
+    n = len(lengths)
+    values = np.array(data.draw(st.lists(st.integers(0, top), min_size=sum(lengths), max_size=sum(lengths))), dtype)
+    args = [template, values, np.array(lengths, np.int64), np.zeros(n, np.int64), np.arange(n), n,
+            None if fim is None else fim_choice(fim, 0, n, np.arange(n), np.array(lengths, np.int64))]
+    with mock.patch.object(render_module, "TOKENS_PER_PART_COPY", per_part_copy):
+        got = render_compact(*args)
+    if n:   # (the general render needs some part)
+        assert_same(got, narrowed(*args))
+    assert got[1] is None and np.array_equal(rendered_doc_starts(*args[:1], *args[2:]), got[2])
 
 
 @pytest.mark.parametrize("per_part_copy", [0, 10**9])

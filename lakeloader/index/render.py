@@ -227,8 +227,48 @@ def rendered_doc_starts(template: Template, part_lengths: np.ndarray, part_kinds
     """Where each document starts in :func:`render_compact`'s tokens of the same parts, then
     their end (int64 ``[num_docs + 1]``), from the part layout alone."""
     part_doc = np.asarray(part_doc, np.int64)
+    if not _has_fim_parts(template, fim) and _one_part_each(part_doc, num_docs):
+        kinds = np.asarray(part_kinds, np.int64)
+        return cumulative(np.asarray(part_lengths, np.int64) + template.part_overhead[kinds] + template.doc_overhead)
     lengths = np.asarray(part_lengths, np.int64) + _fim_parts(template, part_doc, fim)[1]
     return cumulative(doc_lengths(template, lengths, np.asarray(part_kinds, np.int64), part_doc, num_docs))
+
+
+def _has_fim_parts(template: Template, fim: tuple[np.ndarray, ...] | None) -> bool:
+    """Whether any of the documents ``fim`` chose for is rendered as FIM."""
+    return fim is not None and template.fim is not None and bool(np.asarray(fim[0]).any())
+
+
+def _one_part_each(part_doc: np.ndarray, num_docs: int) -> bool:
+    """Whether documents 0 to ``num_docs - 1`` have one part each (``part_doc``: each part's)."""
+    return len(part_doc) == num_docs and bool((part_doc == np.arange(num_docs)).all())
+
+
+def _render_plain(template: Template, values: np.ndarray, lengths: np.ndarray, num_docs: int
+                  ) -> tuple[np.ndarray, None, np.ndarray]:
+    """:func:`render_compact` of documents of one part each (``lengths``: theirs) under a template
+    that adds tokens around documents only and trains on every token (plain text): a few
+    operations per row group instead of the general case's few dozen (a shuffled first batch
+    renders a window's documents in each of many row groups)."""
+    prefix, suffix = template.doc_prefix, template.doc_suffix
+    doc_starts = cumulative(lengths + template.doc_overhead)
+    dtype = stored_token_dtype(values.dtype, max((int(p.max()) for p in (prefix, suffix) if len(p) and num_docs),
+                                                 default=None))
+    tokens = np.empty(int(doc_starts[-1]), dtype)
+    # Where the template's tokens go: each document's prefix, then its suffix.
+    placed = np.concatenate([(doc_starts[:-1, None] + np.arange(len(prefix))).ravel(),
+                             (doc_starts[1:, None] - len(suffix) + np.arange(len(suffix))).ravel()])
+    tokens[placed] = np.concatenate([np.tile(prefix, num_docs), np.tile(suffix, num_docs)])
+    if num_docs * TOKENS_PER_PART_COPY <= len(values):
+        # Long documents: a copy each (a memcpy) is cheaper than a mask over every token.
+        source = np.cumsum(lengths) - lengths
+        for a, o, k in zip(source.tolist(), (doc_starts[:-1] + len(prefix)).tolist(), lengths.tolist()):
+            tokens[o : o + k] = values[a : a + k]
+    else:
+        content = np.ones(len(tokens), bool)
+        content[placed] = False
+        tokens[content] = values
+    return tokens, None, doc_starts
 
 
 def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndarray, part_kinds: np.ndarray,
@@ -247,6 +287,9 @@ def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndar
     lengths = np.asarray(part_lengths, np.int64)
     kinds = np.asarray(part_kinds, np.int64)
     part_doc = np.asarray(part_doc, np.int64)
+    if (template.train_all and not template.counts_parts and not _has_fim_parts(template, fim)
+            and _one_part_each(part_doc, num_docs)):
+        return _render_plain(template, values, lengths, num_docs)
     fim_part, sentinels = _fim_parts(template, part_doc, fim)
     doc_starts = rendered_doc_starts(template, lengths, kinds, part_doc, num_docs, fim)
     prefix_len = np.array([len(p) for p in template.part_prefix], np.int64)
