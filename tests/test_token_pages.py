@@ -149,13 +149,27 @@ def page_spans(data: bytes, group: int) -> list[tuple[int, int, int]]:
     return spans
 
 
-@settings(max_examples=60, deadline=None)
-@given(docs=DOCS, page_bytes=st.integers(8, 400), data=st.data())
-def test_ranges_decode_only_the_pages_they_reach(docs: list[list[list[int]]], page_bytes: int,
+class ReadsCounted:
+    """A file's bytes whose reads (``read_at``, all a column chunk's decoding uses) are recorded."""
+
+    def __init__(self, data: bytes) -> None:
+        self.file = pa.BufferReader(data)
+        self.reads: list[tuple[int, int]] = []   # (offset, length)
+
+    def read_at(self, length: int, offset: int) -> pa.Buffer:
+        self.reads.append((offset, length))
+        return self.file.read_at(length, offset)
+
+
+@settings(max_examples=100, deadline=None)
+@given(docs=DOCS, page_bytes=st.integers(8, 400), probe=st.sampled_from([None, 4, 16, 256]), data=st.data())
+def test_ranges_decode_only_the_pages_they_reach(docs: list[list[list[int]]], page_bytes: int, probe: int | None,
                                                  data: st.DataObject) -> None:
     """Values of any ranges of a row group's tokens are bitwise pyarrow's slices; when every level
     entry is a value (no empty document), pages no range reaches are never decompressed nor
-    checked: here their bytes are damaged and the ranges still read."""
+    checked: here their bytes are damaged and the ranges still read. With page headers read one
+    by one (``probe``: the bytes read for each, some shorter than a header; the files here are
+    smaller than a column chunk needs to be for that), no byte of a page no range reaches is read."""
     docs = [[[t % 65536 for t in part] for part in doc] for doc in docs]
     file = chunk_bytes(docs, np.uint16, 10**6, data_page_size=page_bytes, write_batch_size=4)
     expected = pyarrow_tokens(pq.ParquetFile(io.BytesIO(file)), 0)
@@ -166,19 +180,34 @@ def test_ranges_decode_only_the_pages_they_reach(docs: list[list[list[int]]], pa
     every_entry_a_value = sum(entries for _, _, entries in spans) == n
     damaged = bytearray(file)
     first = 0
+    unreached = []
     for start, stop, entries in spans:
         reached = any(a < first + entries and b > first for a, b in ranges if b > a)
         if every_entry_a_value and not reached and stop > start:
             damaged[start] ^= 0xFF   # a page nobody needs: its CRC would fail if it were checked
+            unreached.append((start, stop))
         first += entries
     parquet = open_chunk(pa.BufferReader(file))
-    got = read_column_ranges(pa.BufferReader(bytes(damaged)),
-                             column_chunk(parquet.metadata, 0, leaf_column(parquet.metadata, TOKENS_COLUMN)),
-                             pa.uint16(), n, ranges)
+    handle = ReadsCounted(bytes(damaged))
+    probing = {"_PROBED_SIZE": 0, "_HEADER_PROBE": probe} if probe else {"_PROBED_SIZE": pages_module._PROBED_SIZE}
+    with mock.patch.multiple(pages_module, **probing):
+        got = read_column_ranges(handle, column_chunk(parquet.metadata, 0, leaf_column(parquet.metadata, TOKENS_COLUMN)),
+                                 pa.uint16(), n, ranges)
     assert got is not None and len(got) == len(ranges)
     for (a, b), values in zip(ranges, got):
         assert values.dtype == np.uint16 and np.array_equal(values, expected[a:b]), (a, b)
         assert not values.flags.writeable
+    if probe is not None and every_entry_a_value and 2 * sum(b - a for a, b in ranges) < n:
+        # Reads from a page's first byte are of pages; the others probe page headers, each from
+        # its first byte and at most twice as long as the longest header if longer than the probe.
+        starts = {start for start, _, _ in spans}
+        read = [(offset, offset + length) for offset, length in handle.reads if offset in starts]
+        assert bool(read) == any(b > a for a, b in ranges)
+        header_starts = [parquet.metadata.row_group(0).column(1).data_page_offset] + [stop for _, stop, _ in spans]
+        longest_header = max(start - header for (start, _, _), header in zip(spans, header_starts))
+        for offset, length in handle.reads:
+            assert offset in starts or (offset in header_starts and length <= max(probe, 2 * longest_header))
+        assert not [page for page in unreached for a, b in read if a < page[1] and b > page[0]]
 
 
 def test_a_range_reaching_a_damaged_page_raises() -> None:

@@ -6,6 +6,7 @@ the caller reads it with pyarrow, so every valid file still reads, to the same v
 
 from __future__ import annotations
 
+import functools
 import logging
 import zlib
 from collections.abc import Callable, Sequence
@@ -23,6 +24,10 @@ PAGE_DATA = 0   # dictionary pages (2) and data pages v2 (3) are left to pyarrow
 ENCODING_PLAIN, ENCODING_RLE = 0, 3
 _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(1, 13)
 _MAX_DEPTH = 32   # nesting of skipped structs; page headers nest 3 deep
+# A column chunk larger than this read for a few of its values has its page headers read one by
+# one (each from a probe of this many bytes), then only the pages holding the values.
+_PROBED_SIZE = 64 << 10
+_HEADER_PROBE = 256
 
 # Arrow value types read from INT32 as numpy casts them (pyarrow truncates the same way, unchecked).
 _DTYPES = {pa.int8(): np.int8, pa.uint8(): np.uint8, pa.int16(): np.int16, pa.uint16(): np.uint16,
@@ -252,58 +257,97 @@ class _Page(NamedTuple):
     ordinal: int
     header: PageHeader
     data_page_header: DataPageHeader
-    raw: memoryview     # the page's bytes as stored (compressed)
+    start: int          # where the page's bytes as stored (compressed) lie in the column chunk
+    stop: int
 
 
-def _data_pages(data: memoryview, entries: int) -> list[_Page]:
-    """The first pages of a column chunk's bytes that hold ``entries`` level entries (or all of
-    them), each a PLAIN data page v1 (else :class:`_NotDecoded`)."""
+def _data_pages(header_at: Callable[[int], tuple[PageHeader, int]], size: int, entries: int) -> list[_Page]:
+    """The first pages of a column chunk of ``size`` bytes that hold ``entries`` level entries (or
+    all of them), each a PLAIN data page v1 (else :class:`_NotDecoded`); ``header_at(pos)`` is
+    the page header at ``pos`` in the column chunk and where the page's bytes start."""
     pages: list[_Page] = []
     pos = held = 0
-    while pos < len(data) and held < entries:
-        header, start = read_page_header(data, pos)
+    while pos < size and held < entries:
+        header, start = header_at(pos)
         stop = start + header.compressed_page_size
-        if header.compressed_page_size < 0 or stop > len(data):
+        if header.compressed_page_size < 0 or stop > size:
             raise _NotDecoded("page runs past the column chunk")
         page_header = header.data_page_header
         if header.type != PAGE_DATA or page_header is None:
             raise _NotDecoded(f"page of type {header.type}")
         if page_header.encoding != ENCODING_PLAIN:
             raise _NotDecoded(f"values of encoding {page_header.encoding}")
-        pages.append(_Page(len(pages), header, page_header, data[start:stop]))
+        pages.append(_Page(len(pages), header, page_header, start, stop))
         held += page_header.num_values
         pos = stop
     return pages
 
 
-def _page_values(page: _Page, decompress: Callable[[memoryview], bytes] | None, max_rep: int, max_def: int
-                 ) -> tuple[memoryview, int, int]:
-    """(a page's decompressed bytes, where its values start, how many): its CRC-32 checked."""
-    raw, header, page_header = page.raw, page.header, page.data_page_header
+def _probed_header_at(handle: pa.NativeFile, chunk: ColumnChunk) -> Callable[[int], tuple[PageHeader, int]]:
+    """``header_at`` of :func:`_data_pages` reading only a page header's bytes from ``handle``
+    (a header longer than the probe is read again from a probe twice as long)."""
+    size = chunk.total_compressed_size
+
+    def header_at(pos: int) -> tuple[PageHeader, int]:
+        length = min(_HEADER_PROBE, size - pos)
+        while True:
+            try:
+                header, end = read_page_header(memoryview(handle.read_at(length, chunk.data_page_offset + pos)), 0)
+                return header, pos + end
+            except _NotDecoded:
+                if length == size - pos:
+                    raise
+                length = min(2 * length, size - pos)
+
+    return header_at
+
+
+def _page_values(page: _Page, raw: memoryview, decompressor: zstandard.ZstdDecompressor | None, max_rep: int,
+                 max_def: int, values_needed: int | None = None) -> tuple[memoryview, int, int]:
+    """(a page's decompressed bytes, where its values start, how many), from ``raw``, its bytes
+    as stored: their CRC-32 checked. With ``values_needed``, a zstd page is decompressed only as
+    far as its first ``values_needed`` values (the bytes then end there): a window needs a few
+    thousand tokens of a page holding a hundred thousand, and zstd decompresses block by block."""
+    header, page_header = page.header, page.data_page_header
     if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
         raise PageChecksumError(page.ordinal)
-    body = raw
-    if decompress is not None:
-        try:
+    size = header.uncompressed_page_size
+    body: memoryview | bytearray = raw
+    reader = None
+    try:
+        if decompressor is not None:
             # The frame's own size is what gets allocated: it must be the header's (Arrow's
             # writer always stores it), whatever a page without a CRC may have had altered.
-            if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
+            if zstandard.frame_content_size(raw) != size:
                 raise _NotDecoded("zstd frame of another size than its page header says")
-            body = memoryview(decompress(raw))
-        except zstandard.ZstdError as exc:
-            raise _NotDecoded(f"zstd: {exc}") from exc
-    if len(body) != header.uncompressed_page_size:
-        raise _NotDecoded(f"page of {len(body)} bytes, its header says {header.uncompressed_page_size}")
-    at = _skip_level_block(body, 0, page_header.repetition_level_encoding, max_rep)
-    at = _skip_level_block(body, at, page_header.definition_level_encoding, max_def)
-    values = len(body) - at
-    if values < 0 or values % 4:
-        raise _NotDecoded(f"{values} bytes of INT32 values")
-    values //= 4
-    # Level entries count values, nulls and empty lists: never fewer than the values stored.
-    if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
-        raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
-    return body, at, values
+            if values_needed is None:
+                body = memoryview(decompressor.decompress(raw))
+            else:
+                reader, body = decompressor.stream_reader(raw), bytearray()
+        if reader is None and len(body) != size:
+            raise _NotDecoded(f"page of {len(body)} bytes, its header says {size}")
+
+        def first_bytes(count: int) -> memoryview:
+            """The body's first ``count`` bytes (fewer at its end), decompressed so far if not yet."""
+            while reader is not None and len(body) < min(count, size):
+                more = reader.read(min(count, size) - len(body))
+                if not more:
+                    raise _NotDecoded(f"zstd frame of fewer bytes than its page header says ({size})")
+                body.extend(more)
+            return memoryview(body)[:count]
+
+        at = _skip_level_block(first_bytes(4), 0, page_header.repetition_level_encoding, max_rep)
+        at = _skip_level_block(first_bytes(at + 4), at, page_header.definition_level_encoding, max_def)
+        values = size - at
+        if values < 0 or values % 4:
+            raise _NotDecoded(f"{values} bytes of INT32 values")
+        values //= 4
+        # Level entries count values, nulls and empty lists: never fewer than the values stored.
+        if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
+            raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
+        return first_bytes(at + 4 * (values if values_needed is None else min(values, values_needed))), at, values
+    except zstandard.ZstdError as exc:
+        raise _NotDecoded(f"zstd: {exc}") from exc
 
 
 def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataType, count: int,
@@ -316,25 +360,55 @@ def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataT
     if chunk.compression not in ("ZSTD", "UNCOMPRESSED"):
         raise _NotDecoded(f"{chunk.compression} compression")
     size = chunk.total_compressed_size
-    data = memoryview(handle.read_at(size, chunk.data_page_offset))
-    if len(data) != size:
-        raise _NotDecoded(f"{len(data)} of the column chunk's {size} bytes read")
     # Every level entry a value: the pages holding the ranges are known from the page headers up
     # to the last range's end, without decoding them.
     every_entry_a_value = chunk.num_values == count
     needed = max((stop for _, stop in ranges), default=0) if every_entry_a_value else chunk.num_values
-    pages = _data_pages(data, needed)
-    entries = np.array([page.data_page_header.num_values for page in pages], np.int64)
-    walked = int(entries.sum())
+    wanted = sum(stop - start for start, stop in ranges)
+    if every_entry_a_value and size > _PROBED_SIZE and 2 * wanted < count:
+        # A few values of a large column chunk (a window of a row group): its page headers read
+        # one by one, then only the pages holding them.
+        pages = _data_pages(_probed_header_at(handle, chunk), size, needed)
+        data = None
+    else:
+        data = memoryview(handle.read_at(size, chunk.data_page_offset))
+        if len(data) != size:
+            raise _NotDecoded(f"{len(data)} of the column chunk's {size} bytes read")
+        pages = _data_pages(functools.partial(read_page_header, data), size, needed)
+    entries = [page.data_page_header.num_values for page in pages]
+    walked = sum(entries)
     if not needed <= walked <= chunk.num_values:
         raise _NotDecoded(f"{walked} level entries in pages of a column chunk of {chunk.num_values}")
-    decompress = zstandard.ZstdDecompressor().decompress if chunk.compression == "ZSTD" else None
+    decompressor = zstandard.ZstdDecompressor() if chunk.compression == "ZSTD" else None
+    # A page's values are taken as they lie in its decompressed bytes (read-only) where their
+    # type is stored as it is read (4 bytes), else converted.
+    as_stored = np.dtype(dtype).itemsize == 4
+    stored_dtype = np.dtype(dtype).newbyteorder("<") if as_stored else np.dtype("<i4")
 
-    def decoded(chosen: list[_Page], expected: int) -> np.ndarray:
+    def decoded(chosen: list[_Page], expected: int, values_needed: int | None = None) -> np.ndarray:
+        """The values of pages ``chosen`` (``expected`` of them); of one page, only its first
+        ``values_needed`` (if given)."""
+        if data is None:   # (probed) the pages chosen read in one span
+            base = chosen[0].start
+            span = memoryview(handle.read_at(chosen[-1].stop - base, chunk.data_page_offset + base))
+            raws = [span[page.start - base:page.stop - base] for page in chosen]
+        else:
+            raws = [data[page.start:page.stop] for page in chosen]
+        if len(chosen) == 1:
+            body, at, values = _page_values(chosen[0], raws[0], decompressor, chunk.max_repetition_level,
+                                            chunk.max_definition_level, values_needed)
+            if values != expected:
+                raise _NotDecoded(f"{values} values in the page decoded, expected {expected}")
+            array = np.frombuffer(body, stored_dtype, (len(body) - at) // 4, at)
+            if not as_stored:
+                array = array.astype(dtype)
+            array.flags.writeable = False
+            return array
         out = np.empty(expected, dtype)
         filled = 0
-        for page in chosen:
-            body, at, values = _page_values(page, decompress, chunk.max_repetition_level, chunk.max_definition_level)
+        for page, raw in zip(chosen, raws):
+            body, at, values = _page_values(page, raw, decompressor, chunk.max_repetition_level,
+                                            chunk.max_definition_level)
             if filled + values > expected:
                 raise _NotDecoded(f"more than the {expected} values expected")
             out[filled:filled + values] = np.frombuffer(body, "<i4", values, at)
@@ -344,17 +418,23 @@ def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataT
         out.flags.writeable = False
         return out
 
-    if not every_entry_a_value:   # where a page's values start is not known
+    if not every_entry_a_value:   # where a page's values start is not known: all decoded
         whole = decoded(pages, count)
         return [whole[start:stop] for start, stop in ranges]
+    if len(pages) == 1 and walked == count and wanted:   # one page holds them all
+        whole = decoded(pages, count, needed)
+        return [whole[start:stop] for start, stop in ranges]
     # Each page holds values [ends[i - 1], ends[i]): the pages [lo, hi) each range reaches, each
-    # decoded once.
+    # decoded once, as far as the last of them reaches into it.
     ends = np.cumsum(entries)
     firsts = ends - entries
     reaching = [(int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1)
                 if stop > start else (0, 0) for start, stop in ranges]
-    page_values = {i: decoded([pages[i]], int(entries[i])) for i in sorted({i for lo, hi in reaching
-                                                                              for i in range(lo, hi)})}
+    reached: dict[int, int] = {}   # page: values of it needed
+    for (start, stop), (lo, hi) in zip(ranges, reaching):
+        for i in range(lo, hi):
+            reached[i] = max(reached.get(i, 0), min(stop, int(ends[i])) - int(firsts[i]))
+    page_values = {i: decoded([pages[i]], entries[i], reached[i]) for i in sorted(reached)}
     found = []
     for (start, stop), (lo, hi) in zip(ranges, reaching):
         pieces = [page_values[i][max(start - int(firsts[i]), 0) : stop - int(firsts[i])] for i in range(lo, hi)]
