@@ -302,52 +302,35 @@ def _probed_header_at(handle: pa.NativeFile, chunk: ColumnChunk) -> Callable[[in
     return header_at
 
 
-def _page_values(page: _Page, raw: memoryview, decompressor: zstandard.ZstdDecompressor | None, max_rep: int,
-                 max_def: int, values_needed: int | None = None) -> tuple[memoryview, int, int]:
+def _page_values(page: _Page, raw: memoryview, decompress: Callable[[memoryview], bytes] | None, max_rep: int,
+                 max_def: int) -> tuple[memoryview, int, int]:
     """(a page's decompressed bytes, where its values start, how many), from ``raw``, its bytes
-    as stored: their CRC-32 checked. With ``values_needed``, a zstd page is decompressed only as
-    far as its first ``values_needed`` values (the bytes then end there): a window needs a few
-    thousand tokens of a page holding a hundred thousand, and zstd decompresses block by block."""
+    as stored: their CRC-32 checked."""
     header, page_header = page.header, page.data_page_header
     if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
         raise PageChecksumError(page.ordinal)
-    size = header.uncompressed_page_size
-    body: memoryview | bytearray = raw
-    reader = None
-    try:
-        if decompressor is not None:
+    body = raw
+    if decompress is not None:
+        try:
             # The frame's own size is what gets allocated: it must be the header's (Arrow's
             # writer always stores it), whatever a page without a CRC may have had altered.
-            if zstandard.frame_content_size(raw) != size:
+            if zstandard.frame_content_size(raw) != header.uncompressed_page_size:
                 raise _NotDecoded("zstd frame of another size than its page header says")
-            if values_needed is None:
-                body = memoryview(decompressor.decompress(raw))
-            else:
-                reader, body = decompressor.stream_reader(raw), bytearray()
-        if reader is None and len(body) != size:
-            raise _NotDecoded(f"page of {len(body)} bytes, its header says {size}")
-
-        def first_bytes(count: int) -> memoryview:
-            """The body's first ``count`` bytes (fewer at its end), decompressed so far if not yet."""
-            while reader is not None and len(body) < min(count, size):
-                more = reader.read(min(count, size) - len(body))
-                if not more:
-                    raise _NotDecoded(f"zstd frame of fewer bytes than its page header says ({size})")
-                body.extend(more)
-            return memoryview(body)[:count]
-
-        at = _skip_level_block(first_bytes(4), 0, page_header.repetition_level_encoding, max_rep)
-        at = _skip_level_block(first_bytes(at + 4), at, page_header.definition_level_encoding, max_def)
-        values = size - at
-        if values < 0 or values % 4:
-            raise _NotDecoded(f"{values} bytes of INT32 values")
-        values //= 4
-        # Level entries count values, nulls and empty lists: never fewer than the values stored.
-        if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
-            raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
-        return first_bytes(at + 4 * (values if values_needed is None else min(values, values_needed))), at, values
-    except zstandard.ZstdError as exc:
-        raise _NotDecoded(f"zstd: {exc}") from exc
+            body = memoryview(decompress(raw))
+        except zstandard.ZstdError as exc:
+            raise _NotDecoded(f"zstd: {exc}") from exc
+    if len(body) != header.uncompressed_page_size:
+        raise _NotDecoded(f"page of {len(body)} bytes, its header says {header.uncompressed_page_size}")
+    at = _skip_level_block(body, 0, page_header.repetition_level_encoding, max_rep)
+    at = _skip_level_block(body, at, page_header.definition_level_encoding, max_def)
+    values = len(body) - at
+    if values < 0 or values % 4:
+        raise _NotDecoded(f"{values} bytes of INT32 values")
+    values //= 4
+    # Level entries count values, nulls and empty lists: never fewer than the values stored.
+    if values > page_header.num_values or (max_def == 0 and values != page_header.num_values):
+        raise _NotDecoded(f"{values} values in a page of {page_header.num_values}")
+    return body, at, values
 
 
 def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataType, count: int,
@@ -379,35 +362,28 @@ def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataT
     walked = sum(entries)
     if not needed <= walked <= chunk.num_values:
         raise _NotDecoded(f"{walked} level entries in pages of a column chunk of {chunk.num_values}")
-    decompressor = zstandard.ZstdDecompressor() if chunk.compression == "ZSTD" else None
-    # A page's values are taken as they lie in its decompressed bytes (read-only) where their
+    decompress = zstandard.ZstdDecompressor().decompress if chunk.compression == "ZSTD" else None
+    # One page's values are taken as they lie in its decompressed bytes (read-only) where their
     # type is stored as it is read (4 bytes), else converted.
     as_stored = np.dtype(dtype).itemsize == 4
-    stored_dtype = np.dtype(dtype).newbyteorder("<") if as_stored else np.dtype("<i4")
 
-    def decoded(chosen: list[_Page], expected: int, values_needed: int | None = None) -> np.ndarray:
-        """The values of pages ``chosen`` (``expected`` of them); of one page, only its first
-        ``values_needed`` (if given)."""
+    def decoded(chosen: list[_Page], expected: int) -> np.ndarray:
         if data is None:   # (probed) the pages chosen read in one span
             base = chosen[0].start
             span = memoryview(handle.read_at(chosen[-1].stop - base, chunk.data_page_offset + base))
             raws = [span[page.start - base:page.stop - base] for page in chosen]
         else:
             raws = [data[page.start:page.stop] for page in chosen]
-        if len(chosen) == 1:
-            body, at, values = _page_values(chosen[0], raws[0], decompressor, chunk.max_repetition_level,
-                                            chunk.max_definition_level, values_needed)
+        if len(chosen) == 1 and as_stored:
+            body, at, values = _page_values(chosen[0], raws[0], decompress, chunk.max_repetition_level,
+                                            chunk.max_definition_level)
             if values != expected:
                 raise _NotDecoded(f"{values} values in the page decoded, expected {expected}")
-            array = np.frombuffer(body, stored_dtype, (len(body) - at) // 4, at)
-            if not as_stored:
-                array = array.astype(dtype)
-            array.flags.writeable = False
-            return array
+            return np.frombuffer(body, np.dtype(dtype).newbyteorder("<"), values, at)
         out = np.empty(expected, dtype)
         filled = 0
         for page, raw in zip(chosen, raws):
-            body, at, values = _page_values(page, raw, decompressor, chunk.max_repetition_level,
+            body, at, values = _page_values(page, raw, decompress, chunk.max_repetition_level,
                                             chunk.max_definition_level)
             if filled + values > expected:
                 raise _NotDecoded(f"more than the {expected} values expected")
@@ -418,23 +394,18 @@ def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataT
         out.flags.writeable = False
         return out
 
-    if not every_entry_a_value:   # where a page's values start is not known: all decoded
+    if not every_entry_a_value or (len(pages) == 1 and walked == count and wanted):
+        # Where a page's values start is not known, or one page holds them all: all decoded.
         whole = decoded(pages, count)
         return [whole[start:stop] for start, stop in ranges]
-    if len(pages) == 1 and walked == count and wanted:   # one page holds them all
-        whole = decoded(pages, count, needed)
-        return [whole[start:stop] for start, stop in ranges]
     # Each page holds values [ends[i - 1], ends[i]): the pages [lo, hi) each range reaches, each
-    # decoded once, as far as the last of them reaches into it.
+    # decoded once.
     ends = np.cumsum(entries)
     firsts = ends - entries
     reaching = [(int(np.searchsorted(ends, start, "right")), int(np.searchsorted(ends, stop, "left")) + 1)
                 if stop > start else (0, 0) for start, stop in ranges]
-    reached: dict[int, int] = {}   # page: values of it needed
-    for (start, stop), (lo, hi) in zip(ranges, reaching):
-        for i in range(lo, hi):
-            reached[i] = max(reached.get(i, 0), min(stop, int(ends[i])) - int(firsts[i]))
-    page_values = {i: decoded([pages[i]], entries[i], reached[i]) for i in sorted(reached)}
+    page_values = {i: decoded([pages[i]], entries[i]) for i in sorted({i for lo, hi in reaching
+                                                                        for i in range(lo, hi)})}
     found = []
     for (start, stop), (lo, hi) in zip(ranges, reaching):
         pieces = [page_values[i][max(start - int(firsts[i]), 0) : stop - int(firsts[i])] for i in range(lo, hi)]
