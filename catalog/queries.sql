@@ -217,9 +217,10 @@ WHERE d.name = $name;
 -- (each chunk's path and checksum come with its row groups when it is read: reader_row_groups_of).
 -- The reader takes the committed prefix from these rows, as committed_prefix (prefix.sql) defines
 -- it: one scan of the table instead of a second one for that view (~6 ms of a loader's open at
--- 200,000 chunks). Unsorted: a scan returns them in the order the plan inserted them, global order, which
--- the reader checks (reordering them only otherwise) for less than a sort of every chunk costs. The parts of each kind only with $part_counts (templates that add tokens around
--- parts): otherwise NULL, and the list column is never read (~5 ms of the open at 200,000 chunks).
+-- 200,000 chunks). Unsorted: a scan returns them in the order the plan inserted them (global
+-- order), which the reader checks, reordering them only otherwise, for less than a sort costs.
+-- The parts of each kind only with $part_counts (templates that add tokens around parts):
+-- otherwise NULL, and the list column is never read (~5 ms of the open at 200,000 chunks).
 SELECT global_index, num_docs, num_tokens, status = 'committed' AS committed,
        CASE WHEN $part_counts THEN num_parts END AS num_parts
 FROM chunks WHERE dataset = $name;

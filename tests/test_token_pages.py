@@ -191,8 +191,8 @@ def test_ranges_decode_only_the_pages_they_reach(docs: list[list[list[int]]], pa
     handle = ReadsCounted(bytes(damaged))
     probing = {"_PROBED_SIZE": 0, "_HEADER_PROBE": probe} if probe else {"_PROBED_SIZE": pages_module._PROBED_SIZE}
     with mock.patch.multiple(pages_module, **probing):
-        got = read_column_ranges(handle, column_chunk(parquet.metadata, 0, leaf_column(parquet.metadata, TOKENS_COLUMN)),
-                                 pa.uint16(), n, ranges)
+        tokens = column_chunk(parquet.metadata, 0, leaf_column(parquet.metadata, TOKENS_COLUMN))
+        got = read_column_ranges(handle, tokens, pa.uint16(), n, ranges)
     assert got is not None and len(got) == len(ranges)
     for (a, b), values in zip(ranges, got):
         assert values.dtype == np.uint16 and np.array_equal(values, expected[a:b]), (a, b)

@@ -211,8 +211,8 @@ def _attached_tables(con: duckdb.DuckDBPyConnection, path: str) -> list[str]:
     try:   # The usual case, every table there and a table: one cheap check.
         con.execute(" UNION ALL ".join(query("attached_table_check").format(table=name) for name in tables))
         return list(tables)
-    except duckdb.CatalogException:   # A catalog of an older schema, or altered: list what it has.
-        pass
+    except duckdb.CatalogException as exc:   # A catalog of an older schema, or altered: list what it has.
+        log.debug("catalog %s: not every table of schema.sql is a table there (%s); listing its objects", path, exc)
     objects = dict(con.execute(query("attached_objects")).fetchall())
     altered = sorted(name for name in tables if objects.get(name) == "view")
     if altered:
