@@ -6,6 +6,7 @@ import errno
 import hashlib
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -21,34 +22,30 @@ T = TypeVar("T")
 
 
 def _transient_types() -> tuple[type[BaseException], ...]:
+    """The connection-level errors a retry may cure: the standard library's, and those of the
+    object-store clients (botocore, aiohttp) this process has imported. A client never imported
+    raised nothing, and importing aiohttp only to name its errors cost ~130 ms of every process's
+    start (its SSL context is made on import), workers' included."""
     types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    try:
-        from botocore import exceptions as boto
-
+    boto = sys.modules.get("botocore.exceptions")
+    if boto is not None:
         types += [boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ReadTimeoutError,
                   boto.ConnectionClosedError]
-    except ImportError:  # no S3 support installed: nothing of botocore can be raised
-        pass
-    try:
-        import aiohttp
-
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
         types.append(aiohttp.ClientConnectionError)
-    except ImportError:
-        pass
     return tuple(types)
-
-
-_TRANSIENT = _transient_types()
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is a connection-level failure that a
     retry may cure, as opposed to a missing file, a permission problem or bad data."""
+    transient = _transient_types()
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, (FileNotFoundError, PermissionError, IsADirectoryError)):
             return False
-        if isinstance(seen, _TRANSIENT):
+        if isinstance(seen, transient):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

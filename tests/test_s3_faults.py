@@ -5,6 +5,8 @@ clear error after ``io_retry_deadline``; a partial chunk is never registered."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -12,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import boto3
+import botocore.exceptions
 import numpy as np
 import pytest
 import yaml
@@ -22,6 +26,7 @@ from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.errors import StorageUnavailableError
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
+from lakeloader.storage import is_transient
 
 from conftest import stdlib_texts, write_jsonl
 from test_s3 import CREDENTIALS, config_dict, write_yaml
@@ -160,3 +165,24 @@ def test_reader_retries_then_fails_clearly(tmp_path: Path, endpoint: Endpoint, d
         Loader(short)
     assert time.monotonic() - started < 30
     endpoint.start()
+
+
+def test_connection_errors_of_the_object_store_clients_are_transient() -> None:
+    """aiohttp's and botocore's connection errors are retried, raised alone or under another
+    error; a missing file never is, whatever it was raised from. Importing lakeloader imports
+    neither client (aiohttp's import alone costs every process's start ~130 ms): their errors are
+    known once a client is imported, which raising them needs."""
+    for error in (aiohttp.ClientConnectionError("refused"), botocore.exceptions.EndpointConnectionError(
+            endpoint_url="http://127.0.0.1:1"), TimeoutError()):
+        assert is_transient(error)
+        wrapped = OSError("read failed")
+        wrapped.__cause__ = error
+        assert is_transient(wrapped)
+        missing = FileNotFoundError("gone")
+        missing.__cause__ = error
+        assert not is_transient(missing)
+    assert not is_transient(ValueError("bad data"))
+    imported = subprocess.run([sys.executable, "-c", "import sys, lakeloader.feed.loader, lakeloader.cli; "
+                               "print(sorted({'aiohttp', 'botocore'} & set(sys.modules)))"],
+                              capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stderr[-2000:]
