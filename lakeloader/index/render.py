@@ -244,6 +244,31 @@ def _one_part_each(part_doc: np.ndarray, num_docs: int) -> bool:
     return len(part_doc) == num_docs and bool((part_doc == np.arange(num_docs)).all())
 
 
+def _template_tokens(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Where template pieces go in rendered tokens, and their ids (int32): each piece's tokens
+    (``pieces``: ids, the offsets of its copies) at each of its offsets."""
+    at = np.concatenate([np.add.outer(starts, np.arange(len(p))).ravel() for p, starts in pieces]
+                        + [np.zeros(0, np.int64)])
+    return at, np.concatenate([np.tile(p, len(starts)) for p, starts in pieces] + [np.zeros(0, np.int32)])
+
+
+def _place_stored(tokens: np.ndarray, values: np.ndarray, template_at: np.ndarray, source: np.ndarray,
+                  out: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+    """The stored ``values`` written into ``tokens`` around the template's (at ``template_at``):
+    run ``k`` is values ``[source[k], source[k] + lengths[k])`` at ``out[k]``. Long runs are
+    copied one by one (a memcpy each is cheaper than a mask over every token: then None); else
+    every position no template token takes gets the values in order, and that mask of content
+    positions is returned (runs placed out of the values' order are the caller's to rewrite)."""
+    if len(lengths) * TOKENS_PER_PART_COPY <= len(values):
+        for a, o, k in zip(source.tolist(), out.tolist(), lengths.tolist()):
+            tokens[o : o + k] = values[a : a + k]
+        return None
+    content = np.ones(len(tokens), bool)
+    content[template_at] = False
+    tokens[content] = values
+    return content
+
+
 def _render_plain(template: Template, values: np.ndarray, lengths: np.ndarray, num_docs: int
                   ) -> tuple[np.ndarray, None, np.ndarray]:
     """:func:`render_compact` of documents of one part each (``lengths``: theirs) under a template
@@ -255,19 +280,9 @@ def _render_plain(template: Template, values: np.ndarray, lengths: np.ndarray, n
     dtype = stored_token_dtype(values.dtype, max((int(p.max()) for p in (prefix, suffix) if len(p) and num_docs),
                                                  default=None))
     tokens = np.empty(int(doc_starts[-1]), dtype)
-    # Where the template's tokens go: each document's prefix, then its suffix.
-    placed = np.concatenate([(doc_starts[:-1, None] + np.arange(len(prefix))).ravel(),
-                             (doc_starts[1:, None] - len(suffix) + np.arange(len(suffix))).ravel()])
-    tokens[placed] = np.concatenate([np.tile(prefix, num_docs), np.tile(suffix, num_docs)])
-    if num_docs * TOKENS_PER_PART_COPY <= len(values):
-        # Long documents: a copy each (a memcpy) is cheaper than a mask over every token.
-        source = np.cumsum(lengths) - lengths
-        for a, o, k in zip(source.tolist(), (doc_starts[:-1] + len(prefix)).tolist(), lengths.tolist()):
-            tokens[o : o + k] = values[a : a + k]
-    else:
-        content = np.ones(len(tokens), bool)
-        content[placed] = False
-        tokens[content] = values
+    at, ids = _template_tokens([(prefix, doc_starts[:-1]), (suffix, doc_starts[1:] - len(suffix))])
+    tokens[at] = ids
+    _place_stored(tokens, values, at, np.cumsum(lengths) - lengths, doc_starts[:-1] + len(prefix), lengths)
     return tokens, None, doc_starts
 
 
@@ -329,26 +344,19 @@ def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndar
     pieces = [(p, at, t) for p, at, t in pieces if len(p) and len(at)]   # the pieces rendered at all
     # The stored values fit their own dtype: only the template's ids can need int32.
     dtype = stored_token_dtype(values.dtype, max((int(p.max()) for p, _, _ in pieces), default=None))
-    at = np.concatenate([np.add.outer(at, np.arange(len(p))).ravel() for p, at, _ in pieces] + [np.zeros(0, np.int64)])
     tokens = np.empty(int(doc_starts[-1]), dtype)
-    tokens[at] = np.concatenate([np.tile(p, len(at)) for p, at, _ in pieces] + [np.zeros(0, np.int32)])
+    at, ids = _template_tokens([(p, starts) for p, starts, _ in pieces])
+    tokens[at] = ids
     trainable = None if template.train_all else np.empty(len(tokens), bool)   # train_all: every piece trains
     if trainable is not None:
         trainable[at] = np.concatenate([np.repeat(t, len(p)) for p, _, t in pieces] + [np.zeros(0, bool)])
     src, out, n, t = (np.concatenate(x) for x in zip(*runs))
-    if len(n) * TOKENS_PER_PART_COPY <= len(values):
-        # Long runs: a copy per run (a memcpy each) is cheaper than a mask over every token.
-        for a, o, k in zip(src.tolist(), out.tolist(), n.tolist()):
-            tokens[o : o + k] = values[a : a + k]
+    content = _place_stored(tokens, values, at, src, out, n)
+    if content is None:   # copied run by run
         if trainable is not None:
             for o, k, flag in zip(out.tolist(), n.tolist(), t.tolist()):
                 trainable[o : o + k] = flag
-    else:
-        # Every position no template token takes, in order, holds the stored values in order
-        # (a FIM part's reordered, below).
-        content = np.ones(len(tokens), bool)
-        content[at] = False
-        tokens[content] = values
+    else:   # through the content mask: a FIM part's values reordered below
         if trainable is not None:
             trainable[content] = np.repeat(part_trains, lengths)
         if len(fim_part):
