@@ -40,3 +40,18 @@ def test_segments_of_a_batch_equal_a_plain_loop_per_row(rows: int, n: int, data:
         one_ids, one_positions = np.zeros((1, n), np.int32), np.zeros((1, n), np.int32)
         cut_segments(cut_rows[mine], cut_at[mine] + 1, one_ids, one_positions)
         assert np.array_equal(one_ids[0], segment_ids[0]) and np.array_equal(one_positions[0], positions[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.sampled_from([32767, 32768, 40000, 70000]), st.data())
+def test_segments_of_rows_past_16_bits_equal_runs_between_the_starts(rows: int, n: int, data: st.DataObject) -> None:
+    """Rows longer than 16-bit offsets reach (segments are worked out in 16 bits where they fit)."""
+    cuts = [sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=5)))) for _ in range(rows)]
+    cut_rows = np.repeat(np.arange(rows), [len(c) for c in cuts])
+    cut_at = np.array([x for c in cuts for x in c], np.int64)
+    segment_ids, positions = np.full((rows, n), -1, np.int32), np.full((rows, n), -1, np.int32)
+    cut_segments(cut_rows, cut_at, segment_ids, positions)
+    for row, row_cuts in enumerate(cuts):
+        bounds = [0, *row_cuts, n]
+        assert np.array_equal(segment_ids[row], np.repeat(np.arange(1, len(bounds)), np.diff(bounds)))
+        assert np.array_equal(positions[row], np.concatenate([np.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])]))

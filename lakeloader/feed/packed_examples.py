@@ -17,7 +17,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment
 from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
-from lakeloader.index.ranges import cumulative, locate, run_positions, spans
+from lakeloader.index.ranges import cumulative, fill_runs, locate, run_positions, spans
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
@@ -332,7 +332,7 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     runs[slots], values[slots] = sizes, np.arange(items, dtype=np.int64) - np.repeat(first, counts) + 1
     runs[cumulative(counts)[1:] + np.arange(n)] = pads
     segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
-    np.copyto(segment_ids.reshape(-1), np.repeat(values, runs))
+    fill_runs(values, runs, segment_ids)
     positions = built["positions"] = rows_of("positions", np.int32)
     run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
     positions.reshape(-1)[padding] = 0

@@ -111,20 +111,35 @@ def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarr
         starts = bounds[:-1]
     # Each start's segment number: its rank among its row's starts, from 1.
     number = _iota(len(starts) + 1, np.int64)[1:] - np.searchsorted(starts, row_bounds[:-1])[starts // n]
-    np.copyto(segment_ids, np.repeat(number.astype(np.int32), lengths).reshape(rows, n))
+    fill_runs(number, lengths, segment_ids)
     run_positions(starts, lengths, positions)
+
+
+def fill_runs(values: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+    """Write ``values[i]`` ``lengths[i]`` times, run after run, into ``out`` (``[rows, n]``,
+    int32, any view; the lengths add up to its size; every value in ``0..n``)."""
+    rows, n = out.shape
+    np.copyto(out, np.repeat(values.astype(_narrow(n)), lengths).reshape(rows, n))
 
 
 def run_positions(starts: np.ndarray, lengths: np.ndarray, positions: np.ndarray) -> None:
     """Write into ``positions`` (``[rows, n]``, int32, any view) each element's offset within its
-    run, for runs that tile the flattened array: run ``i`` starts at flat index ``starts[i]`` and
-    holds ``lengths[i]`` elements (runs of length 0 allowed). Two whole-array passes."""
+    run, for runs that tile the flattened array and none across a row's end: run ``i`` starts at
+    flat index ``starts[i]`` and holds ``lengths[i]`` elements (runs of length 0 allowed). Two
+    whole-array passes."""
     rows, n = positions.shape
-    # Flat index minus the flat start of its run (no broadcast: numpy's broadcasting loops are
-    # several times slower than same-shape ones).
-    dtype = np.int32 if rows * n <= _INT32_MAX else np.int64
-    np.subtract(_iota(rows * n, dtype).reshape(rows, n), np.repeat(starts.astype(dtype), lengths).reshape(rows, n),
-                out=positions, casting="unsafe")
+    small = _narrow(n)
+    # Each element's offset within its row minus its run's (no broadcast: numpy's broadcasting
+    # loops are several times slower than same-shape ones).
+    run_offsets = np.repeat((starts % n).astype(small), lengths).reshape(rows, n)
+    np.copyto(positions, np.subtract(_row_offsets(rows, n, small), run_offsets, out=run_offsets))
+
+
+def _narrow(n: int) -> type:
+    """The type runs of values in ``0..n`` (offsets within rows of ``n``, numbers of runs in one)
+    are repeated in: 16 bits where they fit (numpy repeats and subtracts half the bytes; the
+    copies into int32 arrays widen them)."""
+    return np.int16 if n <= _INT16_MAX else np.int32
 
 
 @functools.lru_cache(maxsize=8)
@@ -135,7 +150,15 @@ def _row_bounds(rows: int, n: int) -> np.ndarray:
     return found
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT16_MAX = int(np.iinfo(np.int16).max)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_offsets(rows: int, n: int, dtype: type) -> np.ndarray:
+    """Each element's offset within its row of a ``[rows, n]`` array, made once per shape and read-only."""
+    found = np.tile(np.arange(n, dtype=dtype), rows).reshape(rows, n)
+    found.flags.writeable = False
+    return found
 
 
 @functools.lru_cache(maxsize=8)
