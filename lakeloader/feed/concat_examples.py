@@ -147,16 +147,10 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
     length = batch["input_ids"].shape[1]
     n = len(windows)
     counts = np.full(n, length + 1, np.int64)
-    tokens, flags, cut_rows, cut_at = _gather(list(windows), length, counts)
-    dtype = np.result_type(*{t.dtype for t in tokens})
-    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
-    np.concatenate(tokens, out=stacked.reshape(-1))
-    trainable = None
-    if any(f is not None for f in flags):
-        trainable = _stacked_flags(flags, n, length)
+    stacked, trainable, cut_rows, cut_at = _stacked(windows, length, counts)
     if counts.min() == length + 1:   # every window whole (training)
-        _write_rows(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:],
-                    cut_rows, cut_at)
+        _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
+        _write_segments(batch, index, cut_rows, cut_at)
         return
     segment_ids, positions = np.empty((n, length), np.int32), np.empty((n, length), np.int32)
     cut_segments(cut_rows, cut_at, segment_ids, positions)
@@ -169,12 +163,31 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
         batch[name][index] = values
 
 
+def _stacked(windows: Sequence[Window], length: int, counts: np.ndarray) -> tuple[
+        np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+    """The windows' tokens as one [n, length + 1] array (this thread's work array), their target
+    flags (None: all targets) and where documents start (:func:`_gather`)."""
+    tokens, flags, cut_rows, cut_at = _gather(list(windows), length, counts)
+    dtype = np.result_type(*{t.dtype for t in tokens})
+    stacked = _buffer(f"tokens_{dtype}", (len(windows), length + 1), dtype)
+    np.concatenate(tokens, out=stacked.reshape(-1))
+    trainable = _stacked_flags(flags, len(windows), length) if any(f is not None for f in flags) else None
+    return stacked, trainable, cut_rows, cut_at
+
+
 def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
                  which: np.ndarray) -> None:
     """Write windows ``which`` of ``located``, each inside a row group (training windows, the
     common case), into rows ``index`` of ``batch``: slices of the row groups' renderings, with
-    segments from their document starts; consecutive windows of one row group (no shuffle) as
-    one run of its tokens."""
+    segments from their document starts."""
+    _write_segments(batch, index, *_located_tokens(batch, index, located, which))
+
+
+def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
+                    which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fill_located` but the segments: the tokens, targets and loss mask written, where
+    documents start returned (row among ``index``, offset); consecutive windows of one row group
+    (no shuffle) as one run of its tokens."""
     length = batch["input_ids"].shape[1]
     n = len(which)
     groups, at = located.group[which], located.at[which]
@@ -185,21 +198,18 @@ def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, locate
         stop = begin + n * length + 1
         starts = group.doc_starts
         inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
-        cut_rows, cut_at = np.divmod(inside - begin, length)   # (offset 0: a row's own start)
-        inputs = group.tokens[begin : stop - 1].reshape(n, length)
-        targets = group.tokens[begin + 1 : stop].reshape(n, length)
         target_flags = None if group.trainable is None else group.trainable[begin + 1 : stop].reshape(n, length)
-        _write_rows(batch, index, inputs, targets, target_flags, cut_rows, cut_at)
-    else:
-        tokens, flags = located.tokens(which.tolist())
-        cut_rows, cut_at = located.cuts(which.tolist())
-        dtype = np.result_type(*{g.tokens.dtype for g in located.groups})
-        # Rows of equal length back to back: one concatenation (np.stack costs more per row).
-        stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
-        np.concatenate(tokens, out=stacked.reshape(-1))
-        trainable = _stacked_flags(flags, n, length) if any(g.trainable is not None for g in located.groups) else None
-        _write_rows(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:],
-                    cut_rows, cut_at)
+        _write_tokens(batch, index, group.tokens[begin : stop - 1].reshape(n, length),
+                      group.tokens[begin + 1 : stop].reshape(n, length), target_flags)
+        return np.divmod(inside - begin, length)   # (offset 0: a row's own start)
+    tokens, flags = located.tokens(which.tolist())
+    dtype = np.result_type(*{g.tokens.dtype for g in located.groups})
+    # Rows of equal length back to back: one concatenation (np.stack costs more per row).
+    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
+    np.concatenate(tokens, out=stacked.reshape(-1))
+    trainable = _stacked_flags(flags, n, length) if any(g.trainable is not None for g in located.groups) else None
+    _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
+    return located.cuts(which.tolist())
 
 
 def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.ndarray:
@@ -210,22 +220,27 @@ def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.nd
     return trainable
 
 
-def _write_rows(batch: dict[str, np.ndarray], index: slice | np.ndarray, inputs: np.ndarray, targets: np.ndarray,
-                target_flags: np.ndarray | None, cut_rows: np.ndarray, cut_at: np.ndarray) -> None:
+def _write_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, inputs: np.ndarray, targets: np.ndarray,
+                  target_flags: np.ndarray | None) -> None:
     """Rows ``index`` of ``batch`` from whole windows: their first L tokens (``inputs``), their
-    last L (``targets``) and the targets' flags (None: all train), segments from where documents
-    start (row ``cut_rows[i]``, offset ``cut_at[i]``)."""
-    if isinstance(index, slice):   # segments written straight into the batch
-        segment_ids, positions = batch["segment_ids"][index], batch["positions"][index]
-    else:
-        segment_ids, positions = np.empty(inputs.shape, np.int32), np.empty(inputs.shape, np.int32)
-    cut_segments(cut_rows, cut_at, segment_ids, positions)
+    last L (``targets``) and the targets' flags (None: all train)."""
     batch["input_ids"][index] = inputs
     batch["targets"][index] = targets
     batch["loss_mask"][index] = 1 if target_flags is None else target_flags
-    if not isinstance(index, slice):
-        batch["segment_ids"][index] = segment_ids
-        batch["positions"][index] = positions
+
+
+def _write_segments(batch: dict[str, np.ndarray], index: slice | np.ndarray, cut_rows: np.ndarray,
+                    cut_at: np.ndarray) -> None:
+    """Segment ids and positions of rows ``index`` of ``batch`` from where documents start (row
+    ``cut_rows[i]`` among ``index``, offset ``cut_at[i]``)."""
+    if isinstance(index, slice):   # written straight into the batch
+        cut_segments(cut_rows, cut_at, batch["segment_ids"][index], batch["positions"][index])
+        return
+    shape = (len(index), batch["segment_ids"].shape[1])
+    segment_ids, positions = np.empty(shape, np.int32), np.empty(shape, np.int32)
+    cut_segments(cut_rows, cut_at, segment_ids, positions)
+    batch["segment_ids"][index] = segment_ids
+    batch["positions"][index] = positions
 
 
 class LocatedWindows(ExampleRun):
@@ -241,20 +256,32 @@ class LocatedWindows(ExampleRun):
         return Window(self.dataset, epoch, example, None, self.located, k)
 
     def fill_all(self, batch: Batch) -> None:
-        """Every window into its row: by :func:`fill_located` where each lies inside a row group,
-        the rows between two windows that do not at once; those (across row groups or chunks)
-        by the general path (:func:`fill_windows`)."""
+        """Every window into its row, the segments of all rows at once: the rows between two
+        windows that do not lie inside a row group as runs (:func:`fill_located`), those (across
+        row groups or chunks) from their pieces."""
         n = len(self)
-        across = np.flatnonzero(self.located.group < 0).tolist()
+        rows = slice(0, n)
+        across = np.flatnonzero(self.located.group < 0)
+        if not len(across):
+            fill_located(batch, rows, self.located, np.arange(n))
+            return
         # Without a shuffle about one batch in eight reaches the next row group: its other rows
-        # are still two runs of consecutive windows, each written as one (the general path for
-        # the whole batch took 2-2.5 times as long).
-        bounds = [-1, *across, n]
+        # are still two runs of consecutive windows, each written as one.
+        cut_rows, cut_at = [], []
+        bounds = [-1, *across.tolist(), n]
         for before, after in zip(bounds[:-1], bounds[1:]):
             if after - before > 1:
-                fill_located(batch, slice(before + 1, after), self.located, np.arange(before + 1, after))
-        if across:
-            fill_windows(batch, across, [self[k] for k in across])
+                run_rows, run_at = _located_tokens(batch, slice(before + 1, after), self.located,
+                                                   np.arange(before + 1, after))
+                cut_rows.append(run_rows + (before + 1))
+                cut_at.append(run_at)
+        length = batch["input_ids"].shape[1]
+        stacked, trainable, across_rows, across_at = _stacked(
+            [self[k] for k in across.tolist()], length, np.full(len(across), length + 1, np.int64))
+        _write_tokens(batch, across, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
+        cut_rows.append(across[across_rows])
+        cut_at.append(across_at)
+        _write_segments(batch, rows, np.concatenate(cut_rows), np.concatenate(cut_at))
 
 
 class DatasetExamples(ShuffledDataset):
