@@ -23,6 +23,7 @@ from lakeloader.feed.packed_examples import Item, LazyItems, PackedExample, Pack
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool
 from lakeloader.index.ranges import spans
 from lakeloader.read.lru import LRU
+from lakeloader.read.windows import StreamReader
 
 from test_formats import build_packed_mixture
 
@@ -149,6 +150,75 @@ def test_windows_of_one_located_set_fill_as_the_general_path(lake: Path, shuffle
                 assert np.array_equal(general[name], batch[name]), (step, name)
     assert direct >= 3, "some batches should take the direct path"
     assert (consecutive >= 3) == (shuffle == "none"), "unshuffled batches should be runs of a row group"
+
+
+def _batches_and_segments(config: Path, steps: int) -> list[tuple[dict[str, np.ndarray], list[object]]]:
+    """Each step's batch and its rows' segments (with their provenance)."""
+    with Loader(config) as loader:
+        return [({name: values.copy() for name, values in loader.batch(step).items()},
+                 [w.segments() for w in loader.examples(step).examples])  # type: ignore[union-attr]
+                for step in range(steps)]
+
+
+@pytest.mark.parametrize("datasets", [["web"], ["chat"], None])
+def test_unshuffled_windows_inside_one_row_group_equal_what_the_search_finds(lake: Path, datasets: list[str] | None) -> None:
+    """Without a shuffle most warm batches lie inside one cached row group, and their windows are
+    taken from it without a search per window: the batches and each window's segments (with
+    where they lie in their chunks) equal those the search per window gives, over two epochs."""
+    config = _variant(lake, f"one-group-{datasets}", datasets, packing="concat", shuffle={"kind": "none"},
+                      batch_size=4)
+    with Loader(config) as loader:
+        steps = 2 * sum(d.train_count() for d in loader.datasets) // 4 + 3
+    taken = 0
+    one_group = StreamReader._inside_one_group
+
+    def counted(reader: StreamReader, *args: object) -> object:
+        nonlocal taken
+        found = one_group(reader, *args)  # type: ignore[arg-type]
+        taken += found is not None
+        return found
+
+    with mock.patch.object(StreamReader, "_inside_one_group", counted):
+        direct = _batches_and_segments(config, steps)
+    with mock.patch.object(StreamReader, "_inside_one_group", lambda *args: None):
+        searched = _batches_and_segments(config, steps)
+    assert taken >= steps, "most batches (and their examples) should lie inside one row group"
+    for step, ((batch, segments), (expected, expected_segments)) in enumerate(zip(direct, searched)):
+        assert batch.keys() == expected.keys()
+        for name in batch:
+            assert np.array_equal(batch[name], expected[name]), (step, name)
+        assert segments == expected_segments, step
+
+
+def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> None:
+    """Windows reaching a cached row group's last token are taken from it; one more token, or
+    one before its first, and they are left to the search."""
+    config = _variant(lake, "one-group-edges", ["web"], packing="concat", shuffle={"kind": "none"}, batch_size=4)
+    length = SEQ_LEN + 1
+    with Loader(config) as loader:
+        dataset = loader.datasets[0]
+        for step in range(dataset.train_count() // 4 + 1):   # every row group read, cached and indexed
+            loader.batch(step)
+        reader, index = dataset.reader, dataset.reader._index
+        assert index is not None and index.offsets is dataset.stream_offsets
+        checked = 0
+        for g in range(len(index.start)):
+            lo, hi = int(index.start[g]), int(index.stop[g])
+            if hi - lo <= length:
+                continue
+            for starts, inside in (([lo, hi - length], True), ([lo + 1, hi - length + 1], False),
+                                   ([lo - 1, lo + 1], False)):
+                found = reader._inside_one_group(dataset.chunks, dataset.sequence, dataset.stream_offsets,
+                                                 np.array(starts, np.int64), length)
+                if not inside:
+                    assert found is None, (g, starts)
+                    continue
+                assert found is not None, (g, starts)
+                assert found.at.tolist() == [0, hi - length - lo] and found.group.tolist() == [0, 0]
+                assert found.group_position == [int(index.position[g])]
+                assert len(found.groups[0].tokens) == hi - lo
+                checked += 1
+        assert checked >= 3, "the lake should have several row groups longer than a window"
 
 
 @settings(max_examples=200, deadline=None)
