@@ -6,7 +6,9 @@ L=2048, ``packing: concat`` and ``pack``, ``shuffle: none`` and ``full``, each i
 subprocess (so that peak RSS is that configuration's alone):
 
 - tokens/s (B*L per batch) over the first epoch from a fresh Loader (row groups decoded as they
-  are first needed) and over the second (served from the row-group cache);
+  are first needed) and over the second (served from the row-group cache), timed inside the
+  loader's ``next()`` (the script's own count of padding tokens between batches is left out, as
+  a trainer's step would be; the baselines do nothing between batches either);
 - peak RSS of the process (``VmHWM``);
 - the ratio to the baseline: a plain numpy copy of the same number of L+1-token windows from one
   in-memory token array of the whole lake (consecutive windows for ``none``, random ones for
@@ -105,13 +107,15 @@ def measure_loader(config: Path) -> dict[str, float]:
     iterator = loader.iter_from(0)
     first_batch = 0.0
     for epoch in range(2):
-        started = time.perf_counter()
+        waited = 0.0   # in next() only: the count of padding below is this script's, not the loader's
         for _ in range(steps):
+            asked = time.perf_counter()
             batch = next(iterator)
-            first_batch = first_batch or time.perf_counter() - started + opened
+            waited += time.perf_counter() - asked
+            first_batch = first_batch or waited + opened
             if epoch == 1:
                 real += int(np.count_nonzero(batch["segment_ids"]))
-        rates.append(steps * BATCH * SEQ / (time.perf_counter() - started))
+        rates.append(steps * BATCH * SEQ / waited)
     loader.close()
     return {"open_s": opened, "first_batch_s": first_batch, "steps": steps, "first_epoch_tokens_per_s": rates[0],
             "tokens_per_s": rates[1], "non_padding": real / (steps * BATCH * SEQ), "peak_rss_mb": peak_rss_mb()}
