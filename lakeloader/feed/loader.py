@@ -152,6 +152,10 @@ class Loader:
         self._arrays = ArrayPool()
         # Training rows are written whole (concat windows; packed examples with their padding).
         self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
+        # The fields beyond the row fields that every batch has (the mixture's datasets say which).
+        mixed = [config.datasets[name] for name in self.mixer.names]
+        self._seq2seq = any(d.seq2seq for d in mixed)
+        self._max_images = max((d.interleaved.max_images for d in mixed if d.format == "interleaved"), default=0)
 
     def _warn_if_beyond_the_cache(self) -> None:
         """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
@@ -275,15 +279,13 @@ class Loader:
             "loss_mask": pool.full(shape, 0, np.float32), "segment_ids": pool.full(shape, 0, np.int32),
             "positions": pool.full(shape, 0, np.int32),
         }
-        datasets = [self.config.datasets[name] for name in self.mixer.names]
-        if any(d.seq2seq for d in datasets):
+        if self._seq2seq:
             arrays["inputs"] = pool.full(shape, self.pad_id, np.int32)
             arrays["inputs_segment_ids"] = pool.full(shape, 0, np.int32)
             arrays["inputs_positions"] = pool.full(shape, 0, np.int32)
-        images = [d.interleaved.max_images for d in datasets if d.format == "interleaved"]
-        if images:
-            arrays["image_positions"] = np.full((self.rows, max(images)), -1, np.int32)
-            arrays["image_refs"] = np.full((self.rows, max(images)), "", dtype=object)
+        if self._max_images:
+            arrays["image_positions"] = np.full((self.rows, self._max_images), -1, np.int32)
+            arrays["image_refs"] = np.full((self.rows, self._max_images), "", dtype=object)
         return arrays
 
     def state(self, step: int) -> dict[str, Any]:
