@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lakeloader.index import permutation
 from lakeloader.index.permutation import derive_key, inverse_permute, mix_key, permute
 
 KEYS = st.integers(min_value=0, max_value=2**64 - 1)
@@ -119,3 +120,29 @@ def test_derive_key_separates_parts() -> None:
     assert derive_key(np.int64(5), "x") == derive_key(5, "x")
     assert 0 <= derive_key(-3) < 2**64
     assert len({derive_key(0, "epoch", e) for e in range(1000)}) == 1000
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), per_element=st.booleans(), inverse=st.booleans())
+def test_the_walks_last_steps_in_python_integers_equal_the_array_walk(data: st.DataObject, per_element: bool,
+                                                                      inverse: bool) -> None:
+    """A walk's last elements step on as Python integers: every element walked that way (or
+    none) gives the same permutation."""
+    n = data.draw(st.integers(1, 40))
+    if per_element:
+        sizes = np.array(data.draw(st.lists(st.integers(1, 2**40), min_size=n, max_size=n)), np.int64)
+        size: int | np.ndarray = sizes
+        key: int | np.ndarray = np.array(data.draw(st.lists(st.integers(0, 2**63 - 1), min_size=n, max_size=n)),
+                                         np.int64)
+    else:
+        size = data.draw(st.integers(1, 2**40))
+        sizes = np.full(n, size, np.int64)
+        key = data.draw(KEYS)
+    x = np.array([data.draw(st.integers(0, int(s) - 1)) for s in sizes], np.int64)
+    walk = inverse_permute if inverse else permute
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(permutation, "SCALAR_WALK", 0)
+        in_arrays = walk(x, size, key)
+        patch.setattr(permutation, "SCALAR_WALK", n)
+        in_integers = walk(x, size, key)
+    assert np.array_equal(in_arrays, in_integers)
