@@ -42,6 +42,7 @@ def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own
     stop = threading.Event()
     failures: list[BaseException] = []
     read_live = [0, 0]   # queries made while no build / a build held the catalog
+    read_with = [threading.Event(), threading.Event()]   # set once read_live[0] / [1] counts one
 
     def read() -> None:
         try:
@@ -60,7 +61,9 @@ def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own
                         time.sleep(0.02)
                         prefix = cursor.execute("SELECT sum(num_chunks) FROM committed_prefix").fetchone()[0]
                         assert prefix == sum(chunks.committed for chunks in expected.values())
-                    read_live[holding and live.is_open] += 1
+                    kind = int(holding and live.is_open)
+                    read_live[kind] += 1
+                    read_with[kind].set()
                 fresh.close()
         except BaseException as exc:  # surfaced by the assertion below
             failures.append(exc)
@@ -73,8 +76,11 @@ def test_builds_release_their_catalog_while_readers_of_this_process_query_it(own
             with CatalogWriter(own_lake.writer_catalog_path, live) as writer:
                 time.sleep(0.01)
                 publish_snapshot(writer.con, own_lake, build)
+                if build == BUILDS // 2:   # however loaded the machine, some reader reads through a build
+                    read_with[1].wait(timeout=120)
             time.sleep(0.01)
             assert not failures, failures
+        read_with[0].wait(timeout=120)   # and some reader without one
     finally:
         stop.set()
         for reader in readers:
