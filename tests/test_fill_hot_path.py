@@ -209,7 +209,7 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
             for starts, inside in (([lo, hi - length], True), ([lo + 1, hi - length + 1], False),
                                    ([lo - 1, lo + 1], False)):
                 found = reader._inside_one_group(dataset.chunks, dataset.sequence, dataset.stream_offsets,
-                                                 np.array(starts, np.int64), length)
+                                                 np.array(starts, np.int64), length, max(starts) + length)
                 if not inside:
                     assert found is None, (g, starts)
                     continue

@@ -276,10 +276,11 @@ class StreamReader:
         later, self._decode_later = self._decode_later, []
         for chunks_later, chunk, group in later:
             _AHEAD_POOL.submit(self.rendered_group, chunks_later, chunk, group).add_done_callback(_log_failure)
+        end = int(starts.max()) + length if len(starts) else 0   # one past the windows' last token
         if self.sequential and not first and len(starts):
-            inside = self._inside_one_group(chunks, sequence, sequence_offsets, starts, length)
+            inside = self._inside_one_group(chunks, sequence, sequence_offsets, starts, length, end)
             if inside is not None:
-                self._look_ahead(chunks, sequence, sequence_offsets, int(starts.max()) + length)
+                self._look_ahead(chunks, sequence, sequence_offsets, end)
                 return inside
         position = locate(sequence_offsets, starts)
         index = self._index
@@ -304,20 +305,20 @@ class StreamReader:
             if row not in found.others:
                 found.others[row] = self.window(chunks, sequence, sequence_offsets, int(starts[row]), length)
         if self.sequential and len(starts):
-            self._look_ahead(chunks, sequence, sequence_offsets, int(starts.max()) + length)
+            self._look_ahead(chunks, sequence, sequence_offsets, end)
         return found
 
     def _inside_one_group(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-                          starts: np.ndarray, length: int) -> WindowSet | None:
+                          starts: np.ndarray, length: int, end: int) -> WindowSet | None:
         """The windows as slices of one cached row group the reader's index holds, when they all
-        lie inside it (most batches without a shuffle): what :meth:`_views` finds for them, for a
-        few operations instead of a search per window; None otherwise."""
+        lie inside it (most batches without a shuffle; ``end``: one past their last token): what
+        :meth:`_views` finds for them, for a few operations instead of a search per window; None
+        otherwise."""
         index = self._index
         if index is None or index.offsets is not sequence_offsets or not len(index.start):
             return None
-        lo, hi = int(starts.min()), int(starts.max()) + length
-        g = int(np.searchsorted(index.start, lo, side="right")) - 1
-        if g < 0 or hi > int(index.stop[g]):
+        g = int(np.searchsorted(index.start, int(starts.min()), side="right")) - 1
+        if g < 0 or end > int(index.stop[g]):
             return None
         position = int(index.position[g])
         chunk = int(sequence[position])
