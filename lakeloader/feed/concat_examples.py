@@ -147,7 +147,8 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
     length = batch["input_ids"].shape[1]
     n = len(windows)
     counts = np.full(n, length + 1, np.int64)
-    stacked, trainable, cut_rows, cut_at = _stacked(windows, length, counts)
+    tokens, flags, cut_rows, cut_at = _gather(list(windows), length, counts)
+    stacked, trainable = _stacked(tokens, flags, length)
     if counts.min() == length + 1:   # every window whole (training)
         _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
         _write_segments(batch, index, cut_rows, cut_at)
@@ -163,16 +164,15 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
         batch[name][index] = values
 
 
-def _stacked(windows: Sequence[Window], length: int, counts: np.ndarray) -> tuple[
-        np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
-    """The windows' tokens as one [n, length + 1] array (this thread's work array), their target
-    flags (None: all targets) and where documents start (:func:`_gather`)."""
-    tokens, flags, cut_rows, cut_at = _gather(list(windows), length, counts)
+def _stacked(tokens: list[np.ndarray], flags: list[np.ndarray | None], length: int) -> tuple[
+        np.ndarray, np.ndarray | None]:
+    """Windows of ``length + 1`` tokens as one [n, length + 1] array (this thread's work array)
+    and their target flags (None: all targets) likewise: rows of equal length back to back, one
+    concatenation each (np.stack costs more per row)."""
     dtype = np.result_type(*{t.dtype for t in tokens})
-    stacked = _buffer(f"tokens_{dtype}", (len(windows), length + 1), dtype)
+    stacked = _buffer(f"tokens_{dtype}", (len(tokens), length + 1), dtype)
     np.concatenate(tokens, out=stacked.reshape(-1))
-    trainable = _stacked_flags(flags, len(windows), length) if any(f is not None for f in flags) else None
-    return stacked, trainable, cut_rows, cut_at
+    return stacked, _stacked_flags(flags, len(tokens), length) if any(f is not None for f in flags) else None
 
 
 def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
@@ -202,12 +202,7 @@ def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, loc
         _write_tokens(batch, index, group.tokens[begin : stop - 1].reshape(n, length),
                       group.tokens[begin + 1 : stop].reshape(n, length), target_flags)
         return np.divmod(inside - begin, length)   # (offset 0: a row's own start)
-    tokens, flags = located.tokens(which.tolist())
-    dtype = np.result_type(*{g.tokens.dtype for g in located.groups})
-    # Rows of equal length back to back: one concatenation (np.stack costs more per row).
-    stacked = _buffer(f"tokens_{dtype}", (n, length + 1), dtype)
-    np.concatenate(tokens, out=stacked.reshape(-1))
-    trainable = _stacked_flags(flags, n, length) if any(g.trainable is not None for g in located.groups) else None
+    stacked, trainable = _stacked(*located.tokens(which.tolist()), length)
     _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
     return located.cuts(which.tolist())
 
@@ -276,8 +271,9 @@ class LocatedWindows(ExampleRun):
                 cut_rows.append(run_rows + (before + 1))
                 cut_at.append(run_at)
         length = batch["input_ids"].shape[1]
-        stacked, trainable, across_rows, across_at = _stacked(
-            [self[k] for k in across.tolist()], length, np.full(len(across), length + 1, np.int64))
+        tokens, flags, across_rows, across_at = _gather([self[k] for k in across.tolist()], length,
+                                                        np.full(len(across), length + 1, np.int64))
+        stacked, trainable = _stacked(tokens, flags, length)
         _write_tokens(batch, across, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
         cut_rows.append(across[across_rows])
         cut_at.append(across_at)
