@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lakeloader.feed import shuffled as shuffled_module
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
 
@@ -155,3 +156,20 @@ def test_stop_strategies_end_the_stream_exactly(lakes: Lakes, stop: str) -> None
         assert all(v >= size for v, size in zip(used.values(), sizes))
     with pytest.raises(IndexError):
         loader.batch(expected)
+
+
+@pytest.mark.parametrize("kind", ["window", "block", "full"])
+def test_positions_shuffled_in_cached_blocks_equal_the_plain_shuffle(lakes: Lakes, kind: str) -> None:
+    # A batch's positions inside one block (the common case), across a block's end, and scattered
+    # over several blocks in any order with repeats: each as the shuffle maps it without blocks.
+    loader = Loader(mixed_lake(lakes, {"kind": kind, "window_chunks": 2, "block_size": 8, "window_blocks": 3}))
+    dataset = loader.datasets[0]
+    per_epoch = dataset.train_count()
+    block = shuffled_module.SHUFFLE_BLOCK
+    rng = np.random.default_rng(3)
+    for positions in (np.arange(5 * block + 17, 5 * block + 81), np.arange(2 * block - 30, 2 * block + 34),
+                      rng.integers(0, 7 * block, 300), np.array([block - 1])):
+        epochs, examples = dataset.train_examples(positions)
+        np.testing.assert_array_equal(epochs, positions // per_epoch)
+        np.testing.assert_array_equal(examples, dataset._shuffled(positions, per_epoch))
+    loader.close()

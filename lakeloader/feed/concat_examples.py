@@ -113,10 +113,11 @@ def _gather(windows: list[Window], length: int, counts: np.ndarray) -> tuple[
         else:
             rest.append(i)
     for where, mine, at in located.values():   # windows inside a row group: slices of it
-        views, trainable = where.tokens(mine)
-        for i, view, flag in zip(at, views, trainable):
+        which = np.asarray(mine, np.int64)
+        views, trainable = where.tokens(which)
+        for i, view, flag in zip(at, views, trainable or [None] * len(views)):
             tokens[i], flags[i] = view, flag
-        k, offsets = where.cuts(mine)
+        k, offsets = where.cuts(which)
         cut_rows.append(np.asarray(at, np.int64)[k])
         cut_at.append(offsets)
     for i in rest:   # windows across row groups or chunks, or short (the end of an evaluation pass)
@@ -164,15 +165,17 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
         batch[name][index] = values
 
 
-def _stacked(tokens: list[np.ndarray], flags: list[np.ndarray | None], length: int) -> tuple[
+def _stacked(tokens: list[np.ndarray], flags: list[np.ndarray | None] | None, length: int) -> tuple[
         np.ndarray, np.ndarray | None]:
     """Windows of ``length + 1`` tokens as one [n, length + 1] array (this thread's work array)
-    and their target flags (None: all targets) likewise: rows of equal length back to back, one
-    concatenation each (np.stack costs more per row)."""
+    and their target flags (None for a window, or instead of the list: all targets) likewise:
+    rows of equal length back to back, one concatenation each (np.stack costs more per row)."""
     dtype = np.result_type(*{t.dtype for t in tokens})
-    stacked = _buffer(f"tokens_{dtype}", (len(tokens), length + 1), dtype)
+    stacked = _buffer(f"tokens_{dtype.str}", (len(tokens), length + 1), dtype)
     np.concatenate(tokens, out=stacked.reshape(-1))
-    return stacked, _stacked_flags(flags, len(tokens), length) if any(f is not None for f in flags) else None
+    if flags is None or all(f is None for f in flags):
+        return stacked, None
+    return stacked, _stacked_flags(flags, len(tokens), length)
 
 
 def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
@@ -202,9 +205,9 @@ def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, loc
         _write_tokens(batch, index, group.tokens[begin : stop - 1].reshape(n, length),
                       group.tokens[begin + 1 : stop].reshape(n, length), target_flags)
         return np.divmod(inside - begin, length)   # (offset 0: a row's own start)
-    stacked, trainable = _stacked(*located.tokens(which.tolist()), length)
+    stacked, trainable = _stacked(*located.tokens(which), length)
     _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
-    return located.cuts(which.tolist())
+    return located.cuts(which)
 
 
 def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.ndarray:

@@ -106,14 +106,21 @@ class ShuffledDataset(GrowingDataset, abc.ABC):
         if self.shuffle.kind == "none":
             return self._shuffled(positions, per_epoch)
         blocks = positions // SHUFFLE_BLOCK
+        if len(blocks) and bool((blocks == blocks[0]).all()):   # (a batch's positions, but one in 64)
+            block = int(blocks[0])
+            return self._shuffled_block(block, per_epoch)[positions - block * SHUFFLE_BLOCK]
         out = np.empty(len(positions), np.int64)
         for block in np.unique(blocks).tolist():
             mine = blocks == block
-            key = ("shuffled", self.name, self.fingerprint, self._shuffle_id, self.shuffle_key, per_epoch, block)
-            table = self.reader.files.cache.get(key, lambda: self._shuffled(
-                np.arange(block * SHUFFLE_BLOCK, (block + 1) * SHUFFLE_BLOCK, dtype=np.int64), per_epoch))
-            out[mine] = table[positions[mine] - block * SHUFFLE_BLOCK]
+            out[mine] = self._shuffled_block(block, per_epoch)[positions[mine] - block * SHUFFLE_BLOCK]
         return out
+
+    def _shuffled_block(self, block: int, per_epoch: int) -> np.ndarray:
+        """:meth:`_shuffled` of positions ``[block * SHUFFLE_BLOCK, (block + 1) * SHUFFLE_BLOCK)``
+        (cached)."""
+        key = ("shuffled", self.name, self.fingerprint, self._shuffle_id, self.shuffle_key, per_epoch, block)
+        return self.reader.files.cache.get(key, lambda: self._shuffled(
+            np.arange(block * SHUFFLE_BLOCK, (block + 1) * SHUFFLE_BLOCK, dtype=np.int64), per_epoch))
 
     def _train_example_while_building(self, j: int) -> tuple[int, int]:
         while not self.chunks.complete:

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from lakeloader.contracts.chunk_file import ChunkParts
-from lakeloader.index.ranges import cumulative, spans
+from lakeloader.index.ranges import spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,7 @@ def joined(pieces: list[Piece]) -> Piece:
 
 
 _MANY_DOCS = 4096   # a row group with more documents is searched only where windows lie
+_GROUP_SHIFT = 32   # (a row group renders to fewer than 2**32 tokens)
 
 
 @dataclasses.dataclass
@@ -105,30 +106,35 @@ class WindowSet:
         return [piece_of(self.group_position[g], self.group_chunk[g], int(self.start[i]), self.groups[g],
                        self.group_first_doc[g], a, a + self.length)]
 
-    def tokens(self, which: list[int]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-        """Token views and target flags (None: all targets) of windows ``which`` (each inside a row group)."""
+    def tokens(self, which: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray | None] | None]:
+        """Token views of windows ``which`` (each inside a row group) and their target flags
+        (None for a window whose tokens all train; None instead of the list when every one does)."""
         groups = [self.groups[g] for g in self.group[which].tolist()]
         ats = self.at[which].tolist()
         n = self.length
-        return ([r.tokens[a : a + n] for r, a in zip(groups, ats)],
-                [None if r.trainable is None else r.trainable[a : a + n] for r, a in zip(groups, ats)])
+        views = [r.tokens[a : a + n] for r, a in zip(groups, ats)]
+        if all(g.trainable is None for g in self.groups):
+            return views, None
+        return views, [None if r.trainable is None else r.trainable[a : a + n] for r, a in zip(groups, ats)]
 
-    def cuts(self, which: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def cuts(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(k, offset) of every document start strictly inside window ``which[k]`` (each inside
         a row group): one search for all windows over their row groups' document starts."""
         k, at = self.group[which], self.at[which]   # every row group of the set holds some window
         doc_starts = [g.doc_starts for g in self.groups]
-        if max(len(d) for d in doc_starts) > _MANY_DOCS:   # short documents: only those the windows reach
+        counts = [len(d) for d in doc_starts]
+        if max(counts) > _MANY_DOCS:   # short documents: only those the windows reach
             reach = np.full((2, len(doc_starts)), [[np.iinfo(np.int64).max], [0]], np.int64)
             np.minimum.at(reach[0], k, at)
             np.maximum.at(reach[1], k, at + self.length)
             for j, (d, a, b) in enumerate(zip(doc_starts, *reach.tolist())):
                 if len(d) > _MANY_DOCS:
                     doc_starts[j] = d[d.searchsorted(a, side="right") : d.searchsorted(b, side="left")]
-        # Row group j's starts shifted past all earlier ones (by its tokens + 1), one sorted array.
-        base = cumulative(np.array([len(g.tokens) + 1 for g in self.groups], np.int64))
-        shifted = np.concatenate(doc_starts) + np.repeat(base[:-1], [len(d) for d in doc_starts])
-        begin = base[k] + at
+            counts = [len(d) for d in doc_starts]
+        # Row group j's starts shifted by j * 2**32 (past any row group's tokens): one sorted array.
+        shifted = np.concatenate(doc_starts)
+        shifted += np.repeat(np.arange(len(doc_starts), dtype=np.int64) << _GROUP_SHIFT, counts)
+        begin = (k << _GROUP_SHIFT) + at
         lo = np.searchsorted(shifted, begin, side="right")
         count = np.maximum(np.searchsorted(shifted, begin + self.length, side="left") - lo, 0)
         found = shifted[spans(lo, count)] - np.repeat(begin, count)

@@ -97,6 +97,9 @@ def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (consecutive windows in one row group) without sorting."""
     if bool((values == values[0]).all()):
         return values[:1], np.zeros(len(values), np.int64)
+    if len(values) <= 256:
+        used = np.array(sorted(set(values.tolist())), np.int64)
+        return used, np.searchsorted(used, values)
     used, inverse = np.unique(values, return_inverse=True)
     return used, inverse.astype(np.int64, copy=False)
 
@@ -199,10 +202,15 @@ class StreamReader:
     def _rendered_key(self, chunks: DatasetChunks, chunk: int, group: int) -> tuple[object, ...]:
         return ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
 
+    def _rendered_keys(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[tuple[object, ...]]:
+        """:meth:`_rendered_key` of each ``(chunk, group)`` of ``wanted`` (a batch can want 64)."""
+        dataset, template = chunks.fingerprint, self.template.fingerprint
+        return [("rendered", dataset, chunk, group, template) for chunk, group in wanted]
+
     def rendered_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[RenderedGroup]:
         """:meth:`rendered_group` of each ``(chunk, group)`` of ``wanted``; those not cached yet
         are decoded concurrently (in the process's decode threads)."""
-        found = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
+        found = self.files.cache.cached(self._rendered_keys(chunks, wanted))
         missing = [i for i, value in enumerate(found) if value is None]
         for i, rendered in zip(missing, _concurrently([functools.partial(self.rendered_group, chunks, *wanted[i])
                                                         for i in missing])):
@@ -388,7 +396,7 @@ class StreamReader:
                 chunk = int(sequence[position])   # (4 bytes a token at most)
                 chunks.record(chunk)   # (kept by the view: fetched with the row-group table)
                 wanted.append((chunk, group))
-        cached = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
+        cached = self.files.cache.cached(self._rendered_keys(chunks, wanted))
         wanted = [key for key, rendered in zip(wanted, cached) if rendered is None]
         if not wanted:
             return
@@ -518,7 +526,7 @@ class StreamReader:
         background once these windows are out (when the cache can keep it). Otherwise windows
         decode whole row groups: the windows of the batches that follow reach the rest of them
         (every shuffle's do, within an epoch, while the cache keeps them)."""
-        groups = self.files.cache.cached([self._rendered_key(chunks, chunk, group) for chunk, group in wanted])
+        groups = self.files.cache.cached(self._rendered_keys(chunks, wanted))
         missing = [j for j, rendered in enumerate(groups) if rendered is None]
         runs: dict[int, tuple[int, int]] = {}
         # (per run: where its rendering went, an index into groups, and where it starts in its row group)
