@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakeloader.index.ranges import cumulative, merged_runs
-from lakeloader.read import stream_index, windows
+from lakeloader.index.ranges import cumulative, distinct, merged_runs
+from lakeloader.read import stream_index
 from lakeloader.read.stream_index import StreamIndex
 
 chunk_groups = st.lists(st.integers(0, 9), min_size=0, max_size=4)   # row-group lengths of one chunk
@@ -125,7 +125,7 @@ def test_ranges_merge_into_runs_as_a_scan_merges_them(ranges: list[tuple[int, in
 def test_the_row_groups_a_batch_reaches_are_those_np_unique_finds(values: list[int], few: bool) -> None:
     # (a batch's windows reach a handful of distinct row groups, or hundreds)
     array = np.array([v % 7 for v in values] if few else values, np.int64)
-    used, inverse = windows._distinct(array)
+    used, inverse = distinct(array)
     expected_used, expected_inverse = np.unique(array, return_inverse=True)
     np.testing.assert_array_equal(used, expected_used)
     np.testing.assert_array_equal(inverse, expected_inverse)

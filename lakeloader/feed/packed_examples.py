@@ -17,7 +17,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment
 from lakeloader.index.chunk_packing import plan_chunk
 from lakeloader.index.packing import PackPlan
-from lakeloader.index.ranges import cumulative, fill_runs, locate, run_positions, spans
+from lakeloader.index.ranges import cumulative, distinct, fill_runs, locate, run_positions, spans
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
@@ -76,12 +76,14 @@ class PackedSet:
         items = spans(self.first[which_], counts)
         sizes = (self.stop - self.start)[items]
         begin, group = self.begin[items], self.group[items]
-        has_next = (self.end[items] - begin > sizes).tolist()
+        continued = self.end[items] - begin > sizes
+        has_next = continued.tolist()
         groups = [self.groups[g] for g in group.tolist()]
         at, lengths = begin.tolist(), sizes.tolist()
         tokens = [r.tokens[a : a + size] for r, a, size in zip(groups, at, lengths)]
-        next_token = [int(r.tokens[a + size]) if more else pad_id
-                      for r, a, size, more in zip(groups, at, lengths, has_next)]
+        next_token = [pad_id] * len(at)   # (only the items of a document cut at a row's end have one)
+        for k in np.flatnonzero(continued).tolist():
+            next_token[k] = int(groups[k].tokens[at[k] + lengths[k]])
         if all(r.trainable is None for r in self.groups):
             return FillParts(counts, sizes, tokens, None, next_token, has_next)
         everything = np.ones(max(lengths, default=0), bool)
@@ -464,14 +466,16 @@ class PackedExamples(DatasetExamples):
         if not len(examples):
             return []
         chunks = locate(self.example_offsets, examples)
-        self.reader.groups_of(self.chunks, np.unique(chunks).tolist())   # their row-group tables: one query
-        order = np.argsort(chunks, kind="stable")   # chunk by chunk
-        local = examples[order] - self.example_offsets[chunks[order]]
-        bounds = [0, *(np.flatnonzero(np.diff(chunks[order])) + 1).tolist(), len(order)]
+        # Chunk by chunk (examples in stream order, as without a shuffle, are already).
+        order = np.arange(len(chunks)) if bool((chunks[1:] >= chunks[:-1]).all()) else np.argsort(chunks, kind="stable")
+        ordered = chunks[order]
+        local = examples[order] - self.example_offsets[ordered]
+        bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), len(order)]
+        self.reader.groups_of(self.chunks, ordered[bounds[:-1]].tolist())   # their row-group tables: one query
         first, counts = np.empty(len(order), np.int64), np.empty(len(order), np.int64)
         tables = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            example_bounds, table = self._item_table(int(chunks[order[a]]))
+            example_bounds, table = self._item_table(int(ordered[a]))
             first[a:b] = example_bounds[local[a:b]]
             counts[a:b] = example_bounds[local[a:b] + 1] - first[a:b]
             tables.append(table)
@@ -479,9 +483,9 @@ class PackedExamples(DatasetExamples):
         item_bounds = cumulative(counts)[bounds].tolist()
         docs, starts, stops, groups, local_docs = np.concatenate(
             [table[:, items[a:b]] for table, a, b in zip(tables, item_bounds[:-1], item_bounds[1:])], axis=1)
-        item_chunk = np.repeat(chunks[order], counts)
+        item_chunk = np.repeat(ordered, counts)
         span = int(groups.max()) + 1
-        used, group = np.unique(item_chunk * span + groups, return_inverse=True)
+        used, group = distinct(item_chunk * span + groups)
         rendered = self.reader.rendered_groups(self.chunks, list(zip((used // span).tolist(), (used % span).tolist())))
         self.reader.look_ahead_after(self.chunks, int(used[-1] // span), int(used[-1] % span))
         begin, end = _doc_bounds(rendered, group, local_docs)

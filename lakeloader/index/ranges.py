@@ -32,6 +32,22 @@ def spans(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
 
 
+def distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of a non-empty int64 array (the inverse
+    int64): a single value (a batch inside one row group) without sorting, a batch's few values
+    sorted as Python integers (np.unique's sorts cost more for them)."""
+    if bool((values == values[0]).all()):
+        return values[:1], np.zeros(len(values), np.int64)
+    if len(values) <= _FEW:
+        used = np.array(sorted(set(values.tolist())), np.int64)
+        return used, np.searchsorted(used, values)
+    used, inverse = np.unique(values, return_inverse=True)
+    return used, inverse.astype(np.int64, copy=False)
+
+
+_FEW = 256
+
+
 def merged_runs(item: np.ndarray, first: np.ndarray, stop: np.ndarray, gap: int
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ranges ``[first[i], stop[i])`` (non-negative) of items ``item[i]`` (non-negative), merged

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
-from lakeloader.index.ranges import cumulative, locate, merged_runs, spans
+from lakeloader.index.ranges import cumulative, distinct, locate, merged_runs, spans
 from lakeloader.index.render import fim_choice, fim_counts, render_compact, rendered_doc_starts, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
 from lakeloader.read.chunks import ChunkFiles
@@ -90,18 +90,6 @@ def _page_runs(missing: list[int], ranges: tuple[np.ndarray, np.ndarray, np.ndar
     used, firsts = np.unique(run_group, return_index=True)
     bounds = np.append(firsts, len(run_group)).tolist()
     return ({j: (a, b) for j, a, b in zip(used.tolist(), bounds[:-1], bounds[1:])}, run_lo, run_hi, run_of_range)
-
-
-def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` of a non-empty int64 array; a single value
-    (consecutive windows in one row group) without sorting."""
-    if bool((values == values[0]).all()):
-        return values[:1], np.zeros(len(values), np.int64)
-    if len(values) <= 256:
-        used = np.array(sorted(set(values.tolist())), np.int64)
-        return used, np.searchsorted(used, values)
-    used, inverse = np.unique(values, return_inverse=True)
-    return used, inverse.astype(np.int64, copy=False)
 
 
 _NO_PIECES = (np.zeros(0, np.int64),) * 4
@@ -470,7 +458,7 @@ class StreamReader:
         span_group = np.concatenate([window_group, piece_group]) if len(piece_row) else window_group
         if not len(span_group):
             return found
-        used, span_group = _distinct(span_group)
+        used, span_group = distinct(span_group)
         window_at = starts - index.start[held] if rows is None else starts[rows] - index.start[window_group]
         span_lo = np.concatenate([window_at, piece_lo]) if len(piece_row) else window_at
         span_hi = np.concatenate([window_at + length, piece_hi]) if len(piece_row) else window_at + length
