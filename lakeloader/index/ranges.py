@@ -34,8 +34,8 @@ def spans(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(values, return_inverse=True)`` of a non-empty int64 array (the inverse
-    int64): a single value (a batch inside one row group) without sorting, a batch's few values
-    sorted as Python integers (np.unique's sorts cost more for them)."""
+    int64): a single value without sorting, a few (a batch's row groups or chunks) sorted as
+    Python integers (np.unique's sorts cost more for them)."""
     if bool((values == values[0]).all()):
         return values[:1], np.zeros(len(values), np.int64)
     if len(values) <= _FEW:

@@ -188,10 +188,10 @@ class StreamReader:
                                     lambda: self._render_group(chunks, chunk, group))
 
     def _rendered_key(self, chunks: DatasetChunks, chunk: int, group: int) -> tuple[object, ...]:
-        return ("rendered", chunks.fingerprint, chunk, group, self.template.fingerprint)
+        return self._rendered_keys(chunks, [(chunk, group)])[0]
 
     def _rendered_keys(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[tuple[object, ...]]:
-        """:meth:`_rendered_key` of each ``(chunk, group)`` of ``wanted`` (a batch can want 64)."""
+        """The cache key of each ``(chunk, group)`` rendering of ``wanted`` (in one pass: a batch can want 64)."""
         dataset, template = chunks.fingerprint, self.template.fingerprint
         return [("rendered", dataset, chunk, group, template) for chunk, group in wanted]
 
