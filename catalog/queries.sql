@@ -251,6 +251,32 @@ WHERE r.dataset = $name AND c.dataset = $name AND c.status = 'committed'
   AND r.global_index IN (SELECT unnest($global_indexes)) AND c.global_index IN (SELECT unnest($global_indexes))
 ORDER BY r.global_index, r.row_group;
 
+-- name: reader_index_datasets
+-- The reader index of a snapshot being published (lakeloader/catalog/reader_index.py) is read from
+-- the copy itself, attached on the writer's connection as published_snapshot: its rows are
+-- exactly the snapshot's. Each dataset's plan, as reader_dataset returns it, and its tokenizer.
+SELECT name, fingerprint, token_type, fields, source_dataset, tokenizer_path
+FROM published_snapshot.dataset_plans ORDER BY name;
+
+-- name: reader_index_chunks
+-- Every planned chunk: reader_chunks' columns and the file record (reader_chunk_record's).
+SELECT dataset, global_index, num_docs, num_tokens, status = 'committed' AS committed, num_parts,
+       path, num_bytes, checksum, shard_index
+FROM published_snapshot.chunks ORDER BY dataset, global_index;
+
+-- name: reader_index_row_groups
+-- The row groups of committed chunks, with the columns reader_row_groups_of reads.
+SELECT dataset, global_index, num_docs, num_tokens, num_parts
+FROM published_snapshot.row_groups ORDER BY dataset, global_index, row_group;
+
+-- name: reader_index_examples
+-- Examples of each chunk counted under each packing plan (reader_chunk_examples' rows).
+SELECT dataset, plan_key, global_index, num_examples
+FROM published_snapshot.chunk_examples ORDER BY dataset, plan_key, global_index;
+
+-- name: reader_index_packing_plans
+SELECT dataset, plan_key FROM published_snapshot.packing_plans ORDER BY dataset, plan_key;
+
 -- name: reader_chunk_record
 -- The file record of one committed chunk (one not learnt with its row groups).
 SELECT path, num_bytes, checksum, shard_index

@@ -333,16 +333,15 @@ def loader_during_build(config: Path, builder: threading.Thread, live: LiveCatal
 
 @pytest.fixture
 def catalog_query_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """The names of the threads that run a catalog query (any CatalogView.reading) during
-    the test, filled as they run."""
+    """The names of the threads that ask the catalog anything (a query in CatalogView.reading, or
+    a lookup in its reader index) during the test, filled as they run."""
     threads: set[str] = set()
-    reading = CatalogView.reading
+    for method in ("reading", "reader_index"):
+        def spy(self: CatalogView, *args: Any, original: Any = getattr(CatalogView, method), **options: Any) -> Any:
+            threads.add(threading.current_thread().name)
+            return original(self, *args, **options)
 
-    def spy(self: CatalogView, *args: Any, **options: Any) -> Any:
-        threads.add(threading.current_thread().name)
-        return reading(self, *args, **options)
-
-    monkeypatch.setattr(CatalogView, "reading", spy)
+        monkeypatch.setattr(CatalogView, method, spy)
     return threads
 
 

@@ -28,6 +28,7 @@ from test_resume import (
 )
 
 from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.reader_index import INDEX_FORMAT, TABLES, ReaderIndex, index_file
 from lakeloader.catalog.snapshot import KEEP_SNAPSHOTS, open_snapshot, read_pointer
 from lakeloader.catalog.store import SCHEMA_VERSION, connect_reader
 from lakeloader.contracts.errors import CatalogLockedError
@@ -160,8 +161,12 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
         wait_until(lambda: read_pointer(lake) is not None, proc, log, "the first snapshot")
         while proc.poll() is None:
             pointer = read_pointer(lake)
-            assert set(pointer) == {"version", "file", "published_at", "build_id", "lake_id"}
+            assert set(pointer) == {"version", "file", "reader_index", "published_at", "build_id", "lake_id"}
             assert pointer["file"] == f"catalog-{pointer['version']:06d}.duckdb"
+            assert pointer["reader_index"] == {"prefix": f"catalog-{pointer['version']:06d}", "format": INDEX_FORMAT}
+            # The reader index CURRENT names is whole, and says what its snapshot says.
+            index = ReaderIndex({table: str(lake_root / "_catalog" / index_file(pointer["reader_index"]["prefix"], table))
+                                 for table in TABLES})
             assert pointer["build_id"] == 1
             path = lake_root / "_catalog" / pointer["file"]
             assert path.is_file()
@@ -173,6 +178,9 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
                     == (SCHEMA_VERSION,)
                 status, = con.execute("SELECT status FROM builds WHERE build_id = 1").fetchone()
                 prefix, = con.execute("SELECT num_chunks FROM committed_prefix").fetchone()
+                assert index.chunks("code").num_rows == planned
+                assert int(index.chunks("code").column("committed").to_numpy(zero_copy_only=False).sum()) == committed
+                assert len(index.tables["row_groups"]) == con.execute("SELECT count(*) FROM row_groups").fetchone()[0]
                 assert con.execute("SELECT count(*) FROM chunk_offsets").fetchone() == (prefix,)
                 assert con.execute("SELECT count(*) FROM row_groups r JOIN chunks c USING (dataset, "
                                    "global_index) WHERE c.status <> 'committed'").fetchone() == (0,)
@@ -223,5 +231,6 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
         con.close()
     kept = range(final["version"] - KEEP_SNAPSHOTS + 1, final["version"] + 1)
     assert sorted(p.name for p in (lake_root / "_catalog").iterdir()) == \
-        ["CURRENT"] + [f"catalog-{v:06d}.duckdb" for v in kept]
+        ["CURRENT"] + sorted(f"catalog-{v:06d}.{kind}" for v in kept
+                             for kind in ("duckdb", *(f"{table}.arrow" for table in TABLES)))
     assert json.loads((lake_root / "_catalog" / "CURRENT").read_bytes()) == final

@@ -10,11 +10,14 @@ selection."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import json
 import shutil
@@ -26,12 +29,14 @@ from tokenizers import Tokenizer
 from lakeloader.catalog.audit import audit
 from lakeloader.catalog.gc import remove_stale_chunk_folders
 from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.snapshot import open_reader_index
 from lakeloader.cli import main
 from lakeloader.config import load_config
-from lakeloader.contracts.errors import ConfigError, LakeloaderError, SourceError
+from lakeloader.contracts.errors import CatalogError, ConfigError, LakeloaderError, SourceError
 from lakeloader.contracts.selection import where_problem
 from lakeloader.feed.loader import Loader
 from lakeloader.ingest.driver import build
+from lakeloader.read import catalog_view as catalog_view_module
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.verify import verify_lake
 
@@ -404,3 +409,59 @@ def test_a_chunks_selections_are_fetched_once_for_all_its_row_groups(lake, monke
                 files.read_row_group(chunks, chunk, group)
             files.chunk_parts(chunks, chunk)
     assert sorted(asked) == sorted(set(asked)) and len(asked) == chunks.committed
+
+
+# -- the reader index answers as the snapshot does --------------------------------------------------
+
+def _answers(view: CatalogView, name: str, plan_key: str | None, chunks: list[int]) -> dict[str, Any]:
+    """Everything a loader asks the catalog of dataset ``name``, as plain values."""
+    found = view.dataset(name, plan_key, part_counts=True)
+    rows = view.row_groups_of(name, chunks, kinds=2)   # (one kind stored, two asked: the second counts 0)
+    return {
+        "dataset": (found.fingerprint, found.complete, found.planned, found.token_type, found.filtered,
+                    found.num_docs.tolist(), found.num_tokens.tolist(), found.num_parts.tolist(),
+                    None if found.num_examples is None else found.num_examples.tolist()),
+        "row_groups": {chunk: {k: v.tolist() for k, v in groups.items()} for chunk, groups in rows.items()},
+        "records": [view.chunk_record(name, chunk) for chunk in chunks if 0 <= chunk < found.committed],
+        "filtered": view.is_filtered(name),
+        "plans": (view.plan_registered(name, plan_key or ""), view.plan_registered(name, "no such plan")),
+        "tokenizer": view.tokenizer_path([name]),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_views(lake: tuple[Path, list[dict[str, Any]]]) -> Iterator[tuple[CatalogView, CatalogView, dict[str, str]]]:
+    """Views of the lake answering from its reader index and by SQL (as for a snapshot published
+    without an index), and the packing plan of each dataset."""
+    root, _ = lake
+    with Loader(root / "main.yaml") as loader:
+        plan_keys = {d.name: d.plan_key for d in loader.datasets}
+    at = open_lake(load_config(root / "main.yaml"))
+    indexed = CatalogView(at)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(catalog_view_module, "open_reader_index", lambda where: (open_reader_index(where)[0], None))
+        queried = CatalogView(at)
+    assert indexed.reader_index() is not None and queried.reader_index() is None
+    yield indexed, queried, plan_keys
+    indexed.close()
+    queried.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_the_reader_index_answers_every_question_as_the_snapshot_does(
+        two_views: tuple[CatalogView, CatalogView, dict[str, str]], data: st.DataObject) -> None:
+    """A loader's questions (a dataset's counts and committed prefix, packing counts, the row
+    groups and records of any chunks, filters, packing plans, the tokenizer) answered from the
+    snapshot's reader index equal the answers of SQL on the snapshot itself, for a dataset built
+    from sources and one defined by a filter, with and without a packing plan, for any chunks
+    asked (repeated, unordered, beyond the prefix)."""
+    indexed, queried, plan_keys = two_views
+    name = data.draw(st.sampled_from(sorted(plan_keys)))
+    plan_key = data.draw(st.sampled_from([plan_keys[name], None]))
+    planned = indexed.dataset(name).planned
+    chunks = data.draw(st.lists(st.integers(-2, planned + 2), max_size=12))
+    assert _answers(indexed, name, plan_key, chunks) == _answers(queried, name, plan_key, chunks)
+    for view in (indexed, queried):
+        with pytest.raises(CatalogError, match="dataset 'nowhere' is not in the lake .*: build it first"):
+            view.dataset("nowhere")

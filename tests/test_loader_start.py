@@ -45,14 +45,15 @@ def test_loader_opens_without_building_the_tokenizer(tmp_path: Path, dask_schedu
                           build={"split_size": "8KB"}, loader={"seq_len": 32, "batch_size": 16, "shuffle": "full"})
     build(config, scheduler=dask_scheduler, progress=False)
     with Loader(config) as loader:
-        queries: list[str] = []
-        named = loader.view.named
-        loader.view.named = lambda name, *args: queries.append(name) or named(name, *args)  # type: ignore[method-assign]
+        lookups: list[list[int]] = []
+        row_groups_of = loader.view.row_groups_of
+        loader.view.row_groups_of = (  # type: ignore[method-assign]
+            lambda name, wanted, *args: lookups.append(wanted) or row_groups_of(name, wanted, *args))
         batch = loader.batch(5)
         chunks = {p.chunk for e in loader.examples(5).examples for p in e.pieces}
         assert len(chunks) > 2 and batch["input_ids"].shape == (16, 32)
-        # the row groups of every chunk the batch needs come from one catalog query
-        assert len([q for q in queries if q.startswith("reader_row_groups")]) == 1, queries
+        # the row groups of every chunk the batch needs come from one catalog lookup
+        assert len(lookups) == 1 and chunks <= set(lookups[0]), lookups
         assert "full" not in loader.tokenizer.__dict__
         eos = Tokenizer.from_file(str(DEMO_TOKENIZER)).token_to_id("<|endoftext|>")
         assert loader.pad_id == eos and loader.templates["d"].doc_suffix.tolist() == [eos]

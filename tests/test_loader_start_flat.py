@@ -7,6 +7,7 @@ every chunk's row on open (digests recorded from that code)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lakeloader.catalog.lake import Lake
-from lakeloader.catalog.snapshot import publish_snapshot
+from lakeloader.catalog.snapshot import publish_snapshot, read_pointer
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.contracts.errors import CatalogError
 from lakeloader.demo.many_chunks import grow
 from lakeloader.feed.loader import Loader
+from lakeloader.catalog.reader_index import ReaderIndex
+from lakeloader.read import catalog_view as catalog_view_module
 from lakeloader.read import windows as windows_module
 from lakeloader.read.catalog_view import CatalogView
 
@@ -81,17 +84,27 @@ def configs(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 class Recorder:
-    """Every named catalog query a CatalogView runs (name and parameters)."""
+    """Every catalog question a CatalogView asks: each named query it runs (name and parameters)
+    and each lookup in its reader index (method and chunks asked for)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         for method in ("named", "named_table"):
             monkeypatch.setattr(CatalogView, method, self._wrap(getattr(CatalogView, method)))
+        for method in ("plan", "chunks", "examples", "row_groups_of", "record"):
+            monkeypatch.setattr(ReaderIndex, method, self._wrap_index(method, getattr(ReaderIndex, method)))
 
     def _wrap(self, original: Any) -> Any:
         def run(view: CatalogView, name: str, params: Any = None, *fetch: Any) -> Any:
             self.calls.append((name, dict(params or {})))
             return original(view, name, params, *fetch)
+        return run
+
+    def _wrap_index(self, method: str, original: Any) -> Any:
+        def run(index: ReaderIndex, name: str, *args: Any) -> Any:
+            chunks = args[0] if method == "row_groups_of" else [args[0]] if method == "record" else None
+            self.calls.append((f"index.{method}", {"global_indexes": chunks}))
+            return original(index, name, *args)
         return run
 
     def take(self) -> list[tuple[str, dict[str, Any]]]:
@@ -100,21 +113,37 @@ class Recorder:
 
 
 def record_rows(view: CatalogView, calls: list[tuple[str, dict[str, Any]]]) -> Iterator[tuple[str, set[int] | None]]:
-    """For each query whose result names chunk files (a ``path`` or ``checksum`` column): its name
-    and the chunks (global indexes) of its rows, None when it does not say which."""
+    """For each question whose answer names chunk files (a ``path`` or ``checksum`` column, or a
+    reader-index lookup of records): its name and the chunks (global indexes) it names, None when
+    it does not say which."""
     for name, params in calls:
+        if name.startswith("index."):
+            if params["global_indexes"] is not None:
+                yield name, {int(i) for i in params["global_indexes"]}
+            continue
         table = view.execute(query(name), params)
         if {"path", "checksum"} & set(table.column_names):
             at = "global_index" in table.column_names
             yield name, {int(i) for i in table.column("global_index").to_pylist()} if at else None
 
 
+@pytest.fixture(params=["reader index", "sql"])
+def answered_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which way the loader's catalog questions are answered: from the snapshot's reader index,
+    or (as for a snapshot published without one) by queries of the snapshot."""
+    if request.param == "sql":
+        opened = catalog_view_module.open_reader_index
+        monkeypatch.setattr(catalog_view_module, "open_reader_index", lambda lake: (opened(lake)[0], None))
+    return str(request.param)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunk_records_are_fetched_only_for_the_chunks_a_batch_reads(
-        configs: dict[str, dict[str, Path]], monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+        configs: dict[str, dict[str, Path]], monkeypatch: pytest.MonkeyPatch, kind: str, answered_by: str) -> None:
     recorder = Recorder(monkeypatch)
     with Loader(configs["grown"][kind]) as loader:
         assert loader.datasets[0].chunks.committed == GROWN
+        assert (loader.view.reader_index() is not None) == (answered_by == "reader index")
         opened = recorder.take()
         assert opened and not list(record_rows(loader.view, opened)), "opening fetched chunk files' records"
         for step in STEPS:
@@ -154,7 +183,8 @@ EXPECTED = {
 
 @pytest.mark.parametrize("lake", ["small", "grown", "reversed"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_batches_are_those_of_the_loader_before(configs: dict[str, dict[str, Path]], lake: str, kind: str) -> None:
+def test_batches_are_those_of_the_loader_before(configs: dict[str, dict[str, Path]], lake: str, kind: str,
+                                                answered_by: str) -> None:
     with Loader(configs[lake][kind]) as loader:
         found = digest([loader.batch(step) for step in STEPS])
     assert found == EXPECTED["small" if lake == "small" else "grown", kind]
@@ -189,11 +219,18 @@ def test_the_committed_prefix_a_loader_opens_is_the_catalogs(statuses_lake: Lake
         prefix, planned = counts[0]["num_chunks"], counts[0]["planned_chunks"]
         expected = view.execute("SELECT num_tokens, num_docs FROM chunks WHERE dataset = 'd' AND global_index < $1 "
                                 "ORDER BY global_index", [prefix])
+        # Row groups (and records) come for committed chunks only, past the prefix too.
+        with_groups = {chunk for chunk, groups in view.row_groups_of("d", list(range(planned))).items()
+                       if len(groups["num_tokens"])}
+        committed = view.execute("SELECT DISTINCT global_index FROM row_groups JOIN chunks "
+                                 "USING (dataset, global_index) WHERE dataset = 'd' AND status = 'committed'")
+        assert view.reader_index() is not None
     finally:
         view.close()
     assert planned > 20 and (chunks.committed, chunks.planned, chunks.complete) == (prefix, planned, prefix == planned)
     assert chunks.num_tokens.tolist() == expected.column("num_tokens").to_pylist()
     assert chunks.num_docs.tolist() == expected.column("num_docs").to_pylist()
+    assert with_groups == set(committed.column("global_index").to_pylist()) and not with_groups & uncommitted
 
 
 def test_a_catalog_missing_a_chunk_row_is_an_error_naming_the_dataset(statuses_lake: Lake) -> None:
@@ -215,3 +252,28 @@ def test_a_catalog_missing_a_chunk_row_is_an_error_naming_the_dataset(statuses_l
         view.close()
     finally:
         renumber("UPDATE chunks SET global_index = global_index - 1000 WHERE global_index >= 1000")
+
+
+def test_sql_after_the_opened_snapshot_was_pruned_reads_the_newest(statuses_lake: Lake) -> None:
+    """A view answers from the reader index of the snapshot it opened, and connects to a snapshot
+    only for a question the index does not answer (its user's SQL). If the catalog file of the
+    snapshot it opened was pruned meanwhile (a build keeps the newest few), it reads the newest
+    one instead of failing."""
+    def publish(sql: str) -> None:
+        with CatalogWriter(statuses_lake.writer_catalog_path) as writer:
+            with writer.transaction():
+                writer.con.execute(sql)
+            publish_snapshot(writer.con, statuses_lake, None)
+
+    publish("UPDATE chunks SET status = CASE WHEN global_index = 3 THEN 'planned' ELSE 'committed' END")
+    opened = read_pointer(statuses_lake)
+    view = CatalogView(statuses_lake)
+    try:
+        assert view.dataset("d", part_counts=False).committed == 3
+        publish("UPDATE chunks SET status = 'committed'")
+        os.remove(statuses_lake.path_of(f"_catalog/{opened['file']}"))
+        rows = view.execute("SELECT count(*) AS n FROM chunks WHERE dataset = 'd' AND status <> 'committed'")
+        assert rows.to_pylist() == [{"n": 0}]
+        assert view.dataset("d", part_counts=False).complete   # (and the newest snapshot answers from now on)
+    finally:
+        view.close()

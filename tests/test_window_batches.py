@@ -240,12 +240,13 @@ def test_a_first_batch_reads_windows_across_row_groups_from_pages(lake: Path, mo
     monkeypatch.setattr(windows_module.StreamReader, "_join_pieces", staticmethod(join_spy))
     for step, rows in examples.items():
         with Loader(config) as loader:
-            queries: list[str] = []
-            named = loader.view.named
-            loader.view.named = lambda name, *args: queries.append(name) or named(name, *args)  # type: ignore[method-assign]
+            lookups: list[list[int]] = []
+            row_groups_of = loader.view.row_groups_of
+            loader.view.row_groups_of = (  # type: ignore[method-assign]
+                lambda name, chunks, *args: lookups.append(chunks) or row_groups_of(name, chunks, *args))
             expected = [reference_row(*stream, e.example * SEQ_LEN) for e in rows]
             assert_rows_equal(loader.batch(step), expected, [0] * BATCH, f"step {step}")
-            assert queries.count("reader_row_groups_of") == 1, queries
+            assert len(lookups) == 1, lookups   # the row groups of every chunk the batch reads at once
     assert len(joined) >= 10 and max(joined) > 1 and not general, (joined, general)   # across chunks too
 
 

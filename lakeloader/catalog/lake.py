@@ -58,14 +58,19 @@ class Lake(LakeLocation):
     def tokenizer(self, con: Any, datasets: Sequence[str]) -> LazyTokenizer:
         """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
         or cursor): its special tokens' ids are read without building it, the rest on first use."""
-        path = con.execute(query("tokenizer_path"), {"datasets": list(datasets)}).fetchone()
+        row = con.execute(query("tokenizer_path"), {"datasets": list(datasets)}).fetchone()
+        return self.tokenizer_at(row[0] if row else None, datasets)
+
+    def tokenizer_at(self, path: str | None, datasets: Sequence[str]) -> LazyTokenizer:
+        """The lake's tokenizer copy at the lake-relative ``path`` the catalog names for
+        ``datasets`` (None: the lake has none of them, an error saying so)."""
         if path is None:
             raise CatalogError(f"the lake {self.url} has none of the datasets {list(datasets)}: build them first")
         if self.is_local:
-            local = self.path_of(path[0])
+            local = self.path_of(path)
             stat = os.stat(local)
             return lazy_tokenizer_file(local, stat.st_size, stat.st_mtime_ns)
-        return lazy_tokenizer_text(self.fs.cat_file(self.path_of(path[0])).decode())
+        return lazy_tokenizer_text(self.fs.cat_file(self.path_of(path)).decode())
 
     def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
         """Run one read-only query (``ALLOWED_SQL``) against the catalog and return the result as

@@ -1,7 +1,8 @@
 """Published read-only copies of the catalog in the lake, for readers in other processes/hosts.
 
-Layout: ``<lake>/_catalog/catalog-<version>.duckdb`` plus ``<lake>/_catalog/CURRENT``, a small JSON
-pointer replaced atomically after the snapshot it names is complete.
+Layout: ``<lake>/_catalog/catalog-<version>.duckdb``, its reader index
+``catalog-<version>.<table>.arrow`` (catalog/reader_index.py), plus ``<lake>/_catalog/CURRENT``, a
+small JSON pointer replaced atomically after the snapshot and index it names are complete.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import duckdb
+import pyarrow as pa
 
 from lakeloader.catalog.location import LakeLocation
+from lakeloader.catalog.reader_index import ATTACHED, INDEX_FORMAT, TABLES, ReaderIndex, index_file, write_reader_index
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import catalog_failure, connect_reader
 from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError
@@ -27,6 +31,7 @@ SNAPSHOT_DIR = "_catalog"
 POINTER = f"{SNAPSHOT_DIR}/CURRENT"
 KEEP_SNAPSHOTS = 3
 SNAPSHOT_BLOCK_SIZE = 16384
+T = TypeVar("T")
 
 
 def read_pointer(lake: LakeLocation) -> dict[str, Any] | None:
@@ -37,8 +42,9 @@ def read_pointer(lake: LakeLocation) -> dict[str, Any] | None:
         return None
 
 
-def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str) -> None:
-    """Copy the writer's open catalog into a new DuckDB file through the writer's own connection.
+def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str, index_target: Callable[[str], str]) -> None:
+    """Copy the writer's open catalog into a new DuckDB file through the writer's own connection,
+    and write the copy's reader index (each table to ``index_target(table)``).
 
     The catalog file must not be opened any other way in the writer's process: DuckDB guards it
     with a POSIX record lock, which the process loses as soon as it closes *any* descriptor of the
@@ -47,11 +53,12 @@ def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str) -> None:
     database = con.execute("SELECT current_database()").fetchone()[0]
     # The smallest block size: with the default 256 KiB blocks every table and index takes
     # whole blocks, so even an empty catalog's copy was about 5 MB.
-    con.execute(f"ATTACH ? AS published_snapshot (BLOCK_SIZE {SNAPSHOT_BLOCK_SIZE})", [target])
+    con.execute(f"ATTACH ? AS {ATTACHED} (BLOCK_SIZE {SNAPSHOT_BLOCK_SIZE})", [target])
     try:
-        con.execute(f'COPY FROM DATABASE "{database}" TO published_snapshot')
+        con.execute(f'COPY FROM DATABASE "{database}" TO {ATTACHED}')
+        write_reader_index(con, index_target)
     finally:
-        con.execute("DETACH published_snapshot")
+        con.execute(f"DETACH {ATTACHED}")
 
 
 def catalog_identity(con: duckdb.DuckDBPyConnection) -> tuple[str | None, int]:
@@ -72,22 +79,25 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
     """
     pointer = read_pointer(lake)
     version = (pointer["version"] + 1) if pointer else 1
-    name = f"catalog-{version:06d}.duckdb"
+    name, prefix = f"catalog-{version:06d}.duckdb", f"catalog-{version:06d}"
+    files = {"catalog": name, **{table: index_file(prefix, table) for table in TABLES}}
     con.execute(query("set_lake_meta"), {"key": "published_version", "value": str(version)})
     lake_id, _ = catalog_identity(con)
     target = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
-    staged = target if lake.is_local else os.path.join(lake.cache_dir, "publish", name)
-    os.makedirs(os.path.dirname(staged), exist_ok=True)
-    temporary = f"{staged}.tmp-{os.getpid()}"
-    remove_quietly(temporary)
+    staging = os.path.dirname(target) if lake.is_local else os.path.join(lake.cache_dir, "publish")
+    os.makedirs(staging, exist_ok=True)
+    temporary = {key: os.path.join(staging, f"{file}.tmp-{os.getpid()}") for key, file in files.items()}
+    for path in temporary.values():
+        remove_quietly(path)
     try:
-        _copy_catalog(con, temporary)
-        if lake.is_local:
-            os.replace(temporary, target)
-        else:
-            lake.fs.put_file(temporary, target)
-        payload = {"version": version, "file": name, "published_at": time.time(), "build_id": build_id,
-                   "lake_id": lake_id}
+        _copy_catalog(con, temporary["catalog"], temporary.__getitem__)
+        for key, file in files.items():   # the catalog last: a snapshot file is whole with its index
+            if key != "catalog":
+                _place(lake, temporary[key], f"{SNAPSHOT_DIR}/{file}")
+        _place(lake, temporary["catalog"], f"{SNAPSHOT_DIR}/{name}")
+        payload = {"version": version, "file": name, "reader_index": {"prefix": prefix, "format": INDEX_FORMAT},
+                   "published_at": time.time(),
+                   "build_id": build_id, "lake_id": lake_id}
         write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
     except duckdb.Error as exc:
         raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
@@ -96,14 +106,44 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
             raise  # retried by the caller
         raise write_failure("publishing the catalog snapshot", target, exc) from exc
     finally:
-        for leftover in (temporary, f"{temporary}.wal"):  # gone once moved; never left half-written
+        for leftover in [*temporary.values(), f"{temporary['catalog']}.wal"]:  # never left half-written
             remove_quietly(leftover)
     for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
         stale = lake.path_of(f"{SNAPSHOT_DIR}/catalog-{old:06d}.duckdb")
-        if lake.fs.exists(stale):
+        if lake.fs.exists(stale):   # its index first: a version whose catalog file is gone is gone whole
+            for table in TABLES:
+                index = lake.path_of(f"{SNAPSHOT_DIR}/{index_file(f'catalog-{old:06d}', table)}")
+                if lake.fs.exists(index):
+                    lake.fs.rm_file(index)
             lake.fs.rm_file(stale)
     log.debug("published catalog snapshot %s", name)
     return version
+
+
+def _place(lake: LakeLocation, staged: str, relative: str) -> None:
+    """Move the finished local file ``staged`` to ``relative`` in the lake (a rename locally)."""
+    if lake.is_local:
+        os.replace(staged, lake.path_of(relative))
+    else:
+        lake.fs.put_file(staged, lake.path_of(relative))
+
+
+def _newest(lake: LakeLocation, open_published: Callable[[dict[str, Any]], T]) -> T:
+    """``open_published`` of the CURRENT pointer; once more with the pointer read again if the
+    snapshot it names was pruned (or is unreadable) meanwhile."""
+    for attempt in (1, 2):
+        pointer = read_pointer(lake)
+        if pointer is None:
+            raise CatalogNotPublishedError(
+                f"lake {lake.url} has no published catalog ({POINTER} is missing): start "
+                "`lakeloader build` on it first; readers can start once its first snapshot is published"
+            )
+        try:
+            return open_published(pointer)
+        except (FileNotFoundError, duckdb.Error, CatalogError, pa.ArrowInvalid) as exc:
+            if attempt == 2:
+                raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
+    raise AssertionError("unreachable")
 
 
 def open_snapshot(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckdb.DuckDBPyConnection, int]:
@@ -116,28 +156,45 @@ def open_snapshot(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckd
     Remote lakes' snapshots are copied into the local cache first (DuckDB opens local files).
     A snapshot pruned between reading the pointer and opening it is retried once.
     """
-    for attempt in (1, 2):
-        pointer = read_pointer(lake)
-        if pointer is None:
-            raise CatalogNotPublishedError(
-                f"lake {lake.url} has no published catalog ({POINTER} is missing): start "
-                "`lakeloader build` on it first; readers can start once its first snapshot is published"
-            )
-        try:
-            return connect_reader(local_snapshot(lake, pointer), analyst_views), int(pointer["version"])
-        except (FileNotFoundError, duckdb.Error, CatalogError) as exc:
-            if attempt == 2:
-                raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
-    raise AssertionError("unreachable")
+    con, pointer = connect_newest(lake, analyst_views)
+    return con, int(pointer["version"])
 
 
-def local_snapshot(lake: LakeLocation, pointer: dict[str, Any]) -> str:
-    """Local path of the snapshot ``pointer`` names (downloaded into the cache for remote lakes).
+def connect_newest(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckdb.DuckDBPyConnection, dict[str, Any]]:
+    """:func:`open_snapshot`'s connection, with the CURRENT pointer of the snapshot it reads."""
+    return _newest(lake, lambda pointer: (connect_pointer(lake, pointer, analyst_views), pointer))
+
+
+def connect_pointer(lake: LakeLocation, pointer: dict[str, Any],
+                    analyst_views: bool = True) -> duckdb.DuckDBPyConnection:
+    """``connect_reader`` of the snapshot ``pointer`` names (a FileNotFoundError once pruned)."""
+    return connect_reader(local_snapshot(lake, pointer), analyst_views)
+
+
+def open_reader_index(lake: LakeLocation) -> tuple[dict[str, Any], ReaderIndex | None]:
+    """The CURRENT pointer of the lake's newest snapshot and its reader index, memory-mapped (None
+    for a snapshot without one this lakeloader reads: published before the index, or by a
+    newer lakeloader in another format); remote lakes' index
+    files are copied into the local cache first. Retried once as :func:`open_snapshot`."""
+    def open_index(pointer: dict[str, Any]) -> tuple[dict[str, Any], ReaderIndex | None]:
+        index = pointer.get("reader_index")
+        if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+            return pointer, None   # an older lakeloader's snapshot, or a newer one's format: SQL
+        prefix = index["prefix"]
+        files = {table: local_snapshot(lake, pointer, index_file(prefix, table)) for table in TABLES}
+        return pointer, ReaderIndex(files)
+
+    return _newest(lake, open_index)
+
+
+def local_snapshot(lake: LakeLocation, pointer: dict[str, Any], name: str | None = None) -> str:
+    """Local path of the snapshot ``pointer`` names, or of its file ``name`` (downloaded into the
+    cache for remote lakes).
 
     Cached copies are kept per lake id: a lake re-created at the same URL numbers its snapshots
     from 1 again, and must never be read through the old lake's copies.
     """
-    name = pointer["file"]
+    name = name or pointer["file"]
     remote = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
     if lake.is_local:
         if not os.path.exists(remote):

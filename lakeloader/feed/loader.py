@@ -128,8 +128,7 @@ class Loader:
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
         names = dataset_names(config)
-        with self.view.reading() as cursor:
-            self.tokenizer = self.lake.tokenizer(cursor, names)
+        self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
         ordering = loader.ordering if mode == "train" else "global"

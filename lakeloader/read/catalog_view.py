@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import duckdb
@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.catalog.lake import Lake
-from lakeloader.catalog.snapshot import open_snapshot, read_pointer
+from lakeloader.catalog.reader_index import ReaderIndex
+from lakeloader.catalog.snapshot import connect_newest, connect_pointer, open_reader_index, read_pointer
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import LiveCatalog, define_views
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
@@ -149,19 +150,29 @@ def part_lists(column: pa.ListArray | pa.ChunkedArray, kinds: int) -> np.ndarray
 
 
 def part_matrix(column: Any, kinds: int) -> np.ndarray:
-    """:func:`part_lists` of a column fetched as numpy (an object array of lists, or None)."""
-    return part_lists(pa.array(list(column), type=pa.list_(pa.int64())), kinds)
+    """:func:`part_lists` of a column fetched as numpy (an object array of lists, or None) or
+    as Arrow."""
+    if not isinstance(column, (pa.Array, pa.ChunkedArray)):
+        column = pa.array(list(column), type=pa.list_(pa.int64()))
+    return part_lists(column, kinds)
 
 
 @dataclasses.dataclass
 class _Snapshot:
-    """A connection to one published catalog snapshot, closed once retired and left by its readers."""
+    """One published catalog snapshot: its reader index (None for a snapshot without one) and a
+    connection to it, opened the first time a question the index does not answer is asked (or at
+    once without an index); closed once retired and left by its readers."""
 
-    con: duckdb.DuckDBPyConnection
-    version: int | None
+    pointer: dict[str, Any]
+    index: ReaderIndex | None
+    con: duckdb.DuckDBPyConnection | None = None
     analyst_views: bool = False   # catalog/views.sql defined on it (~18 ms: only once SQL of a user's runs)
     readers: int = 0              # blocks of CatalogView.reading on it now
     retired: bool = False
+
+    @property
+    def version(self) -> int:
+        return int(self.pointer["version"])
 
 
 FetchOne = duckdb.DuckDBPyConnection.fetchone
@@ -194,7 +205,32 @@ class CatalogView:
                             deadline=self.io_retry_deadline)
 
     def _open_snapshot(self) -> _Snapshot:
-        return _Snapshot(*self._retrying(lambda: open_snapshot(self.lake, analyst_views=False)))
+        """The newest snapshot: its reader index, or (without one) a connection to it."""
+        snapshot = _Snapshot(*self._retrying(lambda: open_reader_index(self.lake)))
+        if snapshot.index is None:
+            self._connect(snapshot)
+        return snapshot
+
+    def _connect(self, snapshot: _Snapshot) -> None:
+        """Give ``snapshot`` its connection; if its file was pruned since it was opened, the
+        newest snapshot's (its counts and records only grow: committed chunks never change)."""
+        try:
+            snapshot.con = self._retrying(lambda: connect_pointer(self.lake, snapshot.pointer, analyst_views=False))
+        except FileNotFoundError:
+            log.info("catalog snapshot %s of %s was pruned before it was queried; reading the newest",
+                     snapshot.pointer["file"], self.lake.url)
+            snapshot.con, snapshot.pointer = self._retrying(lambda: connect_newest(self.lake, analyst_views=False))
+            snapshot.index = None   # the connection's version answers from now on
+
+    def reader_index(self) -> ReaderIndex | None:
+        """The reader index of the snapshot the view reads; None while it follows a running build
+        (its live catalog answers) or for a snapshot without one."""
+        if self._build_running():
+            return None
+        with self._lock:
+            if self._snapshot is None:   # the build this view followed ended: its final snapshot
+                self._snapshot = self._open_snapshot()
+            return self._snapshot.index
 
     def refresh(self) -> bool:
         """Re-open the newest published snapshot if there is a newer one; returns whether the
@@ -226,6 +262,8 @@ class CatalogView:
             if self._snapshot is None:   # the build this view followed ended: its final snapshot
                 self._snapshot = self._open_snapshot()
             snapshot = self._snapshot
+            if snapshot.con is None:
+                self._connect(snapshot)
             if analyst_views and not snapshot.analyst_views:
                 define_views(snapshot.con, analyst=True)
                 snapshot.analyst_views = True
@@ -237,13 +275,13 @@ class CatalogView:
             cursor.close()
             with self._lock:
                 snapshot.readers -= 1
-                if snapshot.retired and not snapshot.readers:
+                if snapshot.retired and not snapshot.readers and snapshot.con is not None:
                     snapshot.con.close()
 
     def _retire(self, snapshot: _Snapshot) -> None:
         """Close ``snapshot`` once its readers are done (call under the lock)."""
         snapshot.retired = True
-        if not snapshot.readers:
+        if not snapshot.readers and snapshot.con is not None:
             snapshot.con.close()
 
     def execute(self, sql: str, params: Any = None) -> pa.Table:
@@ -269,8 +307,12 @@ class CatalogView:
         only (int64 arrays, a few queries whatever the number of chunks; the parts of each kind
         only with ``part_counts``); the paths and checksums of chunks come with the row groups of
         the chunks a batch reads (:meth:`row_groups_of`)."""
-        plan = self.named("reader_dataset", {"name": name}, FetchOne)
-        table = self.named_table("reader_chunks", {"name": name, "part_counts": part_counts})
+        index = self.reader_index()
+        if index is not None:
+            plan, table = index.plan(name), index.chunks(name)
+        else:
+            plan = self.named("reader_dataset", {"name": name}, FetchOne)
+            table = self.named_table("reader_chunks", {"name": name, "part_counts": part_counts})
         planned = table.num_rows
         if plan is None or not planned:
             raise CatalogError(
@@ -284,8 +326,8 @@ class CatalogView:
         prefix = int(uncommitted[0]) if len(uncommitted) else planned
         examples = None
         if plan_key is not None:
-            examples = self.named("reader_chunk_examples", {"name": name, "plan_key": plan_key,
-                                                            "prefix": prefix}, FetchNumpy)
+            examples = index.examples(name, plan_key, prefix) if index is not None else self.named(
+                "reader_chunk_examples", {"name": name, "plan_key": plan_key, "prefix": prefix}, FetchNumpy)
             counted = examples["global_index"]
             # The prefix ends at the first chunk without counts.
             gaps = np.flatnonzero(counted != np.arange(len(counted)))
@@ -301,10 +343,20 @@ class CatalogView:
             filtered=source is not None, records=functools.partial(self.chunk_record, name),
         )
 
+    def tokenizer_path(self, datasets: Sequence[str]) -> str | None:
+        """Lake-relative path of the tokenizer copy that built ``datasets`` (None: the catalog has
+        none of them)."""
+        index = self.reader_index()
+        if index is not None:
+            return index.tokenizer_path(datasets)
+        row = self.named("tokenizer_path", {"datasets": list(datasets)}, FetchOne)
+        return None if row is None else row[0]
+
     def is_filtered(self, name: str) -> bool:
         """Whether dataset ``name`` is defined by a filter of another (``from``, ``where``)."""
-        row = self.named("dataset_source", {"name": name}, FetchOne)
-        return row is not None and row[0] is not None
+        index = self.reader_index()
+        row = index.plan(name) if index is not None else self.named("dataset_source", {"name": name}, FetchOne)
+        return row is not None and row[-1] is not None
 
     def selection(self, name: str, global_index: int, row_group: int) -> np.ndarray:
         """The documents (int64 indices within the row group, ascending) that chunk
@@ -333,6 +385,9 @@ class CatalogView:
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
+        index = self.reader_index()
+        if index is not None:
+            return index.plan_registered(name, plan_key)
         return bool(self.named("packing_plan_registered", {"name": name, "plan_key": plan_key}, FetchOne)[0])
 
     def chunk_record(self, name: str, global_index: int) -> ChunkRecord:
@@ -341,7 +396,9 @@ class CatalogView:
         return self._records.get((name, global_index), lambda: self._fetch_record(name, global_index))
 
     def _fetch_record(self, name: str, global_index: int) -> ChunkRecord:
-        row = self.named("reader_chunk_record", {"name": name, "global_index": global_index}, FetchOne)
+        index = self.reader_index()
+        row = index.record(name, global_index) if index is not None else self.named(
+            "reader_chunk_record", {"name": name, "global_index": global_index}, FetchOne)
         if row is None:
             raise CatalogError(f"chunk {global_index} of dataset {name!r} is not committed in the catalog of "
                                f"{self.lake.url}: was the lake re-planned while this reader ran? Open a new loader")
@@ -349,24 +406,29 @@ class CatalogView:
         return ChunkRecord(path, int(size), checksum, int(shard))
 
     def row_groups_of(self, name: str, global_indexes: list[int],
-                      part_counts: bool = True) -> dict[int, dict[str, np.ndarray]]:
-        """Counts (``num_docs``, ``num_tokens``, and ``num_parts`` with ``part_counts``) and first
-        document (``first_doc``, within the chunk) of each row group of committed chunks
-        ``global_indexes``, in row-group order, from one query that also brings (and keeps) those
-        chunks' records (:meth:`chunk_record`)."""
-        rows = self.named("reader_row_groups_of", {"name": name, "global_indexes": global_indexes,
-                                                   "part_counts": part_counts}, FetchNumpy)
-        if not part_counts:
+                      kinds: int | None = None) -> dict[int, dict[str, np.ndarray]]:
+        """Counts (``num_docs``, ``num_tokens``, and with ``kinds`` ``num_parts``, an int64
+        ``[row groups, kinds]`` matrix) and first document (``first_doc``, within the chunk) of
+        each row group of committed chunks ``global_indexes``, in row-group order, from one
+        lookup in the reader index (or one query) that also brings (and keeps) those chunks'
+        records (:meth:`chunk_record`)."""
+        index = self.reader_index()
+        rows = index.row_groups_of(name, global_indexes, kinds is not None) if index is not None else self.named(
+            "reader_row_groups_of", {"name": name, "global_indexes": global_indexes, "part_counts": kinds is not None},
+            FetchNumpy)
+        if kinds is None:
             del rows["num_parts"]   # (NULL: not read)
-        index = np.asarray(rows.pop("global_index"), np.int64)
+        else:
+            rows["num_parts"] = part_matrix(rows["num_parts"], kinds)
+        chunk_of_row = np.asarray(rows.pop("global_index"), np.int64)
         # A row group's first document follows its chunk's earlier row groups' documents (as the
         # writer stores it), counted here rather than read.
         num_docs = np.asarray(rows["num_docs"], np.int64)
         docs_before = np.cumsum(num_docs) - num_docs
         record = {k: rows.pop(k) for k in ("path", "num_bytes", "checksum", "shard_index")}
         wanted = np.asarray(global_indexes, np.int64)
-        bounds = np.searchsorted(index, wanted, side="left").tolist()
-        ends = np.searchsorted(index, wanted, side="right").tolist()
+        bounds = np.searchsorted(chunk_of_row, wanted, side="left").tolist()
+        ends = np.searchsorted(chunk_of_row, wanted, side="right").tolist()
         for chunk, a, b in zip(global_indexes, bounds, ends):
             if b > a:
                 self._records.get((name, chunk), lambda a=a: ChunkRecord(

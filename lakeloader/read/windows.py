@@ -24,7 +24,7 @@ from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.contracts.specs import Template
 from lakeloader.index.ranges import cumulative, distinct, locate, merged_runs, spans
 from lakeloader.index.render import fim_choice, fim_counts, render_compact, rendered_doc_starts, stream_lengths
-from lakeloader.read.catalog_view import CatalogView, DatasetChunks, part_matrix
+from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.lru import LRU
 from lakeloader.read.stream_index import StreamIndex
@@ -119,6 +119,8 @@ class StreamReader:
         self.template = template
         self.scattered = scattered
         self.sequential = sequential
+        # Part kinds whose counts the template needs of each row group (None: it needs none).
+        self._part_kinds = len(template.kind_names) if template.counts_parts else None
         # The stream range [lo, hi) of the row group the last window ended in when the reader last
         # looked ahead (no new look-ahead while windows end in it), or the (chunk, row group) a
         # packed batch last reached; the newest row groups to decode ahead, and whether the ahead
@@ -159,7 +161,7 @@ class StreamReader:
         found = self._row_groups.cached(keys)
         missing = sorted({chunk for chunk, value in zip(wanted, found) if value is None})
         if missing:
-            rows = self.view.row_groups_of(chunks.name, missing, self.template.counts_parts)
+            rows = self.view.row_groups_of(chunks.name, missing, self._part_kinds)
             for i, chunk in enumerate(wanted):
                 if found[i] is None:
                     found[i] = self._row_groups.get(keys[i], lambda c=chunk: self._groups(chunks, c, rows[c]))
@@ -168,7 +170,7 @@ class StreamReader:
     def _groups(self, chunks: DatasetChunks, chunk: int,
                 groups: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         if groups is None:
-            groups = self.view.row_groups_of(chunks.name, [chunk], self.template.counts_parts)[chunk]
+            groups = self.view.row_groups_of(chunks.name, [chunk], self._part_kinds)[chunk]
         first_doc = groups["first_doc"].astype(np.int32)   # per-token document keys stay int32
         num_docs = groups["num_docs"].astype(np.int64)
         fim_docs = np.zeros(len(first_doc), np.int64)
@@ -177,7 +179,7 @@ class StreamReader:
             docs = np.arange(int(chunks.num_docs[chunk]), dtype=np.int64)
             selected = self._fim(chunks, chunk, docs, np.zeros(len(docs), np.int64))[0]
             fim_docs = np.add.reduceat(selected.astype(np.int64), first_doc) if len(docs) else fim_docs
-        num_parts = part_matrix(groups["num_parts"], len(self.template.kind_names)) if "num_parts" in groups else None
+        num_parts = groups.get("num_parts")
         lengths = stream_lengths(self.template, groups["num_tokens"], num_docs, num_parts, fim_docs)
         return cumulative(lengths), first_doc
 
