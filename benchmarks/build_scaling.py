@@ -110,7 +110,7 @@ def open_and_seek(config: Path, step: int) -> tuple[float, float]:
     positions = step * 64 + np.arange(64)
     starts = np.array([examples.train_example(j)[1] * 2048 for j in positions.tolist()])
     chunks = np.unique(locate(examples.stream_offsets, starts))
-    loader.view.row_groups_of("d", chunks.tolist())   # one query per batch, as the loader does
+    loader.view.row_groups_of("d", chunks.tolist())   # one lookup per batch, as the loader does
     resolved = time.perf_counter()
     loader.close()
     return opened - started, resolved - opened
