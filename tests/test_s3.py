@@ -33,6 +33,7 @@ from test_loader import assert_batches_equal, paragraphs
 from tokenizers import Tokenizer
 
 from lakeloader.catalog.lake import Lake, open_lake
+from lakeloader.catalog.reader_index import TABLES
 from lakeloader.catalog.snapshot import read_pointer
 from lakeloader.cli import main
 from lakeloader.feed import workers as workers_module
@@ -199,6 +200,10 @@ def test_s3_build_equals_local_build(lakes: Lakes) -> None:
     pointer = yaml.safe_load(lake.fs.cat_file(lake.path_of("_catalog/CURRENT")))
     assert f"lake/_catalog/{pointer['file']}" in stored
     assert not any(".tmp-" in key for key in stored)
+    # The snapshot's reader index is in the bucket, and loaders answer from their copy of it.
+    assert {f"lake/_catalog/{pointer['reader_index']['prefix']}.{table}.arrow" for table in TABLES} <= set(stored)
+    with Loader(lakes.s3_config) as loader:
+        assert loader.view.reader_index() is not None
 
     steps = range(epoch_steps(lakes.local_config))
     for step, (remote, here) in enumerate(zip(batches(lakes.s3_config, steps), batches(lakes.local_config, steps))):

@@ -91,13 +91,10 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
         remove_quietly(path)
     try:
         _copy_catalog(con, temporary["catalog"], temporary.__getitem__)
-        for key, file in files.items():   # the catalog last: a snapshot file is whole with its index
-            if key != "catalog":
-                _place(lake, temporary[key], f"{SNAPSHOT_DIR}/{file}")
-        _place(lake, temporary["catalog"], f"{SNAPSHOT_DIR}/{name}")
+        for key in (*TABLES, "catalog"):   # the catalog file last: one in the lake has its index
+            _place(lake, temporary[key], f"{SNAPSHOT_DIR}/{files[key]}")
         payload = {"version": version, "file": name, "reader_index": {"prefix": prefix, "format": INDEX_FORMAT},
-                   "published_at": time.time(),
-                   "build_id": build_id, "lake_id": lake_id}
+                   "published_at": time.time(), "build_id": build_id, "lake_id": lake_id}
         write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
     except duckdb.Error as exc:
         raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
@@ -110,7 +107,7 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
             remove_quietly(leftover)
     for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
         stale = lake.path_of(f"{SNAPSHOT_DIR}/catalog-{old:06d}.duckdb")
-        if lake.fs.exists(stale):   # its index first: a version whose catalog file is gone is gone whole
+        if lake.fs.exists(stale):   # its index first: a version without its catalog file is gone whole
             for table in TABLES:
                 index = lake.path_of(f"{SNAPSHOT_DIR}/{index_file(f'catalog-{old:06d}', table)}")
                 if lake.fs.exists(index):
@@ -173,9 +170,9 @@ def connect_pointer(lake: LakeLocation, pointer: dict[str, Any],
 
 def open_reader_index(lake: LakeLocation) -> tuple[dict[str, Any], ReaderIndex | None]:
     """The CURRENT pointer of the lake's newest snapshot and its reader index, memory-mapped (None
-    for a snapshot without one this lakeloader reads: published before the index, or by a
-    newer lakeloader in another format); remote lakes' index
-    files are copied into the local cache first. Retried once as :func:`open_snapshot`."""
+    for a snapshot without one this lakeloader reads: published before the index, or by a newer
+    lakeloader in another format). Remote lakes' index files are copied into the local cache
+    first. Retried once, as :func:`open_snapshot`."""
     def open_index(pointer: dict[str, Any]) -> tuple[dict[str, Any], ReaderIndex | None]:
         index = pointer.get("reader_index")
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
