@@ -34,7 +34,8 @@ from tokenizers import Tokenizer
 
 from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.reader_index import TABLES
-from lakeloader.catalog.snapshot import read_pointer
+from lakeloader.catalog.snapshot import KEEP_SNAPSHOTS, publish_snapshot, read_pointer
+from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
@@ -272,6 +273,42 @@ def test_reader_process_during_s3_build(lakes: Lakes, tmp_path: Path, dask_sched
 
 
 # -- 3. the local disk cache of a remote lake ----------------------------------------------------
+
+
+def test_cached_snapshot_copies_of_versions_the_lake_no_longer_keeps_are_deleted(lakes: Lakes) -> None:
+    """A reader of a remote lake copies the snapshot files it reads into its cache; as it fetches
+    a version, the copies of versions older than the lake's newest KEEP_SNAPSHOTS go (a reader
+    following a build would otherwise keep every version it saw), the newer ones and unfinished
+    downloads stay."""
+    reader_cache = os.environ["LAKELOADER_CACHE"]
+    with pytest.MonkeyPatch.context() as patch:   # on the builds' host: a few more versions
+        patch.setenv("LAKELOADER_CACHE", str(lakes.root / "build-cache"))
+        builder = Lake(lakes.lake_url, storage_options(lakes.endpoint))
+        with CatalogWriter(builder.writer_catalog_path) as writer:
+            for _ in range(KEEP_SNAPSHOTS + 2):
+                publish_snapshot(writer.con, builder, None)
+    assert os.environ["LAKELOADER_CACHE"] == reader_cache
+    lake = Lake(lakes.lake_url, storage_options(lakes.endpoint))
+    pointer = read_pointer(lake)
+    newest = int(pointer["version"])
+    assert newest - KEEP_SNAPSHOTS - 1 >= 1
+    folder = Path(lake.cache_dir) / "snapshots" / pointer["lake_id"]
+    folder.mkdir(parents=True)
+    old, kept = newest - KEEP_SNAPSHOTS, newest - KEEP_SNAPSHOTS + 1
+    planted = {f"catalog-{v:06d}.{kind}": v for v in (old - 1, old, kept)
+               for kind in ("duckdb", "chunks.arrow", "row_groups.arrow", "examples.arrow")}
+    planted[f"catalog-{old:06d}.duckdb.tmp-0123"] = newest   # another thread's download, going on
+    for name in planted:
+        (folder / name).write_bytes(b"stale copy")
+    view = CatalogView(lake)   # reads the newest version's reader index: copies it here
+    try:
+        assert view.reader_index() is not None
+    finally:
+        view.close()
+    left = {p.name for p in folder.iterdir()}
+    assert {name for name, v in planted.items() if v > old} <= left
+    assert not {name for name, v in planted.items() if v <= old} & left
+    assert {f"{pointer['reader_index']['prefix']}.{table}.arrow" for table in TABLES} <= left
 
 
 def cache_files(cache: DiskCache) -> dict[str, int]:

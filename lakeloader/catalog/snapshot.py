@@ -7,9 +7,11 @@ small JSON pointer replaced atomically after the snapshot and index it names are
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +33,7 @@ SNAPSHOT_DIR = "_catalog"
 POINTER = f"{SNAPSHOT_DIR}/CURRENT"
 KEEP_SNAPSHOTS = 3
 SNAPSHOT_BLOCK_SIZE = 16384
+_CACHED = re.compile(r"catalog-(\d+)\.(?:duckdb|\w+\.arrow)")   # a whole cached copy (not a download's .tmp-)
 T = TypeVar("T")
 
 
@@ -189,7 +192,9 @@ def local_snapshot(lake: LakeLocation, pointer: dict[str, Any], name: str | None
     cache for remote lakes).
 
     Cached copies are kept per lake id: a lake re-created at the same URL numbers its snapshots
-    from 1 again, and must never be read through the old lake's copies.
+    from 1 again, and must never be read through the old lake's copies. Copies of versions the
+    lake itself no longer keeps are deleted as a newer one arrives (a reader following a build
+    fetches each version it reads).
     """
     name = name or pointer["file"]
     remote = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
@@ -208,4 +213,15 @@ def local_snapshot(lake: LakeLocation, pointer: dict[str, Any], name: str | None
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
+        _prune_cached(os.path.dirname(local), int(pointer["version"]))
     return local
+
+
+def _prune_cached(folder: str, version: int) -> None:
+    """Delete the cached copies in ``folder`` of snapshot versions older than the newest
+    KEEP_SNAPSHOTS as of ``version`` (pruned from the lake too). A process still reading one keeps
+    its open file (POSIX); one about to open it finds it gone and reads a newer snapshot."""
+    for path in glob.glob(os.path.join(folder, "catalog-*")):
+        match = _CACHED.fullmatch(os.path.basename(path))
+        if match and int(match.group(1)) <= version - KEEP_SNAPSHOTS:
+            remove_quietly(path)
