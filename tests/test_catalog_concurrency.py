@@ -165,8 +165,8 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
             assert pointer["file"] == f"catalog-{pointer['version']:06d}.duckdb"
             assert pointer["reader_index"] == {"prefix": f"catalog-{pointer['version']:06d}", "format": INDEX_FORMAT}
             # The reader index CURRENT names is whole, and says what its snapshot says.
-            index = ReaderIndex({table: str(lake_root / "_catalog" / index_file(pointer["reader_index"]["prefix"], table))
-                                 for table in TABLES})
+            index_files = {table: index_file(pointer["reader_index"]["prefix"], table) for table in TABLES}
+            index = ReaderIndex({table: str(lake_root / "_catalog" / name) for table, name in index_files.items()})
             assert pointer["build_id"] == 1
             path = lake_root / "_catalog" / pointer["file"]
             assert path.is_file()
