@@ -6,13 +6,16 @@ L=2048, ``packing: concat`` and ``pack``, ``shuffle: none`` and ``full``, each i
 subprocess (so that peak RSS is that configuration's alone):
 
 - tokens/s (B*L per batch) over the first epoch from a fresh Loader (row groups decoded as they
-  are first needed) and over the second (served from the row-group cache), timed inside the
-  loader's ``next()`` (the script's own count of padding tokens between batches is left out, as
-  a trainer's step would be; the baselines do nothing between batches either);
+  are first needed) and, served from the row-group cache, the median of the next ``PASSES``
+  epochs, timed inside the loader's ``next()`` (the script's own count of padding tokens
+  between batches is left out, as a trainer's step would be; the baselines do nothing between
+  batches either);
 - peak RSS of the process (``VmHWM``);
 - the ratio to the baseline: a plain numpy copy of the same number of L+1-token windows from one
   in-memory token array of the whole lake (consecutive windows for ``none``, random ones for
-  ``full``), measured in this run, also in a fresh subprocess;
+  ``full``), measured in this run, also in a fresh subprocess, the median of ``PASSES`` passes
+  (a median beside a median: one pass takes a fraction of a second, and a shared machine's
+  speed drifts within seconds);
 - the ratio to a second baseline: input ids and targets copied as two [B, L] arrays from the
   same tokens memory-mapped from a .npy file (two copies where the first makes one; the least a
   trainer needs as separate arrays).
@@ -43,6 +46,7 @@ from _common import OUT, REPO, report
 from lakeloader.demo.corpus import prepare_corpus
 
 BATCH, SEQ = 64, 2048
+PASSES = 5   # steady-state passes timed per configuration (and per baseline); their median is reported
 CONFIGS = [(packing, shuffle) for packing in ("concat", "pack") for shuffle in ("none", "full")]
 
 
@@ -95,7 +99,8 @@ def peak_rss_mb() -> float:
 
 
 def measure_loader(config: Path) -> dict[str, float]:
-    """Two epochs of one fresh Loader: (first-epoch and second-epoch tokens/s, steps, peak RSS)."""
+    """One fresh Loader: its first epoch, then ``PASSES`` more (tokens/s of the first and the
+    median of the others, steps per epoch, padding share of the last, peak RSS)."""
     from lakeloader.feed.loader import Loader
 
     started = time.perf_counter()
@@ -106,19 +111,21 @@ def measure_loader(config: Path) -> dict[str, float]:
     rates, real = [], 0
     iterator = loader.iter_from(0)
     first_batch = 0.0
-    for epoch in range(2):
+    for epoch in range(1 + PASSES):
         waited = 0.0   # in next() only: the count of padding below is this script's, not the loader's
+        real = 0
         for _ in range(steps):
             asked = time.perf_counter()
             batch = next(iterator)
             waited += time.perf_counter() - asked
             first_batch = first_batch or waited + opened
-            if epoch == 1:
+            if epoch == PASSES:
                 real += int(np.count_nonzero(batch["segment_ids"]))
         rates.append(steps * BATCH * SEQ / waited)
     loader.close()
     return {"open_s": opened, "first_batch_s": first_batch, "steps": steps, "first_epoch_tokens_per_s": rates[0],
-            "tokens_per_s": rates[1], "non_padding": real / (steps * BATCH * SEQ), "peak_rss_mb": peak_rss_mb()}
+            "tokens_per_s": float(np.median(rates[1:])), "non_padding": real / (steps * BATCH * SEQ),
+            "peak_rss_mb": peak_rss_mb()}
 
 
 def lake_tokens(config: Path) -> np.ndarray:
@@ -132,7 +139,7 @@ def lake_tokens(config: Path) -> np.ndarray:
 
 
 def measure_baseline(config: Path, shuffle: str, steps: int) -> dict[str, float]:
-    """Tokens/s of ``steps`` batches of B windows (best of 3 each), two ways, and the peak RSS:
+    """Tokens/s of ``steps`` batches of B windows (the median of ``PASSES`` passes), two ways, and the peak RSS:
 
     - ``tokens_per_s``: one copy of B windows of L+1 tokens out of one in-memory array of the
       lake's tokens (targets would be a view of it shifted by one);
@@ -144,29 +151,29 @@ def measure_baseline(config: Path, shuffle: str, steps: int) -> dict[str, float]
     np.save(mapped_path, tokens)
     try:
         mapped = np.load(mapped_path, mmap_mode="r")
-        figures = {"tokens_per_s": _best_rate(tokens, shuffle, steps, lambda windows, rows: windows[rows]),
-                   "ids_targets_tokens_per_s": _best_rate(
+        figures = {"tokens_per_s": _median_rate(tokens, shuffle, steps, lambda windows, rows: windows[rows]),
+                   "ids_targets_tokens_per_s": _median_rate(
                        mapped, shuffle, steps, lambda windows, rows: (windows[rows, :-1], windows[rows, 1:]))}
     finally:
         mapped_path.unlink()
     return {**figures, "peak_rss_mb": peak_rss_mb()}
 
 
-def _best_rate(tokens: np.ndarray, shuffle: str, steps: int, make: Callable[[np.ndarray, np.ndarray], Any]) -> float:
-    """Best of 3 passes of ``steps`` batches, each ``make(windows, rows)`` of the B rows of the
-    step (consecutive windows for ``none``, random ones for ``full``) of the L+1-token windows of
-    ``tokens``."""
+def _median_rate(tokens: np.ndarray, shuffle: str, steps: int, make: Callable[[np.ndarray, np.ndarray], Any]) -> float:
+    """Median of ``PASSES`` passes of ``steps`` batches, each ``make(windows, rows)`` of the B
+    rows of the step (consecutive windows for ``none``, random ones for ``full``) of the
+    L+1-token windows of ``tokens``."""
     windows = np.lib.stride_tricks.sliding_window_view(tokens, SEQ + 1)[::SEQ]
     rng = np.random.default_rng(0)
-    best = 0.0
-    for _ in range(3):
+    rates = []
+    for _ in range(PASSES):
         order = rng.permutation(len(windows)) if shuffle == "full" else np.arange(len(windows))
         started = time.perf_counter()
         for step in range(steps):
             made = make(windows, order[np.arange(step * BATCH, (step + 1) * BATCH) % len(windows)])
-        best = max(best, steps * BATCH * SEQ / (time.perf_counter() - started))
+        rates.append(steps * BATCH * SEQ / (time.perf_counter() - started))
     assert made is not None
-    return best
+    return float(np.median(rates))
 
 
 def in_subprocess(*args: str) -> dict[str, float]:

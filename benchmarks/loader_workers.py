@@ -1,8 +1,8 @@
 """Loader throughput with ``loader.workers`` = 0, 1, 2, ... worker processes.
 
 For B=64, L=2048, ``packing: concat``, each shuffle asked for, each worker count in a fresh
-subprocess (``loader_throughput.py --measure``): tokens/s over the second epoch with the workers
-building every batch (row groups cached in every worker: their steady state), and, as users run
+subprocess (``loader_throughput.py --measure``): steady-state tokens/s (the median of the epochs
+after the first) with the workers building every batch (row groups cached in every worker: their steady state), and, as users run
 it (this process building the first batches while the workers start), tokens/s over the first
 epoch and the seconds from opening the loader to its first batch; rounds interleaved, medians
 reported with the load average, and the ratio of 2 workers to 1 (target: >= 1.7; it needs spare
@@ -34,7 +34,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if not is_built(args.size):
         build_lake(args.size)
-    rates: dict[tuple[str, int], list[float]] = {}        # second epoch, the workers building every batch
+    rates: dict[tuple[str, int], list[float]] = {}        # steady state, the workers building every batch
     firsts: dict[tuple[str, int], list[float]] = {}       # first epoch, as users run it (start included)
     starts: dict[tuple[str, int], list[float]] = {}       # seconds from opening the loader to its first batch
     loads = [Path("/proc/loadavg").read_text().split()[0]]
@@ -42,7 +42,7 @@ def main() -> None:
         for shuffle in args.shuffle:
             for workers in args.workers:
                 config = str(config_for(args.size, "concat", shuffle, workers))
-                # Steady state: the workers build every batch (the second epoch from their caches).
+                # Steady state: the workers build every batch (the epochs after the first, from their caches).
                 steady = in_subprocess("--measure", config, "--workers-build-all")
                 rates.setdefault((shuffle, workers), []).append(steady["tokens_per_s"])
                 # As users run it: this process builds the first batches while the workers start.

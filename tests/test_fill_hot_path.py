@@ -16,13 +16,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lakeloader.feed.packed_examples as packed_examples
 from lakeloader.feed.concat_examples import Window, fill_windows
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.packed_examples import Item, LazyItems, PackedExample, PackedExamples, fill_packed
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool
+from lakeloader.index.chunk_packing import ITEM_FIELDS
 from lakeloader.index.ranges import spans
 from lakeloader.read.lru import LRU
+from lakeloader.read.table_arena import TableArena
 from lakeloader.read.windows import StreamReader
 
 from test_formats import build_packed_mixture
@@ -81,13 +82,17 @@ def test_located_packed_examples_fill_as_their_item_lists(lake: Path, shuffle: s
         fill_packed(scattered, list(order), mixed)  # type: ignore[arg-type]
         for name in ROW_FIELDS:
             assert np.array_equal(scattered[name], batch[name]), (step, name, "scattered")
-        # Documents found per row group one by one (row groups with many documents) do the same.
-        with mock.patch.object(packed_examples, "_CONCAT_DOCS", 0):
-            again = loader.examples(step).examples
-            searched = _blank(batch, BATCH, loader.pad_id)
-            fill_packed(searched, list(range(BATCH)), again)  # type: ignore[arg-type]
-        for name in ROW_FIELDS:
-            assert np.array_equal(searched[name], batch[name]), (step, name, "per row group")
+        # Item tables held for a chunk at a time (each dataset's arena starts again for nearly
+        # every batch, copying out the tables it still holds): the same rows, here and a step on.
+        following = loader.batch(step + 1)
+        for dataset in loader.datasets:
+            dataset._items = TableArena(len(ITEM_FIELDS), 1, first_columns=1)  # type: ignore[attr-defined]
+        for at, expected in ((step, batch), (step + 1, following), (step, batch)):
+            again = loader.examples(at).examples
+            held = _blank(batch, BATCH, loader.pad_id)
+            fill_packed(held, list(range(BATCH)), again)  # type: ignore[arg-type]
+            for name in ROW_FIELDS:
+                assert np.array_equal(held[name], expected[name]), (at, name, "small arena")
         assert (batch["loss_mask"][batch["segment_ids"] > 0] == 0).any(), "some tokens should not be targets"
 
 

@@ -15,12 +15,13 @@ from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment
-from lakeloader.index.chunk_packing import plan_chunk
+from lakeloader.index.chunk_packing import GROUP_BITS, ITEM_FIELDS, item_table, plan_chunk
 from lakeloader.index.packing import PackPlan
 from lakeloader.index.ranges import cumulative, distinct, fill_runs, locate, run_positions, spans
 from lakeloader.index.render import part_starts
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
+from lakeloader.read.table_arena import TableArena
 from lakeloader.read.window_set import RenderedGroup
 from lakeloader.read.windows import StreamReader
 
@@ -47,7 +48,7 @@ class PackedSet:
     goes on). A batch is filled from these without an :class:`Item` per document."""
 
     groups: list[RenderedGroup]     # the rendered row groups the items lie in, each once
-    first: np.ndarray               # int64 per example: its first item
+    first: np.ndarray               # int64 per example: its first item (the items run example by example)
     counts: np.ndarray              # int64 per example: its number of items
     chunk: np.ndarray               # int64 per item: global chunk index
     doc: np.ndarray                 # int64 per item: document within the chunk
@@ -69,14 +70,19 @@ class PackedSet:
                              None if rendered.trainable is None else rendered.trainable[lo:hi], [], -1))
         return made
 
-    def fill_parts(self, which: list[int], pad_id: int) -> FillParts:
-        """:class:`FillParts` of examples ``which`` (the items :meth:`items` would make)."""
-        which_ = np.asarray(which, np.int64)
-        counts = self.counts[which_]
-        items = spans(self.first[which_], counts)
-        sizes = (self.stop - self.start)[items]
-        begin, group = self.begin[items], self.group[items]
-        continued = self.end[items] - begin > sizes
+    def fill_parts(self, which: list[int] | None, pad_id: int) -> FillParts:
+        """:class:`FillParts` of examples ``which`` (None: every example, in order), the items
+        :meth:`items` would make."""
+        if which is None:   # every item, in order: example i's are first[i] : first[i] + counts[i]
+            counts, sizes, begin, group = self.counts, self.stop - self.start, self.begin, self.group
+            continued = self.end - begin > sizes
+        else:
+            which_ = np.asarray(which, np.int64)
+            counts = self.counts[which_]
+            items = spans(self.first[which_], counts)
+            sizes = (self.stop - self.start)[items]
+            begin, group = self.begin[items], self.group[items]
+            continued = self.end[items] - begin > sizes
         has_next = continued.tolist()
         groups = [self.groups[g] for g in group.tolist()]
         at, lengths = begin.tolist(), sizes.tolist()
@@ -268,7 +274,7 @@ class LocatedPacked(ExampleRun):
         if "inputs" in batch:   # another dataset of the mixture is seq2seq: rows one by one
             PackedExample.fill_rows(batch, rows, list(self))  # type: ignore[arg-type]
             return
-        _write_packed(batch, rows, self.located.fill_parts(rows, self.pad_id), self.pad_id)
+        _write_packed(batch, rows, self.located.fill_parts(None, self.pad_id), self.pad_id)
 
 
 def _merged(found: list[FillParts], positions: list[list[int]], n: int) -> FillParts:
@@ -368,23 +374,8 @@ def _run(value: int, length: int, dtype: type) -> np.ndarray:
     return found
 
 
-_CONCAT_DOCS = 1 << 16   # row groups with more document starts in all are searched one by one
-
-
-def _doc_bounds(rendered: list[RenderedGroup], group: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first token, end) within its row group of each item's document: document ``local[k]``
-    of row group ``rendered[group[k]]``."""
-    doc_starts = [r.doc_starts for r in rendered]
-    sizes = [len(d) for d in doc_starts]
-    if sum(sizes) <= _CONCAT_DOCS:   # one gather from every row group's starts back to back
-        at = cumulative(np.array(sizes, np.int64))[:-1][group] + local
-        every = np.concatenate(doc_starts)
-        return every[at], every[at + 1]
-    begin, end = np.empty_like(local), np.empty_like(local)
-    for g in np.unique(group).tolist():
-        mine = group == g
-        begin[mine], end[mine] = doc_starts[g][local[mine]], doc_starts[g][local[mine] + 1]
-    return begin, end
+ITEM_COLUMNS = 1 << 19   # items (of all chunks) whose tables a dataset keeps: 28 MB
+_GROUP_MASK = (1 << GROUP_BITS) - 1
 
 
 class PackedExamples(DatasetExamples):
@@ -408,7 +399,7 @@ class PackedExamples(DatasetExamples):
                 "`lakeloader build CONFIG` with this config once: it computes them from the stored "
                 "documents' lengths without tokenizing again")
         self._plans: LRU[tuple[str, int], PackPlan] = LRU(64)
-        self._tables: LRU[tuple[str, int], tuple[np.ndarray, np.ndarray]] = LRU(64)
+        self._items = TableArena(len(ITEM_FIELDS), ITEM_COLUMNS)   # chunks' item tables
         super().__init__(name, view, reader, **kwargs)
 
     def _set_offsets(self, chunks: DatasetChunks) -> None:
@@ -446,56 +437,38 @@ class PackedExamples(DatasetExamples):
         return self._plans.get((self.chunks.fingerprint, chunk), lambda: plan_chunk(
             self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
 
-    def _item_table(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk ``chunk``'s plan as two arrays (cached): the first item of each example then the
-        item count (``PackPlan.example_bounds``), and int64 [5, items]: each item's document,
-        start, stop, row group and document within that row group."""
-        def make() -> tuple[np.ndarray, np.ndarray]:
-            plan = self.plan(chunk)
-            _, first_docs = self.reader.groups(self.chunks, chunk)
-            groups = np.searchsorted(first_docs, plan.item_doc, side="right") - 1
-            table = np.stack([plan.item_doc, plan.item_start, plan.item_stop, groups, plan.item_doc - first_docs[groups]])
-            table.setflags(write=False)
-            return plan.example_bounds, table
-        return self._tables.get((self.chunks.fingerprint, chunk), make)
+    def _item_table(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``key[1]``'s plan as a table of :attr:`_items`: the first item of each example
+        then the item count (``PackPlan.example_bounds``), and its items (``item_table``)."""
+        chunk = key[1]
+        plan = self.plan(chunk)
+        _, first_docs = self.reader.groups(self.chunks, chunk)
+        return plan.example_bounds, item_table(plan, first_docs, chunk)
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
-        """Examples ``examples`` (of epochs ``epochs``), located together: each chunk's items read
-        once, then every row group of the batch looked up once, up front (those not cached decode
-        concurrently)."""
+        """Examples ``examples`` (of epochs ``epochs``), located together: their items gathered
+        from the chunks' item tables at once, then every row group of the batch looked up once,
+        up front (those not cached decode concurrently)."""
         if not len(examples):
             return []
         chunks = locate(self.example_offsets, examples)
-        # Chunk by chunk (examples in stream order, as without a shuffle, are already).
-        order = np.arange(len(chunks)) if bool((chunks[1:] >= chunks[:-1]).all()) else np.argsort(chunks, kind="stable")
-        ordered = chunks[order]
-        local = examples[order] - self.example_offsets[ordered]
-        bounds = [0, *(np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist(), len(order)]
-        self.reader.groups_of(self.chunks, ordered[bounds[:-1]].tolist())   # their row-group tables: one query
-        first, counts = np.empty(len(order), np.int64), np.empty(len(order), np.int64)
-        tables = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            example_bounds, table = self._item_table(int(ordered[a]))
-            first[a:b] = example_bounds[local[a:b]]
-            counts[a:b] = example_bounds[local[a:b] + 1] - first[a:b]
-            tables.append(table)
-        items = spans(first, counts)   # within each chunk's plan
-        item_bounds = cumulative(counts)[bounds].tolist()
-        docs, starts, stops, groups, local_docs = np.concatenate(
-            [table[:, items[a:b]] for table, a, b in zip(tables, item_bounds[:-1], item_bounds[1:])], axis=1)
-        item_chunk = np.repeat(ordered, counts)
-        span = int(groups.max()) + 1
-        used, group = distinct(item_chunk * span + groups)
-        rendered = self.reader.rendered_groups(self.chunks, list(zip((used // span).tolist(), (used % span).tolist())))
-        self.reader.look_ahead_after(self.chunks, int(used[-1] // span), int(used[-1] % span))
-        begin, end = _doc_bounds(rendered, group, local_docs)
-        located = PackedSet(rendered, np.empty_like(first), np.empty_like(counts), item_chunk, docs, starts, stops,
-                            group, begin + starts, np.minimum(begin + stops + 1, end))
-        located.first[order], located.counts[order] = cumulative(counts)[:-1], counts
+        used_chunks, chunk_of = distinct(chunks)
+        wanted = used_chunks.tolist()
+        self.reader.groups_of(self.chunks, wanted)   # their row-group tables: one query
+        items, counts = self._items.gather([(self.chunks.fingerprint, c) for c in wanted], chunk_of,
+                                           examples - self.example_offsets[chunks], self._item_table)
+        docs, starts, stops, begin, end, group_keys, group_docs = items
+        used, group = distinct(group_keys)
+        rendered = self.reader.rendered_groups(
+            self.chunks, list(zip((used >> GROUP_BITS).tolist(), (used & _GROUP_MASK).tolist())))
+        last = int(used[-1])
+        self.reader.look_ahead_after(self.chunks, last >> GROUP_BITS, last & _GROUP_MASK)
+        item_chunk = group_keys >> GROUP_BITS
+        located = PackedSet(rendered, cumulative(counts)[:-1], counts, item_chunk, docs, starts, stops, group, begin, end)
         if self.reader.template.image_kind is not None or self.seq2seq:   # items that need their parts
             # (made one by one: their row groups are cached now, each was looked up above)
             made = [self._item(chunk, group, doc_local, doc, start, stop) for chunk, group, doc_local, doc, start, stop
-                    in zip(item_chunk.tolist(), groups.tolist(), local_docs.tolist(), docs.tolist(),
+                    in zip(item_chunk.tolist(), (group_keys & _GROUP_MASK).tolist(), group_docs.tolist(), docs.tolist(),
                            starts.tolist(), stops.tolist())]
             return [PackedExample(self.name, e, k, made[a : a + n], self.pad_id) for e, k, a, n in zip(
                 epochs.tolist(), examples.tolist(), located.first.tolist(), located.counts.tolist())]

@@ -50,6 +50,29 @@ def plan_chunk(spec: PackingSpec, parts: ChunkParts, chunk: int, where: str = ""
         raise InputError(f"{where or f'chunk {chunk}'}: {exc}") from None
 
 
+ITEM_FIELDS = ("doc", "start", "stop", "begin", "end", "group_key", "group_doc")
+GROUP_BITS = 32   # a group key is chunk << GROUP_BITS | row group
+
+
+def item_table(plan: PackPlan, group_first_docs: np.ndarray, chunk: int) -> np.ndarray:
+    """Where each item of chunk ``chunk``'s ``plan`` lies in the chunk's rendered row groups
+    (``group_first_docs``: the first document of each), as int64 [len(ITEM_FIELDS), items], read-only:
+    the item's document, its rendered range ``[start, stop)`` in the document, the tokens
+    ``[begin, end)`` of its row group's rendering it reads (one past ``stop`` while the document
+    goes on: the last target), the row group as a key unique in the lake (``chunk <<
+    GROUP_BITS | group``) and the document's index within the row group."""
+    doc = plan.item_doc
+    group = np.searchsorted(group_first_docs, doc, side="right") - 1
+    group_doc = doc - group_first_docs[group]
+    group_at = plan.doc_offsets[group_first_docs[group]]
+    doc_begin = plan.doc_offsets[doc] - group_at
+    begin = doc_begin + plan.item_start
+    end = np.minimum(doc_begin + plan.item_stop + 1, plan.doc_offsets[doc + 1] - group_at)
+    table = np.stack([doc, plan.item_start, plan.item_stop, begin, end, (chunk << GROUP_BITS) | group, group_doc])
+    table.setflags(write=False)
+    return table
+
+
 def plan_stats(spec: PackingSpec, parts: ChunkParts, chunk: int, where: str = "") -> PlanStats:
     """The catalog row of chunk ``chunk``'s plan under ``spec``."""
     plan = plan_chunk(spec, parts, chunk, where)

@@ -39,6 +39,8 @@ class PackPlan:
     truncated_docs: int       # documents cut by long_documents="truncate"
     dropped_tokens: int       # rendered tokens those cuts dropped
     split_docs: int           # documents cut into several pieces by long_documents="split"
+    doc_offsets: np.ndarray   # int64 [documents + 1]: where each document starts in the chunk's
+                              # rendered stream (the lengths the plan was made from), then the end
 
     @functools.cached_property
     def example_starts(self) -> list[int]:
@@ -283,5 +285,7 @@ def plan_pack(lengths: np.ndarray, seq_len: int, *, mode: str = "pack", algorith
     for a in arrays:
         a.setflags(write=False)
     truncate = long_documents == "truncate"
+    doc_offsets = cumulative(lengths)
+    doc_offsets.setflags(write=False)
     return PackPlan(*arrays, num_examples=int(count), truncated_docs=long_docs if truncate else 0,
-                    dropped_tokens=dropped, split_docs=0 if truncate else long_docs)
+                    dropped_tokens=dropped, split_docs=0 if truncate else long_docs, doc_offsets=doc_offsets)
