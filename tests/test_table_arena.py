@@ -1,6 +1,6 @@
 """The table arena (packed examples' item tables of many chunks kept back to back): any sequence
 of gathers, under any bound on what it holds, returns exactly the entries the tables hold, makes
-a table only for a key it does not hold, and stays right with threads gathering together while
+a table only for a key it does not hold, keeps its memory within the bound, and stays right with threads gathering together while
 it starts again."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def test_gathers_return_the_entries_of_the_tables(data: st.DataObject) -> None:
     tables = data.draw(st.integers(1, 8).flatmap(lambda n: st.composite(lambda draw: _tables(draw, n))()),
                        label="tables")
     max_columns = data.draw(st.integers(1, 40), label="max_columns")
-    arena = TableArena(ROWS, max_columns, first_columns=data.draw(st.integers(1, 8), label="first_columns"))
+    first_columns = data.draw(st.integers(1, 8), label="first_columns")
+    arena = TableArena(ROWS, max_columns, first_columns=first_columns)
     held: set[int] = set()
     for _ in range(data.draw(st.integers(1, 12), label="gathers")):
         keys = data.draw(st.lists(st.sampled_from(sorted(tables)), min_size=1, unique=True), label="keys")
@@ -67,6 +68,9 @@ def test_gathers_return_the_entries_of_the_tables(data: st.DataObject) -> None:
             width = sum(tables[key][1].shape[1] for key in held | new)
             held = set(keys) if width > max_columns and held else held | new
         assert set(arena._where) == held
+        # Its memory stays within the bound (or what it must hold, when that is more).
+        width = sum(tables[key][1].shape[1] for key in held)
+        assert arena._columns.shape[1] <= max(first_columns, max_columns, width)
 
 
 def test_threads_gathering_while_the_arena_starts_again_read_the_right_entries() -> None:

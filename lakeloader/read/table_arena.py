@@ -84,13 +84,14 @@ class TableArena:
 
     def _reserve(self, columns: int, entries: int) -> None:
         """Room for ``columns`` columns and ``entries`` bounds: larger arrays (the used part copied)
-        where needed; the old ones stay as they are for gathers reading them."""
+        where needed, doubling up to ``max_columns``; the old ones stay as they are for gathers
+        reading them."""
         if columns > self._columns.shape[1]:
-            grown = np.empty((self.rows, max(columns, 2 * self._columns.shape[1])), np.int64)
+            grown = np.empty((self.rows, max(columns, min(2 * self._columns.shape[1], self.max_columns))), np.int64)
             grown[:, : self._used_columns] = self._columns[:, : self._used_columns]
             self._columns = grown
         if entries > len(self._bounds):
-            grown_bounds = np.empty(max(entries, 2 * len(self._bounds)), np.int64)
+            grown_bounds = np.empty(max(entries, min(2 * len(self._bounds), self.max_columns)), np.int64)
             grown_bounds[: self._used_bounds] = self._bounds[: self._used_bounds]
             self._bounds = grown_bounds
 
