@@ -3,7 +3,7 @@
 Each thread loops: claim the next step (at most ``ahead`` past the one the consumer waits for),
 build it, leave it for the consumer. No task is queued per batch: a thread goes on to the next
 step as soon as it may, and the consumer is woken only when the batch it waits for is there
-(measured against a thread pool given one task per batch: README, Performance).
+(measured against a thread pool given one task per batch: docs/performance-history.md).
 
 One builder thread only overlaps batches with the consumer's own time between asks. A consumer
 that asks again at once (it only takes batches) gains nothing from it and pays the handoff (it
