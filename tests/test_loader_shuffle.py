@@ -98,15 +98,18 @@ def test_window_shuffle_while_building_equals_after(tmp_path: Path, packing: str
     assert_batches_equal(during, global_batches(config, 1, range(STEPS)))
 
 
+@pytest.mark.parametrize("packing", ["concat", "pack"])
 @pytest.mark.parametrize("while_starting", [True, False])
 def test_workers_read_while_building_equals_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   while_starting: bool) -> None:
+                                                   while_starting: bool, packing: str) -> None:
     """``loader.workers: 2`` in the build driver's process while chunks are still being committed:
     the consumer reads the live catalog (building the first batches itself while its workers
     start, or leaving every batch to them), the workers read the published snapshots and wait for
-    chunks as one process does; the batches equal those read after the build."""
+    chunks (and, for pack, their plans, kept in each process's item-table arena) as one process
+    does; the batches equal those read after the build."""
     monkeypatch.setattr(workers_module, "BUILD_WHILE_STARTING", while_starting)
-    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120, workers=2)
+    config = mixed_config(tmp_path, {"kind": "window", "window_chunks": 2}, wait_timeout=120, workers=2,
+                          packing=packing)
     builder, live, errors = start_build_thread(config, workers=1, progress=False)
     during_loader = loader_during_build(config, builder, live)
     committed_at_start = [d.chunks.committed for d in during_loader.datasets]
