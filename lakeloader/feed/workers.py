@@ -239,6 +239,7 @@ class WorkerPool:
         self._names: set[str] = set()
         self._arrays = ArrayPool()   # what batches are copied into: no fresh pages per batch
         self._lent: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(workers)]
+        self._releases: dict[int, bytes] = {}   # ("release", slot) pickled, by slot
         for worker in range(workers):
             mine, theirs = context.Pipe()
             process = context.Process(
@@ -271,12 +272,22 @@ class WorkerPool:
             raise message[2]
         return message
 
-    def _send(self, worker: int, message: tuple[Any, ...]) -> None:
-        """Send ``worker`` a message; its end, if it has ended, raised here."""
+    def _send(self, worker: int, message: tuple[Any, ...] | bytes) -> None:
+        """Send ``worker`` a message (or one pickled already); its end, if it has ended, raised here."""
         try:
-            self._conns[worker].send(message)
+            if isinstance(message, bytes):
+                self._conns[worker].send_bytes(message)
+            else:
+                self._conns[worker].send(message)
         except ConnectionError:
             raise self._ended(worker) from None
+
+    def _give_back(self, worker: int, slot: int) -> None:
+        """Send ``worker`` ``("release", slot)``, pickled once per slot (one goes with every batch)."""
+        message = self._releases.get(slot)
+        if message is None:
+            message = self._releases[slot] = pickle.dumps(("release", slot))
+        self._send(worker, message)
 
     def _ended(self, worker: int) -> BaseException:
         """The error to raise for ``worker`` having ended: the one it reported, if its pipe still
@@ -351,7 +362,7 @@ class WorkerPool:
         slot_bytes = np.frombuffer(segment if isinstance(segment, mmap.mmap) else segment.buf, np.uint8)
         batch: Batch = {}
         for field, dtype, shape, offset in layout:
-            values = field_of(slot_bytes, offset, np.dtype(dtype), shape)
+            values = field_of(slot_bytes, offset, dtype, shape)
             if lend:
                 batch[field] = values
             else:
@@ -360,7 +371,7 @@ class WorkerPool:
         if lend:
             self._lent[worker].append((slot, slot_bytes))
         else:
-            self._send(worker, ("release", slot))
+            self._give_back(worker, slot)
         batch.update(objects)
         return batch
 
@@ -372,7 +383,7 @@ class WorkerPool:
                 # array or view of the caller's adds its own.
                 if sys.getrefcount(slot_bytes) == 3:
                     lent.remove((slot, slot_bytes))
-                    self._send(worker, ("release", slot))
+                    self._give_back(worker, slot)
 
     def close(self) -> None:
         """Stop the workers and remove every shared-memory segment (idempotent)."""
