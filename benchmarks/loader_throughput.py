@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil   # of the dev extras every `make` target installs (the package itself does not need it)
 import pyarrow.parquet as pq
 import yaml
 from _common import OUT, REPO, report
@@ -111,7 +112,10 @@ def measure_loader(config: Path) -> dict[str, float]:
     rates, real = [], 0
     iterator = loader.iter_from(0)
     first_batch = 0.0
+    cpu_here = cpu_workers = 0.0
     for epoch in range(1 + PASSES):
+        if epoch == 1:   # the steady state's CPU: this process's (read-ahead included) and its workers'
+            cpu_here, cpu_workers = time.process_time(), _children_cpu()
         waited = 0.0   # in next() only: the count of padding below is this script's, not the loader's
         real = 0
         for _ in range(steps):
@@ -122,10 +126,25 @@ def measure_loader(config: Path) -> dict[str, float]:
             if epoch == PASSES:
                 real += int(np.count_nonzero(batch["segment_ids"]))
         rates.append(steps * BATCH * SEQ / waited)
+    batches = steps * PASSES
+    cpu_here, cpu_workers = time.process_time() - cpu_here, _children_cpu() - cpu_workers
     loader.close()
     return {"open_s": opened, "first_batch_s": first_batch, "steps": steps, "first_epoch_tokens_per_s": rates[0],
             "tokens_per_s": float(np.median(rates[1:])), "non_padding": real / (steps * BATCH * SEQ),
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(), "cpu_us_per_batch_here": cpu_here / batches * 1e6,
+            "cpu_us_per_batch_workers": cpu_workers / batches * 1e6}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) the running child processes (``loader.workers``) have used."""
+    found = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue   # ended meanwhile
+        found += times.user + times.system
+    return found
 
 
 def lake_tokens(config: Path) -> np.ndarray:
