@@ -52,9 +52,9 @@ def test_gathers_return_the_entries_of_the_tables(data: st.DataObject) -> None:
         entries = np.array([data.draw(st.integers(0, len(tables[keys[k]][0]) - 2)) for k in key_of.tolist()], np.int64)
         made: list[int] = []
 
-        def make(key: object) -> Table:
-            made.append(key)  # type: ignore[arg-type]
-            return tables[key]  # type: ignore[index]
+        def make(wanted: list[object]) -> list[Table]:
+            made.extend(wanted)  # type: ignore[arg-type]
+            return [tables[key] for key in wanted]  # type: ignore[index]
 
         columns, counts = arena.gather(keys, key_of, entries, make)
         expected_columns, expected_counts = _expected(tables, keys, key_of, entries)
@@ -89,7 +89,7 @@ def test_threads_gathering_while_the_arena_starts_again_read_the_right_entries()
             keys = local.choice(40, size=local.integers(1, 6), replace=False).tolist()
             key_of = local.integers(0, len(keys), size=8)
             entries = np.array([local.integers(0, len(tables[keys[k]][0]) - 1) for k in key_of.tolist()], np.int64)
-            columns, counts = arena.gather(keys, key_of, entries, tables.__getitem__)
+            columns, counts = arena.gather(keys, key_of, entries, lambda wanted: [tables[k] for k in wanted])
             expected_columns, expected_counts = _expected(tables, keys, key_of, entries)
             if not (np.array_equal(columns, expected_columns) and np.array_equal(counts, expected_counts)):
                 failures.append(f"seed {seed}: keys {keys}")

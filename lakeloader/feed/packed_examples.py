@@ -437,13 +437,16 @@ class PackedExamples(DatasetExamples):
         return self._plans.get((self.chunks.fingerprint, chunk), lambda: plan_chunk(
             self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
 
-    def _item_table(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk ``key[1]``'s plan as a table of :attr:`_items`: the first item of each example
-        then the item count (``PackPlan.example_bounds``), and its items (``item_table``)."""
-        chunk = key[1]
-        plan = self.plan(chunk)
-        _, first_docs = self.reader.groups(self.chunks, chunk)
-        return plan.example_bounds, item_table(plan, first_docs, chunk)
+    def _item_tables(self, keys: list[tuple[str, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The plans of chunks ``key[1]`` as tables of :attr:`_items` (their row-group tables
+        fetched together: one catalog query): the first item of each example then the item count
+        (``PackPlan.example_bounds``), and its items (``item_table``)."""
+        chunks = [chunk for _, chunk in keys]
+        tables = []
+        for chunk, (_, first_docs) in zip(chunks, self.reader.groups_of(self.chunks, chunks)):
+            plan = self.plan(chunk)
+            tables.append((plan.example_bounds, item_table(plan, first_docs, chunk)))
+        return tables
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
         """Examples ``examples`` (of epochs ``epochs``), located together: their items gathered
@@ -453,10 +456,8 @@ class PackedExamples(DatasetExamples):
             return []
         chunks = locate(self.example_offsets, examples)
         used_chunks, chunk_of = distinct(chunks)
-        wanted = used_chunks.tolist()
-        self.reader.groups_of(self.chunks, wanted)   # their row-group tables: one query
-        items, counts = self._items.gather([(self.chunks.fingerprint, c) for c in wanted], chunk_of,
-                                           examples - self.example_offsets[chunks], self._item_table)
+        items, counts = self._items.gather([(self.chunks.fingerprint, c) for c in used_chunks.tolist()], chunk_of,
+                                           examples - self.example_offsets[chunks], self._item_tables)
         docs, starts, stops, begin, end, group_keys, group_docs = items
         used, group = distinct(group_keys)
         rendered = self.reader.rendered_groups(

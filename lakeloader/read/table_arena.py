@@ -39,10 +39,11 @@ class TableArena:
             return len(self._where)
 
     def gather(self, keys: Sequence[Hashable], key_of: np.ndarray, entries: np.ndarray,
-               make: Callable[[Hashable], Table]) -> tuple[np.ndarray, np.ndarray]:
+               make: Callable[[list[Hashable]], list[Table]]) -> tuple[np.ndarray, np.ndarray]:
         """(the columns of entry ``entries[i]`` of key ``keys[key_of[i]]`` (``keys`` distinct) for
-        every ``i``, back to back: int64 [rows, n]; how many columns each ``i`` has). A key not held is made by
-        ``make(key)``, outside the lock (threads asking for it together may each make it)."""
+        every ``i``, back to back: int64 [rows, n]; how many columns each ``i`` has). The keys not
+        held are made together, ``make(those keys)`` giving their tables in order, outside the lock
+        (threads asking for a key together may each make it)."""
         made: dict[int, Table] = {}
         while True:
             with self._lock:
@@ -51,7 +52,8 @@ class TableArena:
                     bounds, columns = self._bounds, self._columns
                     break
             # (a key held a moment ago may have gone with another thread's fresh start: made too)
-            made.update({i: make(keys[i]) for i, at in enumerate(found) if at is None})
+            missing = [i for i, at in enumerate(found) if at is None]
+            made.update(zip(missing, make([keys[i] for i in missing])))
         rows = np.asarray(found, np.int64)[key_of] + entries
         first = bounds[rows]
         counts = bounds[rows + 1] - first
