@@ -25,25 +25,30 @@ from _common import report  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from loader_throughput import BATCH, SEQ, build_lake, config_for, is_built  # noqa: E402
 
+from lakeloader.feed import workers  # noqa: E402
 from lakeloader.feed.jax import JaxFeed  # noqa: E402
 
 
 def feed_rates(config: Path, mesh: Mesh, prefetch: int, steps: int) -> tuple[float, float]:
     """Steps/s of ``steps`` device batches early in the first epoch (row groups decoded as they
-    are first needed, as on a lake larger than the cache), and of ``steps`` in the second
-    (served from the row-group cache of every worker)."""
-    with JaxFeed(config, mesh, PartitionSpec("data"), prefetch=prefetch) as feed:
-        epoch = feed.loader.datasets[0].train_count() // BATCH   # one dataset in this lake
-        iterator = feed.iter_from(0)
-        rates = []
-        for warm in (5, epoch - steps - 5):   # files opened / the rest of the first epoch
-            for _, batch in zip(range(warm), iterator):
+    are first needed, as on a lake larger than the cache; with workers, this process builds the
+    first batches while they start, as users run it), and of ``steps`` in the second epoch with
+    the workers building every batch from their row-group caches (without that, a short
+    second epoch on a host whose workers take seconds to import JAX would time this process)."""
+    rates = []
+    for build_while_starting, warm in ((True, 5), (False, None)):
+        workers.BUILD_WHILE_STARTING = build_while_starting
+        with JaxFeed(config, mesh, PartitionSpec("data"), prefetch=prefetch) as feed:
+            epoch = feed.loader.datasets[0].train_count() // BATCH   # one dataset in this lake
+            iterator = feed.iter_from(0)
+            for _, batch in zip(range(warm or epoch + 5), iterator):   # files opened / the first epoch
                 jax.block_until_ready(batch)
             started = time.perf_counter()
             for _, batch in zip(range(steps), iterator):
                 jax.block_until_ready(batch)
             rates.append(steps / (time.perf_counter() - started))
-        return rates[0], rates[1]
+    workers.BUILD_WHILE_STARTING = True
+    return rates[0], rates[1]
 
 
 def device_put_rate(mesh: Mesh, steps: int) -> float:
