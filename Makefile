@@ -27,8 +27,10 @@ demo: $(STAMP)
 	$(BIN)/lakeloader build configs/formats.yaml
 	$(BIN)/python -m lakeloader.demo.formats show configs/formats.yaml
 
+# Two pytest-xdist workers: the tests are isolated (own lakes, caches, servers), and on 2 cores
+# the suite takes ~9 minutes instead of ~15.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/build_throughput.py
