@@ -30,7 +30,7 @@ demo: $(STAMP)
 # Two pytest-xdist workers: the tests are isolated (own lakes, caches, servers), and on 2 cores
 # the suite takes ~9 minutes instead of ~15.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 2
+	$(BIN)/python -m pytest -q -n logical --maxprocesses 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/build_throughput.py
