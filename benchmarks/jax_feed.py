@@ -25,7 +25,7 @@ from _common import report  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from loader_throughput import BATCH, SEQ, build_lake, config_for, is_built  # noqa: E402
 
-from lakeloader.feed import workers  # noqa: E402
+from lakeloader.feed import workers as feed_workers  # noqa: E402
 from lakeloader.feed.jax import JaxFeed  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def feed_rates(config: Path, mesh: Mesh, prefetch: int, steps: int) -> tuple[flo
     second epoch on a host whose workers take seconds to import JAX would time this process)."""
     rates = []
     for build_while_starting, warm in ((True, 5), (False, None)):
-        workers.BUILD_WHILE_STARTING = build_while_starting
+        feed_workers.BUILD_WHILE_STARTING = build_while_starting
         with JaxFeed(config, mesh, PartitionSpec("data"), prefetch=prefetch) as feed:
             epoch = feed.loader.datasets[0].train_count() // BATCH   # one dataset in this lake
             iterator = feed.iter_from(0)
@@ -47,7 +47,7 @@ def feed_rates(config: Path, mesh: Mesh, prefetch: int, steps: int) -> tuple[flo
             for _, batch in zip(range(steps), iterator):
                 jax.block_until_ready(batch)
             rates.append(steps / (time.perf_counter() - started))
-    workers.BUILD_WHILE_STARTING = True
+    feed_workers.BUILD_WHILE_STARTING = True
     return rates[0], rates[1]
 
 
