@@ -20,9 +20,13 @@ subprocess (so that peak RSS is that configuration's alone):
   same tokens memory-mapped from a .npy file (two copies where the first makes one; the least a
   trainer needs as separate arrays).
 
+The loader makes all five row fields unless ``--fields`` says which (``loader.fields``);
+``--fields input_ids,targets`` makes what the baselines make.
+
 Targets (README, performance): ratio >= 0.10 of the first baseline in one process, peak RSS <= 450 MB.
 
     .venv/bin/python benchmarks/loader_throughput.py [--size bench|demo] [--built] [--prefetch N]
+        [--fields input_ids,targets]
 """
 
 from __future__ import annotations
@@ -68,18 +72,22 @@ def build_lake(size: str, packings: tuple[str, ...] = ("concat",)) -> None:
         build(config_for(size, packing, "none"), workers=2, progress=False)
 
 
-def config_for(size: str, packing: str, shuffle: str, workers: int = 0, prefetch: int | None = None) -> Path:
-    """A config reading the ``size`` lake with the given packing, shuffle, ``loader.workers`` and
-    ``loader.prefetch`` (None: the default, 2; defaults otherwise: verify checksum, cache_bytes
-    as documented). The corpus is
+def config_for(size: str, packing: str, shuffle: str, workers: int = 0, prefetch: int | None = None,
+               fields: list[str] | None = None) -> Path:
+    """A config reading the ``size`` lake with the given packing, shuffle, ``loader.workers``,
+    ``loader.prefetch`` (None: the default, 2) and ``loader.fields`` (None: the default, all five;
+    defaults otherwise: verify checksum, cache_bytes as documented). The corpus is
     written only while the lake is not built: a built lake copied to another machine (a GPU
     host, say) reads without it."""
     corpus = OUT / f"{size}-corpus"
     if not is_built(size):
         prepare_corpus(corpus, size=size)  # type: ignore[arg-type]
     path = OUT / (f"loader-{size}-{packing}-{shuffle}{f'-workers{workers}' if workers else ''}"
-                  f"{'' if prefetch is None else f'-prefetch{prefetch}'}.yaml")
+                  f"{'' if prefetch is None else f'-prefetch{prefetch}'}{'' if fields is None else '-' + '-'.join(fields)}"
+                  ".yaml")
     read_ahead = {} if prefetch is None else {"prefetch": prefetch}
+    if fields is not None:
+        read_ahead["fields"] = fields
     path.write_text(yaml.safe_dump({
         "lake": str(lake_dir(size)), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(corpus / "code" / "*.jsonl")]}},
@@ -210,6 +218,9 @@ def main() -> None:
                         help="the lake is built already (copied to this machine, say): no build check, no Dask")
     parser.add_argument("--prefetch", type=int, help="loader.prefetch (default: the config default, 2); 0 measures "
                         "how fast one thread builds batches, without read-ahead threads")
+    parser.add_argument("--fields", type=lambda text: text.split(","),
+                        help="loader.fields, comma-separated (default: all five); input_ids,targets makes what "
+                        "the numpy copy makes")
     parser.add_argument("--measure", help=argparse.SUPPRESS)   # internal: one configuration
     parser.add_argument("--baseline", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -232,10 +243,12 @@ def main() -> None:
         build_lake(args.size, ("concat", "pack"))
     figures: dict[str, object] = {"batch": f"B={BATCH}, L={SEQ}", "corpus": args.size,
                                   "prefetch": "default (2)" if args.prefetch is None else args.prefetch,
+                                  "fields": "all five" if args.fields is None else ", ".join(args.fields),
                                   "build_or_check_s": round(time.perf_counter() - started, 1),
                                   "loadavg_before": Path("/proc/loadavg").read_text().split()[:3]}
     for packing, shuffle in CONFIGS:
-        measured = in_subprocess("--measure", str(config_for(args.size, packing, shuffle, prefetch=args.prefetch)))
+        measured = in_subprocess("--measure", str(config_for(args.size, packing, shuffle, prefetch=args.prefetch,
+                                                             fields=args.fields)))
         baseline = in_subprocess("--size", args.size, "--baseline", shuffle, "--steps", str(int(measured["steps"])))
         name = f"{packing}_{shuffle}"
         figures[f"{name}_tokens_per_s"] = round(measured["tokens_per_s"])
@@ -253,7 +266,8 @@ def main() -> None:
         figures[f"{name}_steps_per_epoch"] = int(measured["steps"])
     figures["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     name = "loader_throughput" + ("" if args.size == "bench" else f"_{args.size}") + (
-        "" if args.prefetch is None else f"_prefetch{args.prefetch}")
+        "" if args.prefetch is None else f"_prefetch{args.prefetch}") + (
+        "" if args.fields is None else "_" + "_".join(args.fields))
     report(name, figures)
 
 

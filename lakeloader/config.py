@@ -14,7 +14,7 @@ from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
 from lakeloader.contracts.selection import where_problem
-from lakeloader.contracts.specs import WeightError, check_weights
+from lakeloader.contracts.specs import REQUIRED_ROW_FIELDS, ROW_FIELDS, WeightError, check_weights
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
@@ -338,6 +338,11 @@ class LoaderConfig(_Strict):
         "How each chunk file is checked once before use: its size, and with checksum its sha256 (hashed "
         "once per process, and for a local lake once per machine while the file is unchanged); page "
         "checksums are checked on every read."))
+    fields: list[Literal["input_ids", "targets", "loss_mask", "segment_ids", "positions"]] = Field(
+        default=list(ROW_FIELDS), description=(
+            "The [rows, seq_len] fields each batch holds (input_ids and targets always); a field left out "
+            "is not computed, copied or sent to the devices. Leave out segment_ids and positions only "
+            "where the model attends across documents and numbers positions itself."))
     cache_bytes: int = Field(default=256 * 2**20, description=(
         "Bytes of decoded row groups kept in memory (a size): about 2 bytes per token when the "
         "vocabulary fits 16 bits, least recently used first out."))
@@ -353,6 +358,17 @@ class LoaderConfig(_Strict):
     @classmethod
     def _shuffle_shorthand(cls, value: Any) -> Any:
         return {"kind": value} if isinstance(value, str) else value
+
+    @field_validator("fields")
+    @classmethod
+    def _fields(cls, value: list[str]) -> list[str]:
+        missing = [name for name in REQUIRED_ROW_FIELDS if name not in value]
+        if missing:
+            raise ValueError(f"must include {' and '.join(missing)} (every batch has input_ids and targets)")
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"names {', '.join(repeated)} more than once")
+        return [name for name in ROW_FIELDS if name in value]   # in the batch's order, whatever the list's
 
 
 class StageConfig(_Strict):

@@ -49,6 +49,9 @@ def test_good_config_resolves_paths_against_its_folder(tmp_path: Path) -> None:
         (GOOD.replace("  split_size: 8MB", "  workers: 0"), ["build.workers", "greater than or equal to 1"]),
         (GOOD.replace("web:", "we b:"), ["dataset name", "'we b'"]),
         (GOOD + "loader:\n  packing: zip\n", ["loader.packing", "'zip'", "'concat'", "'pack'", "'pad'"]),
+        (GOOD + "loader:\n  fields: [input_ids, positions]\n", ["loader.fields", "must include targets"]),
+        (GOOD + "loader:\n  fields: [input_ids, targets, mask]\n", ["loader.fields", "'mask'", "'loss_mask'"]),
+        (GOOD + "loader:\n  fields: [input_ids, targets, targets]\n", ["loader.fields", "targets more than once"]),
     ],
 )
 def test_errors_name_line_key_value_and_allowed(tmp_path: Path, bad: str, expected: list[str]) -> None:

@@ -1,9 +1,10 @@
 """Model-based: random sessions of what a trainer does with loaders over one lake (open one with
-any ``loader.workers`` and ``prefetch``, as any of two processes, from a step or a saved state;
-take batches, keep some and write into them, save states, ask for steps directly, close or
-abandon iterators) checked against an oracle: the batches of one process building each step
-alone. Every batch is bitwise the oracle's rows, kept batches stay as their owner left them, and
-no worker process or shared-memory segment outlives the session."""
+any ``loader.workers``, ``prefetch`` and ``fields``, as any of two processes, from a step or a
+saved state; take batches, keep some and write into them, save states, ask for steps directly,
+close or abandon iterators) checked against an oracle: the batches of one process building each
+step alone, every field. Every batch is bitwise the oracle's rows (its fields the loader makes),
+kept batches stay as their owner left them, and no worker process or shared-memory segment
+outlives the session."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
-from lakeloader.feed.rows import Batch
+from lakeloader.feed.rows import ROW_FIELDS, Batch
 from lakeloader.ingest.driver import build
 
 from conftest import (assert_batches_equal, children, shm_segments, spawned_workers, stdlib_texts, write_config,
@@ -30,6 +31,9 @@ from conftest import (assert_batches_equal, children, shm_segments, spawned_work
 
 BATCH = 8
 SCRIBBLE = -7   # what a user writes into a batch it keeps
+# loader.fields a session's loaders make: every field (the oracle's), or fewer.
+FIELD_CHOICES = [ROW_FIELDS, ("input_ids", "targets"), ("input_ids", "targets", "loss_mask", "segment_ids"),
+                 ("input_ids", "targets", "positions")]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +51,12 @@ def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
     return root
 
 
-def config_of(lake: Path, packing: str, shuffle: str, workers: int = 0, prefetch: int = 0) -> Path:
+def config_of(lake: Path, packing: str, shuffle: str, workers: int = 0, prefetch: int = 0,
+              fields: tuple[str, ...] = ROW_FIELDS) -> Path:
     base = yaml.safe_load((lake / "config.yaml").read_text())
     base["loader"] = {"seq_len": 32, "batch_size": BATCH, "seed": 5, "packing": packing, "shuffle": shuffle,
-                      "workers": workers, "prefetch": prefetch}
-    path = lake / f"model-{packing}-{shuffle}-{workers}-{prefetch}.yaml"
+                      "workers": workers, "prefetch": prefetch, "fields": list(fields)}
+    path = lake / f"model-{packing}-{shuffle}-{workers}-{prefetch}-{'-'.join(fields)}.yaml"
     path.write_text(yaml.safe_dump(base, sort_keys=False))
     return path
 
@@ -63,10 +68,11 @@ class Oracle:
         self.loader = Loader(config)
         self.batches: dict[int, Batch] = {}
 
-    def rows(self, step: int, rows: np.ndarray) -> Batch:
+    def rows(self, step: int, rows: np.ndarray, fields: tuple[str, ...] = ROW_FIELDS) -> Batch:
+        """Rows ``rows`` of batch ``step``: the row fields ``fields`` and the others (dataset ids)."""
         if step not in self.batches:
             self.batches[step] = {k: v.copy() for k, v in self.loader.batch(step).items()}
-        return {k: v[rows] for k, v in self.batches[step].items()}
+        return {k: v[rows] for k, v in self.batches[step].items() if k in fields or k not in ROW_FIELDS}
 
 
 def sessions(lake: Path, oracles: dict[tuple[str, str], Oracle]) -> type[RuleBasedStateMachine]:
@@ -88,22 +94,23 @@ def sessions(lake: Path, oracles: dict[tuple[str, str], Oracle]) -> type[RuleBas
 
         def _expected(self, step: int) -> Batch:
             assert self.loader is not None
-            return self.oracle.rows(step, self.loader.row_indices)
+            return self.oracle.rows(step, self.loader.row_indices, tuple(self.loader.config.loader.fields))
 
         @rule(workers=st.sampled_from([0, 1, 2]), prefetch=st.sampled_from([0, 2]),
               process=st.sampled_from([(0, 1), (0, 2), (1, 2)]), while_starting=st.booleans(),
               start=st.integers(0, 30), from_saved=st.booleans(), close_before=st.booleans(),
-              first=st.integers(1, 12))
+              first=st.integers(1, 12), fields=st.sampled_from(FIELD_CHOICES))
         def open_loader(self, workers: int, prefetch: int, process: tuple[int, int], while_starting: bool,
-                        start: int, from_saved: bool, close_before: bool, first: int) -> None:
-            """A (new) loader and an iterator from a step or a saved state, and its ``first``
-            batches; the previous loader closed or its iterator abandoned (collected)."""
+                        start: int, from_saved: bool, close_before: bool, first: int, fields: tuple[str, ...]) -> None:
+            """A (new) loader making the row fields ``fields`` and an iterator from a step or a
+            saved state (saved by a loader of any fields), and its ``first`` batches; the previous
+            loader closed or its iterator abandoned (collected)."""
             if self.loader is not None and close_before:
                 self.loader.close()
             self.iterator = self.loader = None
             gc.collect()
             workers_module.BUILD_WHILE_STARTING = while_starting
-            self.loader = Loader(config_of(lake, self.packing, self.shuffle, workers, prefetch),
+            self.loader = Loader(config_of(lake, self.packing, self.shuffle, workers, prefetch, fields),
                                  process_index=process[0], process_count=process[1])
             if from_saved and self.saved:
                 state, self.next_step = self.saved[start % len(self.saved)]

@@ -26,6 +26,10 @@ import numpy as np
 
 SCALE_BITS = 40
 STOP_STRATEGIES = ("restart", "first_exhausted", "all_exhausted")
+# The [rows, seq_len] fields of a training batch; ``loader.fields`` chooses which a loader makes
+# (input ids and targets always).
+ROW_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+REQUIRED_ROW_FIELDS = ("input_ids", "targets")
 
 
 # -- keys ------------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ def fill_windows(batch: dict[str, np.ndarray], rows: list[int], windows: Sequenc
               "loss_mask": valid if trainable is None else valid & trainable[:, 1:],
               "segment_ids": np.where(valid, segment_ids, 0), "positions": np.where(valid, positions, 0)}
     for name, values in fields.items():
-        batch[name][index] = values
+        if name in batch:   # (loader.fields)
+            batch[name][index] = values
 
 
 def _stacked(tokens: list[np.ndarray], flags: list[np.ndarray | None] | None, length: int) -> tuple[
@@ -207,7 +208,12 @@ def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, loc
         return np.divmod(inside - begin, length)   # (offset 0: a row's own start)
     stacked, trainable = _stacked(*located.tokens(which), length)
     _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
+    if "segment_ids" not in batch and "positions" not in batch:   # (loader.fields) no need to know
+        return _NO_CUTS
     return located.cuts(which)
+
+
+_NO_CUTS = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.ndarray:
@@ -224,21 +230,26 @@ def _write_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, input
     last L (``targets``) and the targets' flags (None: all train)."""
     batch["input_ids"][index] = inputs
     batch["targets"][index] = targets
-    batch["loss_mask"][index] = 1 if target_flags is None else target_flags
+    if "loss_mask" in batch:
+        batch["loss_mask"][index] = 1 if target_flags is None else target_flags
 
 
 def _write_segments(batch: dict[str, np.ndarray], index: slice | np.ndarray, cut_rows: np.ndarray,
                     cut_at: np.ndarray) -> None:
     """Segment ids and positions of rows ``index`` of ``batch`` from where documents start (row
-    ``cut_rows[i]`` among ``index``, offset ``cut_at[i]``)."""
-    if isinstance(index, slice):   # written straight into the batch
-        cut_segments(cut_rows, cut_at, batch["segment_ids"][index], batch["positions"][index])
+    ``cut_rows[i]`` among ``index``, offset ``cut_at[i]``); those of the two the batch has
+    (``loader.fields``)."""
+    wanted = [name for name in ("segment_ids", "positions") if name in batch]
+    if not wanted:
         return
-    shape = (len(index), batch["segment_ids"].shape[1])
-    segment_ids, positions = np.empty(shape, np.int32), np.empty(shape, np.int32)
-    cut_segments(cut_rows, cut_at, segment_ids, positions)
-    batch["segment_ids"][index] = segment_ids
-    batch["positions"][index] = positions
+    if isinstance(index, slice):   # a block of rows: written straight into the batch
+        out = {name: batch[name][index] for name in wanted}
+    else:
+        out = {name: np.empty((len(index), batch[name].shape[1]), np.int32) for name in wanted}
+    cut_segments(cut_rows, cut_at, out.get("segment_ids"), out.get("positions"))
+    if not isinstance(index, slice):
+        for name in wanted:
+            batch[name][index] = out[name]
 
 
 class LocatedWindows(ExampleRun):

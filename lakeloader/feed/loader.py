@@ -29,7 +29,7 @@ from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.explain import explain
 from lakeloader.feed.packed_examples import PackedExamples
 from lakeloader.feed.read_ahead import ReadAhead
-from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, ArraySource, Batch, Example, StepExamples, fill_batch
+from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
@@ -187,7 +187,7 @@ class Loader:
             "datasets": {d.name: d.fingerprint for d in self.datasets},
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
             "loader": loader.model_dump(
-                exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes"}),
+                exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields"}),
             "templates": {name: t.fingerprint for name, t in self.templates.items()},
             "pad": self.pad_id,
             "mode": self.mode,
@@ -254,8 +254,8 @@ class Loader:
         raise StepRangeError(f"step {step} does not exist: valid are {valid}")
 
     def batch(self, step: int, pool: ArraySource | None = None) -> Batch:
-        """This process's rows of global batch ``step``: arrays of shape [rows, seq_len] that are
-        the caller's to keep and change: their memory is recycled for a later batch only once
+        """This process's rows of global batch ``step``: the row fields ``loader.fields`` names
+        (arrays of shape [rows, seq_len]) and ``dataset_ids``, the caller's to keep and change: their memory is recycled for a later batch only once
         nothing refers to them any more (:class:`~lakeloader.feed.rows.ArrayPool`). ``pool``:
         where the row fields' memory comes from instead (a worker's shared-memory slot)."""
         self.check_step(step)
@@ -272,12 +272,9 @@ class Loader:
         about to be written in full (concat windows in training), so those are left unset."""
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
-        arrays: Batch = {name: pool.empty(shape, np.float32 if name == "loss_mask" else np.int32)
-                         for name in ROW_FIELDS} if whole else {
-            "input_ids": pool.full(shape, self.pad_id, np.int32), "targets": pool.full(shape, self.pad_id, np.int32),
-            "loss_mask": pool.full(shape, 0, np.float32), "segment_ids": pool.full(shape, 0, np.int32),
-            "positions": pool.full(shape, 0, np.int32),
-        }
+        padding = {"input_ids": self.pad_id, "targets": self.pad_id}   # (the other fields' padding is 0)
+        arrays: Batch = {name: pool.empty(shape, field_dtype(name)) if whole else
+                         pool.full(shape, padding.get(name, 0), field_dtype(name)) for name in loader.fields}
         if self._seq2seq:
             arrays["inputs"] = pool.full(shape, self.pad_id, np.int32)
             arrays["inputs_segment_ids"] = pool.full(shape, 0, np.int32)

@@ -333,33 +333,38 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     built: dict[str, np.ndarray] = {}
     inputs = built["input_ids"] = rows_of("input_ids", np.int32)
     np.concatenate(pieces(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1), casting="unsafe")
-    items = len(sizes)
-    runs = np.zeros(items + n, np.int64)          # each row: its items, then its padding
-    values = np.zeros(items + n, np.int32)
-    slots = np.arange(items, dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
-    runs[slots], values[slots] = sizes, np.arange(items, dtype=np.int64) - np.repeat(first, counts) + 1
-    runs[cumulative(counts)[1:] + np.arange(n)] = pads
-    segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
-    fill_runs(values, runs, segment_ids)
-    positions = built["positions"] = rows_of("positions", np.int32)
-    run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
-    positions.reshape(-1)[padding] = 0
+    if "segment_ids" in batch or "positions" in batch:   # (loader.fields)
+        items = len(sizes)
+        runs = np.zeros(items + n, np.int64)          # each row: its items, then its padding
+        slots = np.arange(items, dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
+        runs[slots] = sizes
+        runs[cumulative(counts)[1:] + np.arange(n)] = pads
+        if "segment_ids" in batch:
+            values = np.zeros(items + n, np.int32)
+            values[slots] = np.arange(items, dtype=np.int64) - np.repeat(first, counts) + 1
+            segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
+            fill_runs(values, runs, segment_ids)
+        if "positions" in batch:
+            positions = built["positions"] = rows_of("positions", np.int32)
+            run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
+            positions.reshape(-1)[padding] = 0
     # Each item's last token: its target is the document's next token if the item holds one.
     last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
     targets = built["targets"] = rows_of("targets", np.int32)
     np.copyto(targets[:, :-1], inputs[:, 1:])
     targets[:, -1] = pad_id
     targets.reshape(-1)[last] = parts.next_token
-    loss_mask = built["loss_mask"] = rows_of("loss_mask", np.float32)
-    if parts.trainable is None:
-        loss_mask.fill(1)
-        loss_mask.reshape(-1)[padding] = 0
-    else:
-        trainable = np.empty((n, length), bool)
-        np.concatenate(pieces(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
-        np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
-        loss_mask[:, -1] = 0
-    loss_mask.reshape(-1)[last] = parts.last_mask
+    if "loss_mask" in batch:
+        loss_mask = built["loss_mask"] = rows_of("loss_mask", np.float32)
+        if parts.trainable is None:
+            loss_mask.fill(1)
+            loss_mask.reshape(-1)[padding] = 0
+        else:
+            trainable = np.empty((n, length), bool)
+            np.concatenate(pieces(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
+            np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
+            loss_mask[:, -1] = 0
+        loss_mask.reshape(-1)[last] = parts.last_mask
     if not isinstance(index, slice):
         for name, values in built.items():
             batch[name][index] = values

@@ -13,8 +13,9 @@ from typing import Any, overload
 
 import numpy as np
 
+from lakeloader.contracts.specs import ROW_FIELDS
+
 Batch = dict[str, np.ndarray]
-ROW_FIELDS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 
 
 @dataclasses.dataclass
@@ -30,8 +31,16 @@ class Row:
 
 
 def row_of(batch: Batch, number: int) -> Row:
-    """Views of row ``number`` of every array of ``batch``."""
-    return Row(*(batch[k][number] for k in ROW_FIELDS), {k: batch[k][number] for k in batch if k not in ROW_FIELDS})
+    """Views of row ``number`` of every array of ``batch``; a row field the batch does not have
+    (``loader.fields``) is a throwaway row, written and dropped."""
+    length = batch["input_ids"].shape[1]
+    return Row(*(batch[k][number] if k in batch else np.empty(length, field_dtype(k)) for k in ROW_FIELDS),
+               {k: batch[k][number] for k in batch if k not in ROW_FIELDS})
+
+
+def field_dtype(name: str) -> type:
+    """The dtype of row field ``name``: float32 for the loss mask, int32 for the others."""
+    return np.float32 if name == "loss_mask" else np.int32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,14 +102,16 @@ def strided_example(example: np.ndarray, ideal_readers: int) -> tuple[np.ndarray
     return example % ideal_readers, example // ideal_readers
 
 
-def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray) -> None:
+def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarray | None,
+                 positions: np.ndarray | None) -> None:
     """Segment ids (from 1) and positions (restarting at 0 with each document) of a ``[rows, n]``
-    batch of windows, written into ``segment_ids`` and ``positions`` (int32, any views), given
-    where documents start: a document starts at offset ``cut_at[i]`` of row ``cut_rows[i]`` (any
-    order; repeats, offsets 0 and offsets past the row change nothing) and every row starts one.
-    A few whole-batch passes and a fixed number of small ones, whatever the number of documents
-    (this runs for every batch: each numpy call counts)."""
-    rows, n = segment_ids.shape
+    batch of windows, written into ``segment_ids`` and ``positions`` (int32, any views; None:
+    not wanted, at least one is), given where documents start: a document starts at offset
+    ``cut_at[i]`` of row ``cut_rows[i]`` (any order; repeats, offsets 0 and offsets past the row
+    change nothing) and every row starts one. A few whole-batch passes and a fixed number of
+    small ones, whatever the number of documents (this runs for every batch: each numpy call
+    counts)."""
+    rows, n = (positions if segment_ids is None else segment_ids).shape
     if not rows or not n:
         return
     cut_at = np.asarray(cut_at, np.int64)
@@ -125,10 +127,12 @@ def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarr
         starts, lengths = bounds[:-1][kept], lengths[kept]
     else:
         starts = bounds[:-1]
-    # Each start's segment number: its rank among its row's starts, from 1.
-    number = _iota(len(starts) + 1, np.int64)[1:] - np.searchsorted(starts, row_bounds[:-1])[starts // n]
-    fill_runs(number, lengths, segment_ids)
-    run_positions(starts, lengths, positions)
+    if segment_ids is not None:
+        # Each start's segment number: its rank among its row's starts, from 1.
+        number = _iota(len(starts) + 1, np.int64)[1:] - np.searchsorted(starts, row_bounds[:-1])[starts // n]
+        fill_runs(number, lengths, segment_ids)
+    if positions is not None:
+        run_positions(starts, lengths, positions)
 
 
 def fill_runs(values: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
