@@ -131,7 +131,7 @@ def measure_loader(config: Path) -> dict[str, float]:
             batch = next(iterator)
             waited += time.perf_counter() - asked
             first_batch = first_batch or waited + opened
-            if epoch == PASSES:
+            if epoch == PASSES and "segment_ids" in batch:   # (else loader.fields left them out: not known)
                 real += int(np.count_nonzero(batch["segment_ids"]))
         rates.append(steps * BATCH * SEQ / waited)
     batches = steps * PASSES
@@ -261,7 +261,7 @@ def main() -> None:
             measured["tokens_per_s"] / baseline["ids_targets_tokens_per_s"], 3)
         figures[f"{name}_peak_rss_mb (target <= 450)"] = round(measured["peak_rss_mb"])
         figures[f"{name}_numpy_copy_peak_rss_mb"] = round(baseline["peak_rss_mb"])
-        if packing == "pack":
+        if packing == "pack" and measured["non_padding"]:
             figures[f"{name}_non_padding_fraction"] = round(measured["non_padding"], 4)
         figures[f"{name}_steps_per_epoch"] = int(measured["steps"])
     figures["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]

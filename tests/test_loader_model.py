@@ -200,3 +200,21 @@ def test_random_training_sessions_match_one_process(lake: Path) -> None:
         workers_module.BUILD_WHILE_STARTING = True
         for oracle in oracles.values():
             oracle.loader.close()
+
+
+@pytest.mark.parametrize("packing", ["concat", "pack"])
+def test_fewer_fields_resume_any_state_with_the_same_rows(lake: Path, packing: str) -> None:
+    """A loader making only input ids and targets resumes a state saved by one making every field
+    (the fields are not part of what a state names), and its rows are the full loader's."""
+    full = Loader(config_of(lake, packing, "full"))
+    fewer = Loader(config_of(lake, packing, "full", fields=("input_ids", "targets")))
+    try:
+        assert fewer.fingerprint == full.fingerprint
+        expected = [{k: v.copy() for k, v in full.batch(step).items() if k not in ("loss_mask", "segment_ids", "positions")}
+                    for step in range(5, 9)]
+        iterator = fewer.restore(full.state(5))
+        assert_batches_equal([next(iterator) for _ in range(4)], expected, steps=list(range(5, 9)))
+        iterator.close()
+    finally:
+        full.close()
+        fewer.close()
