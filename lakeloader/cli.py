@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     batches = commands.add_parser(
         "batches", help="write global batches [A, B) (this process's rows) to an .npz file",
         description="Materialize batches A..B-1 (--steps A:B is half-open, as everywhere) exactly as a training process would and save one "
-        "array per field (input_ids, targets, loss_mask, segment_ids, positions, dataset_ids[, example_mask]) "
+        "array per field (input_ids, targets, loss_mask, segment_ids, positions: those loader.fields names; "
+        "dataset_ids[, example_mask]) "
         "shaped [B-A, rows_of_this_process, seq_len]. Streams each batch to disk as it is made (memory "
         "of about one batch; the file appears complete or not at all). Works while the lake is still "
         "building: waits only for chunks it needs.")
