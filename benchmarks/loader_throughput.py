@@ -83,8 +83,8 @@ def config_for(size: str, packing: str, shuffle: str, workers: int = 0, prefetch
     if not is_built(size):
         prepare_corpus(corpus, size=size)  # type: ignore[arg-type]
     path = OUT / (f"loader-{size}-{packing}-{shuffle}{f'-workers{workers}' if workers else ''}"
-                  f"{'' if prefetch is None else f'-prefetch{prefetch}'}{'' if fields is None else '-' + '-'.join(fields)}"
-                  ".yaml")
+                  f"{'' if prefetch is None else f'-prefetch{prefetch}'}"
+                  f"{'' if fields is None else '-' + '-'.join(fields)}.yaml")
     read_ahead = {} if prefetch is None else {"prefetch": prefetch}
     if fields is not None:
         read_ahead["fields"] = fields

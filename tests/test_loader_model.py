@@ -210,8 +210,8 @@ def test_fewer_fields_resume_any_state_with_the_same_rows(lake: Path, packing: s
     fewer = Loader(config_of(lake, packing, "full", fields=("input_ids", "targets")))
     try:
         assert fewer.fingerprint == full.fingerprint
-        expected = [{k: v.copy() for k, v in full.batch(step).items() if k not in ("loss_mask", "segment_ids", "positions")}
-                    for step in range(5, 9)]
+        left_out = ("loss_mask", "segment_ids", "positions")
+        expected = [{k: v.copy() for k, v in full.batch(step).items() if k not in left_out} for step in range(5, 9)]
         iterator = fewer.restore(full.state(5))
         assert_batches_equal([next(iterator) for _ in range(4)], expected, steps=list(range(5, 9)))
         iterator.close()

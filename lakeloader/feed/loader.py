@@ -255,9 +255,10 @@ class Loader:
 
     def batch(self, step: int, pool: ArraySource | None = None) -> Batch:
         """This process's rows of global batch ``step``: the row fields ``loader.fields`` names
-        (arrays of shape [rows, seq_len]) and ``dataset_ids``, the caller's to keep and change: their memory is recycled for a later batch only once
-        nothing refers to them any more (:class:`~lakeloader.feed.rows.ArrayPool`). ``pool``:
-        where the row fields' memory comes from instead (a worker's shared-memory slot)."""
+        (arrays of shape [rows, seq_len]) and ``dataset_ids``, the caller's to keep and change:
+        their memory is recycled for a later batch only once nothing refers to them any more
+        (:class:`~lakeloader.feed.rows.ArrayPool`). ``pool``: where the row fields' memory comes
+        from instead (a worker's shared-memory slot)."""
         self.check_step(step)
         owners, examples = self._windows(step)
         arrays = self._empty_batch(self._arrays if pool is None else pool, whole=self._whole_rows)
