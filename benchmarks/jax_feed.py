@@ -36,18 +36,20 @@ def feed_rates(config: Path, mesh: Mesh, prefetch: int, steps: int) -> tuple[flo
     the workers building every batch from their row-group caches (without that, a short
     second epoch on a host whose workers take seconds to import JAX would time this process)."""
     rates = []
-    for build_while_starting, warm in ((True, 5), (False, None)):
-        feed_workers.BUILD_WHILE_STARTING = build_while_starting
-        with JaxFeed(config, mesh, PartitionSpec("data"), prefetch=prefetch) as feed:
-            epoch = feed.loader.datasets[0].train_count() // BATCH   # one dataset in this lake
-            iterator = feed.iter_from(0)
-            for _, batch in zip(range(warm or epoch + 5), iterator):   # files opened / the first epoch
-                jax.block_until_ready(batch)
-            started = time.perf_counter()
-            for _, batch in zip(range(steps), iterator):
-                jax.block_until_ready(batch)
-            rates.append(steps / (time.perf_counter() - started))
-    feed_workers.BUILD_WHILE_STARTING = True
+    try:
+        for build_while_starting, warm in ((True, 5), (False, None)):
+            feed_workers.BUILD_WHILE_STARTING = build_while_starting
+            with JaxFeed(config, mesh, PartitionSpec("data"), prefetch=prefetch) as feed:
+                epoch = feed.loader.datasets[0].train_count() // BATCH   # one dataset in this lake
+                iterator = feed.iter_from(0)
+                for _, batch in zip(range(warm or epoch + 5), iterator):   # files opened / the first epoch
+                    jax.block_until_ready(batch)
+                started = time.perf_counter()
+                for _, batch in zip(range(steps), iterator):
+                    jax.block_until_ready(batch)
+                rates.append(steps / (time.perf_counter() - started))
+    finally:
+        feed_workers.BUILD_WHILE_STARTING = True
     return rates[0], rates[1]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from lakeloader.config import ShuffleConfig
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, ExampleRun, Row, Segment
+from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, ExampleRun, Row, Segment, segment_fields
 from lakeloader.feed.shuffled import ShuffledDataset
 from lakeloader.index.ranges import cumulative, cut_segments, eval_examples, strided_chunk, train_examples
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
@@ -200,20 +200,20 @@ def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, loc
         # so the inputs and the targets are each one slice of it.
         group, begin = located.groups[int(groups[0])], int(at[0])
         stop = begin + n * length + 1
-        starts = group.doc_starts
-        inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
         target_flags = None if group.trainable is None else group.trainable[begin + 1 : stop].reshape(n, length)
         _write_tokens(batch, index, group.tokens[begin : stop - 1].reshape(n, length),
                       group.tokens[begin + 1 : stop].reshape(n, length), target_flags)
+        if not segment_fields(batch):
+            return _NO_CUTS
+        starts = group.doc_starts
+        inside = starts[starts.searchsorted(begin, side="right") : starts.searchsorted(stop - 1, side="left")]
         return np.divmod(inside - begin, length)   # (offset 0: a row's own start)
     stacked, trainable = _stacked(*located.tokens(which), length)
     _write_tokens(batch, index, stacked[:, :-1], stacked[:, 1:], None if trainable is None else trainable[:, 1:])
-    if "segment_ids" not in batch and "positions" not in batch:   # (loader.fields) no need to know
-        return _NO_CUTS
-    return located.cuts(which)
+    return located.cuts(which) if segment_fields(batch) else _NO_CUTS
 
 
-_NO_CUTS = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+_NO_CUTS = (np.zeros(0, np.int64), np.zeros(0, np.int64))   # (no segment fields: where documents start unasked)
 
 
 def _stacked_flags(flags: list[np.ndarray | None], n: int, length: int) -> np.ndarray:
@@ -239,7 +239,7 @@ def _write_segments(batch: dict[str, np.ndarray], index: slice | np.ndarray, cut
     """Segment ids and positions of rows ``index`` of ``batch`` from where documents start (row
     ``cut_rows[i]`` among ``index``, offset ``cut_at[i]``); those of the two the batch has
     (``loader.fields``)."""
-    wanted = [name for name in ("segment_ids", "positions") if name in batch]
+    wanted = segment_fields(batch)
     if not wanted:
         return
     if isinstance(index, slice):   # a block of rows: written straight into the batch

@@ -14,7 +14,7 @@ import numpy as np
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.feed.concat_examples import DatasetExamples
-from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment
+from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment, field_dtype, segment_fields
 from lakeloader.index.chunk_packing import GROUP_BITS, ITEM_FIELDS, item_table, plan_chunk
 from lakeloader.index.packing import PackPlan
 from lakeloader.index.ranges import cumulative, distinct, fill_runs, locate, run_positions, spans
@@ -326,14 +326,14 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
             out.append(tail[:rest])
         return out
 
-    def rows_of(name: str, dtype: type) -> np.ndarray:
+    def rows_of(name: str) -> np.ndarray:
         """Where the rows of field ``name`` are built: the batch's own rows, or a work array."""
-        return batch[name][index] if isinstance(index, slice) else np.empty((n, length), dtype)
+        return batch[name][index] if isinstance(index, slice) else np.empty((n, length), field_dtype(name))
 
     built: dict[str, np.ndarray] = {}
-    inputs = built["input_ids"] = rows_of("input_ids", np.int32)
+    inputs = built["input_ids"] = rows_of("input_ids")
     np.concatenate(pieces(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1), casting="unsafe")
-    if "segment_ids" in batch or "positions" in batch:   # (loader.fields)
+    if segment_fields(batch):   # (loader.fields)
         items = len(sizes)
         runs = np.zeros(items + n, np.int64)          # each row: its items, then its padding
         slots = np.arange(items, dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
@@ -342,20 +342,20 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
         if "segment_ids" in batch:
             values = np.zeros(items + n, np.int32)
             values[slots] = np.arange(items, dtype=np.int64) - np.repeat(first, counts) + 1
-            segment_ids = built["segment_ids"] = rows_of("segment_ids", np.int32)
+            segment_ids = built["segment_ids"] = rows_of("segment_ids")
             fill_runs(values, runs, segment_ids)
         if "positions" in batch:
-            positions = built["positions"] = rows_of("positions", np.int32)
+            positions = built["positions"] = rows_of("positions")
             run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
             positions.reshape(-1)[padding] = 0
     # Each item's last token: its target is the document's next token if the item holds one.
     last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
-    targets = built["targets"] = rows_of("targets", np.int32)
+    targets = built["targets"] = rows_of("targets")
     np.copyto(targets[:, :-1], inputs[:, 1:])
     targets[:, -1] = pad_id
     targets.reshape(-1)[last] = parts.next_token
     if "loss_mask" in batch:
-        loss_mask = built["loss_mask"] = rows_of("loss_mask", np.float32)
+        loss_mask = built["loss_mask"] = rows_of("loss_mask")
         if parts.trainable is None:
             loss_mask.fill(1)
             loss_mask.reshape(-1)[padding] = 0

@@ -43,6 +43,12 @@ def field_dtype(name: str) -> type:
     return np.float32 if name == "loss_mask" else np.int32
 
 
+def segment_fields(batch: Batch) -> list[str]:
+    """Which of the fields made from where documents start (segment ids, positions) ``batch``
+    has (``loader.fields``): none, and those starts need not be found."""
+    return [name for name in ("segment_ids", "positions") if name in batch]
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """One segment of an example's row: tokens of one document from one chunk."""
