@@ -23,12 +23,16 @@ import zstandard
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
+from lakeloader.feed.rows import ROW_FIELDS
 from lakeloader.ingest.driver import build
 from lakeloader.read import windows as windows_module
 from lakeloader.read.catalog_view import CatalogView
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TOKENIZER = Path(os.environ.get("LAKELOADER_TEST_TOKENIZER", REPO / "demo" / "tokenizer.json"))
+# loader.fields the model-based tests' loaders make: every field (the oracles'), or fewer.
+FIELD_CHOICES = [ROW_FIELDS, ("input_ids", "targets"), ("input_ids", "targets", "loss_mask", "segment_ids"),
+                 ("input_ids", "targets", "positions")]
 
 
 def stdlib_texts(package: str, limit: int | None = None) -> list[str]:

@@ -26,14 +26,11 @@ from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import ROW_FIELDS, Batch
 from lakeloader.ingest.driver import build
 
-from conftest import (assert_batches_equal, children, shm_segments, spawned_workers, stdlib_texts, write_config,
-                      write_jsonl)
+from conftest import (FIELD_CHOICES, assert_batches_equal, children, shm_segments, spawned_workers, stdlib_texts,
+                      write_config, write_jsonl)
 
 BATCH = 8
 SCRIBBLE = -7   # what a user writes into a batch it keeps
-# loader.fields a session's loaders make: every field (the oracle's), or fewer.
-FIELD_CHOICES = [ROW_FIELDS, ("input_ids", "targets"), ("input_ids", "targets", "loss_mask", "segment_ids"),
-                 ("input_ids", "targets", "positions")]
 
 
 @pytest.fixture(scope="module")
