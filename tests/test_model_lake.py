@@ -3,9 +3,10 @@
 Each walk drives a seeded random sequence of real actions against one lake of a two-dataset
 mixture (window shuffle), on the real parts: `lakeloader build` in a subprocess on the test
 session's Dask cluster, SIGKILLed at a random moment; `lakeloader batches` readers in 1, 2 or 4
-processes started while a build runs, making every row field or fewer (``loader.fields``); a committed chunk deleted, truncated or with one byte
-flipped; `lakeloader verify --repair`; a build to the end. The oracle is one uninterrupted build
-of the same data: every batch any reader returns equals its batches bitwise, a reader that
+processes started while a build runs, making every row field or fewer (``loader.fields``); a
+committed chunk deleted, truncated or with one byte flipped; `lakeloader verify --repair`; a
+build to the end. The oracle is one uninterrupted build of the same data: every batch any
+reader returns equals its batches bitwise (the fields it makes), a reader that
 cannot return them fails with an error naming the damaged chunk, and after the last action the
 lake's chunk files are byte-identical to the oracle's and `verify` finds nothing.
 """
