@@ -6,9 +6,9 @@ session's Dask cluster, SIGKILLed at a random moment; `lakeloader batches` reade
 processes started while a build runs, making every row field or fewer (``loader.fields``); a
 committed chunk deleted, truncated or with one byte flipped; `lakeloader verify --repair`; a
 build to the end. The oracle is one uninterrupted build of the same data: every batch any
-reader returns equals its batches bitwise (the fields it makes), a reader that
-cannot return them fails with an error naming the damaged chunk, and after the last action the
-lake's chunk files are byte-identical to the oracle's and `verify` finds nothing.
+reader returns equals its batches bitwise (the fields it makes), a reader that cannot return
+them fails with an error naming the damaged chunk, and after the last action the lake's chunk
+files are byte-identical to the oracle's and `verify` finds nothing.
 """
 
 from __future__ import annotations
