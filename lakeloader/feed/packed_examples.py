@@ -14,7 +14,7 @@ import numpy as np
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.feed.concat_examples import DatasetExamples
-from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment, field_dtype, segment_fields
+from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment, field_dtype
 from lakeloader.index.chunk_packing import GROUP_BITS, ITEM_FIELDS, item_table, plan_chunk
 from lakeloader.index.packing import PackPlan
 from lakeloader.index.ranges import cumulative, distinct, fill_runs, locate, run_positions, spans
@@ -306,25 +306,30 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     """The row fields of :func:`fill_packed` from ``parts``; returns where each item starts in its row."""
     length = batch["input_ids"].shape[1]
     counts, sizes = parts.counts, parts.sizes
-    n = len(counts)
-    first = cumulative(counts)[:-1]                   # first item of each row
-    item_at = cumulative(sizes)[:-1]
-    in_row = item_at - np.repeat(item_at[first], counts)        # where each item starts in its row
-    used = np.add.reduceat(sizes, first)
-    pad_counts = length - used
-    pads = pad_counts.tolist()
-    padding = spans(np.arange(n, dtype=np.int64) * length + used, pad_counts)   # flat, few: rows end with it
-    starts, ends = first.tolist(), cumulative(counts)[1:].tolist()
+    n, items = len(counts), len(sizes)
+    # The rows as runs tiling the batch: each row's items, then its padding (maybe none).
+    row_of = np.repeat(np.arange(n, dtype=np.int64), counts)
+    slots = np.arange(items, dtype=np.int64) + row_of        # each item's run
+    bounds = cumulative(counts)
+    pad_slots = bounds[1:] + np.arange(n, dtype=np.int64)    # each row's padding run
+    ends = cumulative(sizes)
+    pads = length - (ends[bounds[1:]] - ends[bounds[:-1]])
+    runs = np.empty(items + n, np.int64)
+    runs[slots] = sizes
+    runs[pad_slots] = pads
+    run_starts = cumulative(runs)[:-1]                        # flat offsets in the batch's rows
+    item_starts = run_starts[slots]
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + n)):
         index = slice(rows[0], rows[0] + n)   # a block of rows: write into views of the batch
 
-    def pieces(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
-        for a, b, rest in zip(starts, ends, pads):
-            out += per_item[a:b]
-            out.append(tail[:rest])
-        return out
+    def in_run_order(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
+        """The items' arrays with each row's padding (a prefix of ``tail``) after its items."""
+        order = np.empty(items + n, np.int64)
+        order[slots] = np.arange(items, dtype=np.int64)
+        order[pad_slots] = np.arange(items, items + n, dtype=np.int64)
+        every = per_item + [tail[:rest] for rest in pads.tolist()]
+        return [every[k] for k in order.tolist()]
 
     def rows_of(name: str) -> np.ndarray:
         """Where the rows of field ``name`` are built: the batch's own rows, or a work array."""
@@ -332,24 +337,20 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
 
     built: dict[str, np.ndarray] = {}
     inputs = built["input_ids"] = rows_of("input_ids")
-    np.concatenate(pieces(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1), casting="unsafe")
-    if segment_fields(batch):   # (loader.fields)
-        items = len(sizes)
-        runs = np.zeros(items + n, np.int64)          # each row: its items, then its padding
-        slots = np.arange(items, dtype=np.int64) + np.repeat(np.arange(n, dtype=np.int64), counts)
-        runs[slots] = sizes
-        runs[cumulative(counts)[1:] + np.arange(n)] = pads
-        if "segment_ids" in batch:
-            values = np.zeros(items + n, np.int32)
-            values[slots] = np.arange(items, dtype=np.int64) - np.repeat(first, counts) + 1
-            segment_ids = built["segment_ids"] = rows_of("segment_ids")
-            fill_runs(values, runs, segment_ids)
-        if "positions" in batch:
-            positions = built["positions"] = rows_of("positions")
-            run_positions(cumulative(runs)[:-1], runs, positions)   # from 0 in each item and each padding run
-            positions.reshape(-1)[padding] = 0
+    np.concatenate(in_run_order(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1),
+                   casting="unsafe")
+    if "segment_ids" in batch:   # (loader.fields)
+        numbers = np.zeros(items + n, np.int32)   # from 1 in each row; padding 0
+        numbers[slots] = np.arange(items, dtype=np.int64) - bounds[row_of] + 1
+        segment_ids = built["segment_ids"] = rows_of("segment_ids")
+        fill_runs(numbers, runs, segment_ids)
+    padding = spans(run_starts[pad_slots], pads) if "positions" in batch or "loss_mask" in batch else None
+    if "positions" in batch:
+        positions = built["positions"] = rows_of("positions")
+        run_positions(run_starts, runs, positions)   # from 0 in each item and each padding run
+        positions.reshape(-1)[padding] = 0
     # Each item's last token: its target is the document's next token if the item holds one.
-    last = np.repeat(np.arange(n, dtype=np.int64), counts) * length + in_row + sizes - 1
+    last = item_starts + sizes - 1
     targets = built["targets"] = rows_of("targets")
     np.copyto(targets[:, :-1], inputs[:, 1:])
     targets[:, -1] = pad_id
@@ -361,14 +362,14 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
             loss_mask.reshape(-1)[padding] = 0
         else:
             trainable = np.empty((n, length), bool)
-            np.concatenate(pieces(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
+            np.concatenate(in_run_order(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
             np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
             loss_mask[:, -1] = 0
         loss_mask.reshape(-1)[last] = parts.last_mask
     if not isinstance(index, slice):
         for name, values in built.items():
             batch[name][index] = values
-    return in_row
+    return item_starts - row_of * length
 
 
 @functools.lru_cache(maxsize=16)
