@@ -223,11 +223,12 @@ def _parts_of_items(examples: Sequence[PackedExample], pad_id: int) -> FillParts
 
 def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]) -> None:
     """Write packed examples into rows ``rows`` of ``batch`` at once, padding included, as each
-    one's :meth:`PackedExample.fill` into a padded row. Each field is written once for all rows:
-    inputs and positions by one concatenation of views (the items' tokens where they lie in their
-    rendered row groups, constant runs for padding), segment ids from where the items start, and
-    targets and loss masks as the inputs shifted by one, corrected at each item's last token (the
-    document's next token, or padding at its end). Examples located together
+    one's :meth:`PackedExample.fill` into a padded row. Each field is written once for all rows,
+    from one layout of runs tiling them (each row's items, then its padding): inputs by one
+    concatenation of views (the items' tokens where they lie in their rendered row groups, a
+    constant run for each row's padding), segment ids and positions run by run, and targets and
+    loss masks as the inputs shifted by one, corrected at each item's last token (the document's
+    next token, or padding at its end). Examples located together
     (:class:`PackedSet`) are read from its arrays, without an :class:`Item` per document."""
     if not examples:
         return
