@@ -324,13 +324,16 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     if rows == list(range(rows[0], rows[0] + n)):
         index = slice(rows[0], rows[0] + n)   # a block of rows: write into views of the batch
 
+    # Run k holds element order[k] of the items' arrays followed by the rows' paddings.
+    order = np.empty(items + n, np.int64)
+    order[slots] = np.arange(items, dtype=np.int64)
+    order[pad_slots] = np.arange(items, items + n, dtype=np.int64)
+    run_order, pad_counts = order.tolist(), pads.tolist()
+
     def in_run_order(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
         """The items' arrays with each row's padding (a prefix of ``tail``) after its items."""
-        order = np.empty(items + n, np.int64)
-        order[slots] = np.arange(items, dtype=np.int64)
-        order[pad_slots] = np.arange(items, items + n, dtype=np.int64)
-        every = per_item + [tail[:rest] for rest in pads.tolist()]
-        return [every[k] for k in order.tolist()]
+        every = per_item + [tail[:rest] for rest in pad_counts]
+        return [every[k] for k in run_order]
 
     def rows_of(name: str) -> np.ndarray:
         """Where the rows of field ``name`` are built: the batch's own rows, or a work array."""
