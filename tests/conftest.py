@@ -35,6 +35,12 @@ FIELD_CHOICES = [ROW_FIELDS, ("input_ids", "targets"), ("input_ids", "targets", 
                  ("input_ids", "targets", "positions")]
 
 
+def with_fields(batch: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """``batch`` as a loader making the row fields ``fields`` returns it: its other row fields
+    left out, its other arrays (dataset ids) kept."""
+    return {k: v for k, v in batch.items() if k in fields or k not in ROW_FIELDS}
+
+
 def stdlib_texts(package: str, limit: int | None = None) -> list[str]:
     """Real text: the sources of a standard-library package, in sorted order."""
     root = Path(sysconfig.get_paths()["stdlib"]) / package
