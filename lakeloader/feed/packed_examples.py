@@ -74,30 +74,39 @@ class PackedSet:
         """:class:`FillParts` of examples ``which`` (None: every example, in order), the items
         :meth:`items` would make."""
         if which is None:   # every item, in order: example i's are first[i] : first[i] + counts[i]
-            counts, sizes, begin, group = self.counts, self.stop - self.start, self.begin, self.group
-            continued = self.end - begin > sizes
+            counts, sizes, begin, group, end = self.counts, self.stop - self.start, self.begin, self.group, self.end
         else:
             which_ = np.asarray(which, np.int64)
             counts = self.counts[which_]
             items = spans(self.first[which_], counts)
             sizes = (self.stop - self.start)[items]
-            begin, group = self.begin[items], self.group[items]
-            continued = self.end[items] - begin > sizes
-        has_next = continued.tolist()
-        groups = [self.groups[g] for g in group.tolist()]
-        at, lengths = begin.tolist(), sizes.tolist()
-        tokens = [r.tokens[a : a + size] for r, a, size in zip(groups, at, lengths)]
-        next_token = [pad_id] * len(at)   # (only the items of a document cut at a row's end have one)
-        for k in np.flatnonzero(continued).tolist():
-            next_token[k] = int(groups[k].tokens[at[k] + lengths[k]])
+            begin, group, end = self.begin[items], self.group[items], self.end[items]
+        after = begin + sizes   # where each item's next token lies in its row group, if it holds one
+        has_next = end > after   # (only the items of a document cut at a row's end do)
+        every_token = [rendered.tokens for rendered in self.groups]
+        where, at, lengths = group.tolist(), begin.tolist(), sizes.tolist()
+        tokens = [every_token[g][a : a + size] for g, a, size in zip(where, at, lengths)]
+        ahead = np.flatnonzero(has_next)
+        next_token = np.full(len(sizes), pad_id, np.int32)
+        next_token[ahead] = _picked(every_token, group[ahead], after[ahead], pad_id)
         if all(r.trainable is None for r in self.groups):
             return FillParts(counts, sizes, tokens, None, next_token, has_next)
         everything = np.ones(max(lengths, default=0), bool)
-        trainable = [everything[:size] if r.trainable is None else r.trainable[a : a + size]
-                     for r, a, size in zip(groups, at, lengths)]
-        last_mask = [more and (r.trainable is None or bool(r.trainable[a + size]))
-                     for r, a, size, more in zip(groups, at, lengths, has_next)]
+        every_flag = [r.trainable for r in self.groups]
+        flags = [every_flag[g] for g in where]
+        trainable = [everything[:size] if f is None else f[a : a + size] for f, a, size in zip(flags, at, lengths)]
+        last_mask = has_next.copy()
+        last_mask[ahead] = _picked(every_flag, group[ahead], after[ahead], True)
         return FillParts(counts, sizes, tokens, trainable, next_token, last_mask)
+
+
+def _picked(arrays: list[np.ndarray | None], which: np.ndarray, at: np.ndarray, missing: Any) -> Any:
+    """``arrays[which[k]][at[k]]`` for each ``k`` (``missing`` where that array is None): one
+    gather when all lie in one array (a batch read in order), else item by item (a batch from
+    many row groups: a gather per array would cost more)."""
+    if len(arrays) == 1:
+        return missing if arrays[0] is None else arrays[0][at]
+    return [missing if arrays[g] is None else arrays[g][a] for g, a in zip(which.tolist(), at.tolist())]
 
 
 class LazyItems(Sequence[Item]):
@@ -197,8 +206,8 @@ class FillParts(NamedTuple):
     sizes: np.ndarray               # int64: tokens written per item (stop - start)
     tokens: list[np.ndarray]        # each item's ``size`` input tokens (views)
     trainable: list[np.ndarray] | None  # each item's ``size`` target flags; None: all targets
-    next_token: list[int]           # target of each item's last token (pad_id past the document)
-    last_mask: list[bool]           # loss mask of each item's last token
+    next_token: np.ndarray          # int32: target of each item's last token (pad_id past the document)
+    last_mask: np.ndarray           # bool: loss mask of each item's last token
 
 
 def _parts_of_items(examples: Sequence[PackedExample], pad_id: int) -> FillParts:
@@ -216,19 +225,20 @@ def _parts_of_items(examples: Sequence[PackedExample], pad_id: int) -> FillParts
                      for item, size in zip(items, lengths)]
         last_mask = [more and (item.trainable is None or bool(item.trainable[size]))
                      for item, size, more in zip(items, lengths, has_next)]
+    next_token = [int(item.tokens[size]) if more else pad_id for item, size, more in zip(items, lengths, has_next)]
     return FillParts(counts, sizes, [item.tokens[:size] for item, size in zip(items, lengths)], trainable,
-                     [int(item.tokens[size]) if more else pad_id for item, size, more in zip(items, lengths, has_next)],
-                     last_mask)
+                     np.array(next_token, np.int32), np.array(last_mask, bool))
 
 
 def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]) -> None:
     """Write packed examples into rows ``rows`` of ``batch`` at once, padding included, as each
     one's :meth:`PackedExample.fill` into a padded row. Each field is written once for all rows,
-    from one layout of runs tiling them (each row's items, then its padding): inputs by one
-    concatenation of views (the items' tokens where they lie in their rendered row groups, a
-    constant run for each row's padding), segment ids and positions run by run, and targets and
-    loss masks as the inputs shifted by one, corrected at each item's last token (the document's
-    next token, or padding at its end). Examples located together
+    from one layout of runs tiling them (each row's items, its last item's run reaching over the
+    row's padding, if any): inputs by one concatenation of views (the items' tokens where they
+    lie in their rendered row groups, a constant run for each padded row's padding), segment ids
+    and positions run by run, then zero over the few padded rows' tails, and targets and loss
+    masks as the inputs shifted by one, corrected at each item's last token (the document's next
+    token, or padding at its end). Examples located together
     (:class:`PackedSet`) are read from its arrays, without an :class:`Item` per document."""
     if not examples:
         return
@@ -300,40 +310,40 @@ def _merged(found: list[FillParts], positions: list[list[int]], n: int) -> FillP
         trainable = pick([[everything[:size] for size in parts.sizes.tolist()] if parts.trainable is None
                           else parts.trainable for parts in found])
     return FillParts(counts, sizes[order], pick([parts.tokens for parts in found]), trainable,
-                     pick([parts.next_token for parts in found]), pick([parts.last_mask for parts in found]))
+                     np.concatenate([parts.next_token for parts in found])[order],
+                     np.concatenate([parts.last_mask for parts in found])[order])
 
 
 def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) -> np.ndarray:
-    """The row fields of :func:`fill_packed` from ``parts``; returns where each item starts in its row."""
+    """The row fields of :func:`fill_packed` from ``parts`` (every example has an item); returns
+    where each item starts in its row."""
     length = batch["input_ids"].shape[1]
     counts, sizes = parts.counts, parts.sizes
     n, items = len(counts), len(sizes)
-    # The rows as runs tiling the batch: each row's items, then its padding (maybe none).
-    row_of = np.repeat(np.arange(n, dtype=np.int64), counts)
-    slots = np.arange(items, dtype=np.int64) + row_of        # each item's run
+    # The rows as runs tiling the batch: each row's items, its last one's run reaching over the
+    # row's padding (few rows have any: their tails are written apart).
+    row_of = np.arange(n, dtype=np.int64).repeat(counts)
     bounds = cumulative(counts)
-    pad_slots = bounds[1:] + np.arange(n, dtype=np.int64)    # each row's padding run
     ends = cumulative(sizes)
-    pads = length - (ends[bounds[1:]] - ends[bounds[:-1]])
-    runs = np.empty(items + n, np.int64)
-    runs[slots] = sizes
-    runs[pad_slots] = pads
-    run_starts = cumulative(runs)[:-1]                        # flat offsets in the batch's rows
-    item_starts = run_starts[slots]
+    row_first = bounds[:-1]
+    in_row = ends[:-1] - ends[row_first].repeat(counts)      # each item's offset in its row
+    item_starts = row_of * length + in_row                     # ... in the batch's rows, flat
+    row_last = bounds[1:] - 1
+    pads = length - (in_row[row_last] + sizes[row_last])
+    runs = sizes.copy()
+    runs[row_last] += pads
+    padded = np.flatnonzero(pads)
+    tails = list(zip(padded.tolist(), (length - pads[padded]).tolist()))   # (row, where its padding starts)
     index: slice | np.ndarray = np.asarray(rows)
     if rows == list(range(rows[0], rows[0] + n)):
         index = slice(rows[0], rows[0] + n)   # a block of rows: write into views of the batch
 
-    # Run k holds element order[k] of the items' arrays followed by the rows' paddings.
-    order = np.empty(items + n, np.int64)
-    order[slots] = np.arange(items, dtype=np.int64)
-    order[pad_slots] = np.arange(items, items + n, dtype=np.int64)
-    run_order, pad_counts = order.tolist(), pads.tolist()
-
-    def in_run_order(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
-        """The items' arrays with each row's padding (a prefix of ``tail``) after its items."""
-        every = per_item + [tail[:rest] for rest in pad_counts]
-        return [every[k] for k in run_order]
+    def with_padding(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
+        """The items' arrays with each padded row's padding (a prefix of ``tail``) after its items."""
+        pieces = list(per_item)
+        for row, start in reversed(tails):
+            pieces.insert(int(bounds[row + 1]), tail[: length - start])
+        return pieces
 
     def rows_of(name: str) -> np.ndarray:
         """Where the rows of field ``name`` are built: the batch's own rows, or a work array."""
@@ -341,18 +351,18 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
 
     built: dict[str, np.ndarray] = {}
     inputs = built["input_ids"] = rows_of("input_ids")
-    np.concatenate(in_run_order(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1),
+    np.concatenate(with_padding(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1),
                    casting="unsafe")
     if "segment_ids" in batch:   # (loader.fields)
-        numbers = np.zeros(items + n, np.int32)   # from 1 in each row; padding 0
-        numbers[slots] = np.arange(items, dtype=np.int64) - bounds[row_of] + 1
         segment_ids = built["segment_ids"] = rows_of("segment_ids")
-        fill_runs(numbers, runs, segment_ids)
-    padding = spans(run_starts[pad_slots], pads) if "positions" in batch or "loss_mask" in batch else None
+        fill_runs(np.arange(1, items + 1, dtype=np.int64) - row_first.repeat(counts), runs, segment_ids)   # from 1 a row
+        for row, start in tails:
+            segment_ids[row, start:] = 0
     if "positions" in batch:
         positions = built["positions"] = rows_of("positions")
-        run_positions(run_starts, runs, positions)   # from 0 in each item and each padding run
-        positions.reshape(-1)[padding] = 0
+        run_positions(item_starts, runs, positions)   # from 0 in each item
+        for row, start in tails:
+            positions[row, start:] = 0
     # Each item's last token: its target is the document's next token if the item holds one.
     last = item_starts + sizes - 1
     targets = built["targets"] = rows_of("targets")
@@ -363,17 +373,18 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
         loss_mask = built["loss_mask"] = rows_of("loss_mask")
         if parts.trainable is None:
             loss_mask.fill(1)
-            loss_mask.reshape(-1)[padding] = 0
+            for row, start in tails:
+                loss_mask[row, start:] = 0
         else:
             trainable = np.empty((n, length), bool)
-            np.concatenate(in_run_order(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
+            np.concatenate(with_padding(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
             np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
             loss_mask[:, -1] = 0
         loss_mask.reshape(-1)[last] = parts.last_mask
     if not isinstance(index, slice):
         for name, values in built.items():
             batch[name][index] = values
-    return item_starts - row_of * length
+    return in_row
 
 
 @functools.lru_cache(maxsize=16)

@@ -20,7 +20,7 @@ import numpy as np
 def cumulative(lengths: np.ndarray) -> np.ndarray:
     """Offsets ``[0, l0, l0+l1, ...]`` of consecutive pieces (length n+1)."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
+    np.add.accumulate(lengths, dtype=np.int64, out=out[1:])   # (np.cumsum's wrapper costs more than the sum; this runs often)
     return out
 
 
@@ -28,8 +28,8 @@ def spans(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``concatenate([arange(f, f + c) for f, c in zip(first, counts)])`` (int64), in a few array
     operations."""
     first, counts = np.asarray(first, np.int64), np.asarray(counts, np.int64)
-    ends = np.cumsum(counts)
-    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
+    ends = np.add.accumulate(counts)
+    return np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + (first - (ends - counts)).repeat(counts)
 
 
 def distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +40,7 @@ def distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return values[:1], np.zeros(len(values), np.int64)
     if len(values) <= _FEW:
         used = np.array(sorted(set(values.tolist())), np.int64)
-        return used, np.searchsorted(used, values)
+        return used, used.searchsorted(values)
     used, inverse = np.unique(values, return_inverse=True)
     return used, inverse.astype(np.int64, copy=False)
 
@@ -86,7 +86,7 @@ def locate(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
     Empty pieces are skipped: the result is the last piece starting at or before the position.
     """
-    return np.searchsorted(offsets, positions, side="right") - 1
+    return np.asarray(offsets).searchsorted(positions, side="right") - 1   # (the method: np.searchsorted's wrapper costs more)
 
 
 def strided_chunk(iterator: np.ndarray, step: np.ndarray, ideal_readers: int) -> np.ndarray:
@@ -139,7 +139,7 @@ def fill_runs(values: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
     """Write ``values[i]`` ``lengths[i]`` times, run after run, into ``out`` (``[rows, n]``,
     int32, any view; the lengths add up to its size; every value in ``0..n``)."""
     rows, n = out.shape
-    np.copyto(out, np.repeat(values.astype(_narrow(n)), lengths).reshape(rows, n))
+    np.copyto(out, values.astype(_narrow(n)).repeat(lengths).reshape(rows, n))
 
 
 def run_positions(starts: np.ndarray, lengths: np.ndarray, positions: np.ndarray) -> None:
@@ -151,7 +151,7 @@ def run_positions(starts: np.ndarray, lengths: np.ndarray, positions: np.ndarray
     small = _narrow(n)
     # Each element's offset within its row minus its run's (no broadcast: numpy's broadcasting
     # loops are several times slower than same-shape ones).
-    run_offsets = np.repeat((starts % n).astype(small), lengths).reshape(rows, n)
+    run_offsets = (starts % n).astype(small).repeat(lengths).reshape(rows, n)
     np.copyto(positions, np.subtract(_row_offsets(rows, n, small), run_offsets, out=run_offsets))
 
 
