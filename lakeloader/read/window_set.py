@@ -133,9 +133,10 @@ class WindowSet:
             counts = [len(d) for d in doc_starts]
         # Row group j's starts shifted by j * 2**32 (past any row group's tokens): one sorted array.
         shifted = np.concatenate(doc_starts)
-        shifted += np.repeat(np.arange(len(doc_starts), dtype=np.int64) << _GROUP_SHIFT, counts)
+        shifted += (np.arange(len(doc_starts), dtype=np.int64) << _GROUP_SHIFT).repeat(counts)
         begin = (k << _GROUP_SHIFT) + at
-        lo = np.searchsorted(shifted, begin, side="right")
-        count = np.maximum(np.searchsorted(shifted, begin + self.length, side="left") - lo, 0)
-        found = shifted[spans(lo, count)] - np.repeat(begin, count)
-        return np.repeat(np.arange(len(which)), count), found
+        # (the arrays' methods: numpy's function wrappers cost more than these small calls)
+        lo = shifted.searchsorted(begin, side="right")
+        count = np.maximum(shifted.searchsorted(begin + self.length, side="left") - lo, 0)
+        found = shifted[spans(lo, count)] - begin.repeat(count)
+        return np.arange(len(which)).repeat(count), found
