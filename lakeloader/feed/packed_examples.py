@@ -102,8 +102,8 @@ class PackedSet:
 
 def _picked(arrays: list[np.ndarray | None], which: np.ndarray, at: np.ndarray, missing: Any) -> Any:
     """``arrays[which[k]][at[k]]`` for each ``k`` (``missing`` where that array is None): one
-    gather when all lie in one array (a batch read in order), else item by item (a batch from
-    many row groups: a gather per array would cost more)."""
+    gather when there is one array (most batches read in order), else item by item (a shuffled
+    batch's items lie in up to one row group each)."""
     if len(arrays) == 1:
         return missing if arrays[0] is None else arrays[0][at]
     return [missing if arrays[g] is None else arrays[g][a] for g, a in zip(which.tolist(), at.tolist())]
