@@ -320,6 +320,8 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     length = batch["input_ids"].shape[1]
     counts, sizes = parts.counts, parts.sizes
     n, items = len(counts), len(sizes)
+    if not counts.all():   # (the pack planner makes none: every example holds a document)
+        raise ValueError(f"packed examples without items: rows {np.asarray(rows)[counts == 0].tolist()}")
     # The rows as runs tiling the batch: each row's items, its last one's run reaching over the
     # row's padding (few rows have any: their tails are written apart).
     row_of = np.arange(n, dtype=np.int64).repeat(counts)
