@@ -351,6 +351,11 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
         """Where the rows of field ``name`` are built: the batch's own rows, or a work array."""
         return batch[name][index] if isinstance(index, slice) else np.empty((n, length), field_dtype(name))
 
+    def clear_tails(values: np.ndarray) -> None:
+        """Zero the padded rows' padding in ``values`` (rows built by ``rows_of``)."""
+        for row, start in tails:
+            values[row, start:] = 0
+
     built: dict[str, np.ndarray] = {}
     inputs = built["input_ids"] = rows_of("input_ids")
     np.concatenate(with_padding(parts.tokens, _run(pad_id, length, np.int32)), out=inputs.reshape(-1),
@@ -358,13 +363,11 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
     if "segment_ids" in batch:   # (loader.fields)
         segment_ids = built["segment_ids"] = rows_of("segment_ids")
         fill_runs(np.arange(1, items + 1, dtype=np.int64) - row_first.repeat(counts), runs, segment_ids)   # from 1 a row
-        for row, start in tails:
-            segment_ids[row, start:] = 0
+        clear_tails(segment_ids)
     if "positions" in batch:
         positions = built["positions"] = rows_of("positions")
         run_positions(item_starts, runs, positions)   # from 0 in each item
-        for row, start in tails:
-            positions[row, start:] = 0
+        clear_tails(positions)
     # Each item's last token: its target is the document's next token if the item holds one.
     last = item_starts + sizes - 1
     targets = built["targets"] = rows_of("targets")
@@ -375,8 +378,7 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
         loss_mask = built["loss_mask"] = rows_of("loss_mask")
         if parts.trainable is None:
             loss_mask.fill(1)
-            for row, start in tails:
-                loss_mask[row, start:] = 0
+            clear_tails(loss_mask)
         else:
             trainable = np.empty((n, length), bool)
             np.concatenate(with_padding(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
