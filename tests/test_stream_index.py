@@ -121,10 +121,17 @@ def test_ranges_merge_into_runs_as_a_scan_merges_them(ranges: list[tuple[int, in
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.integers(0, 2**40), min_size=1, max_size=600), few=st.booleans())
-def test_the_row_groups_a_batch_reaches_are_those_np_unique_finds(values: list[int], few: bool) -> None:
-    # (a batch's windows reach a handful of distinct row groups, or hundreds)
+@given(values=st.lists(st.integers(0, 2**40), min_size=1, max_size=600), few=st.booleans(), many=st.booleans(),
+       in_order=st.booleans())
+def test_the_row_groups_a_batch_reaches_are_those_np_unique_finds(values: list[int], few: bool, many: bool,
+                                                                  in_order: bool) -> None:
+    # (a batch's windows reach a handful of distinct row groups, or hundreds; several batches'
+    # items, located together, are many; in order when read in order)
     array = np.array([v % 7 for v in values] if few else values, np.int64)
+    if many:
+        array = np.resize(array, 300 + len(array))
+    if in_order:
+        array.sort()
     used, inverse = distinct(array)
     expected_used, expected_inverse = np.unique(array, return_inverse=True)
     np.testing.assert_array_equal(used, expected_used)
