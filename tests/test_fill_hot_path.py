@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lakeloader.feed.concat_examples import Window, fill_windows
-from lakeloader.feed.loader import Loader
+from lakeloader.feed.loader import LOCATE_AHEAD, Loader
 from lakeloader.feed.packed_examples import Item, LazyItems, PackedExample, PackedExamples, fill_packed
-from lakeloader.feed.rows import ROW_FIELDS, ArrayPool
+from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, row_of
 from lakeloader.index.chunk_packing import ITEM_FIELDS
 from lakeloader.index.ranges import spans
 from lakeloader.read.lru import LRU
@@ -94,6 +94,54 @@ def test_located_packed_examples_fill_as_their_item_lists(lake: Path, shuffle: s
             for name in ROW_FIELDS:
                 assert np.array_equal(held[name], expected[name]), (at, name, "small arena")
         assert (batch["loss_mask"][batch["segment_ids"] > 0] == 0).any(), "some tokens should not be targets"
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full"])
+@pytest.mark.parametrize("dataset", ["web", "chat"])
+def test_packed_steps_located_together_fill_as_each_example_alone(lake: Path, dataset: str, shuffle: str) -> None:
+    """One dataset's packed training steps asked in order are located several at once (their
+    items and row layout up front, each step's rows cut from them; items that continue each
+    other where they lie and where they go written as one piece): every batch equals its
+    examples each filling its own padded row. Small batches: the steps located together lie in
+    several row groups, most steps' in one or two of them."""
+    rows = 4
+    config = _variant(lake, f"steps-{dataset}-{shuffle}", [dataset], shuffle={"kind": shuffle}, batch_size=rows)
+    blocks = joined = 0
+    with Loader(config) as loader:
+        for step in range(3 * LOCATE_AHEAD):
+            batch = loader.batch(step)
+            assert loader._located is not None
+            blocks += loader._located.steps == LOCATE_AHEAD
+            examples = loader.examples(step).examples
+            joined += bool(examples[0].items.located.joined.any())  # type: ignore[union-attr]
+            alone = _blank(batch, rows, loader.pad_id)
+            for number, example in enumerate(examples):
+                example.fill(row_of(alone, number))   # type: ignore[union-attr]
+            for name in ROW_FIELDS:
+                assert np.array_equal(alone[name], batch[name]), (step, name)
+    assert blocks >= 2 * LOCATE_AHEAD, "steps asked in order should be located several at once"
+    assert joined or shuffle == "full", "read in order, a long document's rows should be one piece"
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full"])
+@pytest.mark.parametrize("packing", ["concat", "pack"])
+def test_steps_located_together_equal_each_step_sought(lake: Path, packing: str, shuffle: str) -> None:
+    """The batches of steps asked in order (located several at once, from wherever the first
+    one was asked) equal those of the same steps asked in any order (each a seek, located
+    alone), bitwise; a mixture's steps too (their rows assigned together, each dataset's
+    examples located per step)."""
+    for datasets in (["chat"], None):
+        config = _variant(lake, f"sought-{packing}-{shuffle}-{datasets}", datasets, packing=packing,
+                          shuffle={"kind": shuffle}, batch_size=4)
+        steps = 3 * LOCATE_AHEAD
+        with Loader(config) as loader:
+            in_order = [{name: values.copy() for name, values in loader.batch(step).items()} for step in range(steps)]
+        with Loader(config) as loader:
+            for step in [5, *range(6, steps), *np.random.default_rng(7).permutation(steps).tolist()]:
+                batch = loader.batch(step)
+                assert batch.keys() == in_order[step].keys()
+                for name in batch:
+                    assert np.array_equal(batch[name], in_order[step][name]), (datasets, step, name)
 
 
 def _items_one_by_one(dataset: PackedExamples, k: int) -> list[Item]:

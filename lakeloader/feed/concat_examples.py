@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -372,6 +372,16 @@ class DatasetExamples(ShuffledDataset):
         if self.ordering == "strided":
             return self._strided_windows(js)
         return self._examples(*self.train_examples(js))
+
+    def train_block(self, js: np.ndarray) -> Callable[[int, int], Sequence[Example]]:
+        """``part(a, b)``: :meth:`train_windows` of ``js[a:b]``, for the parts of ``js`` asked
+        one by one (a loader's next steps). What a dataset can locate for all of ``js`` at once,
+        without reading tokens, it locates here, up front: windows their examples under the
+        shuffle (:class:`PackedExamples` their items too)."""
+        if self.ordering == "strided":
+            return lambda a, b: self._strided_windows(js[a:b])
+        epochs, examples = self.train_examples(js)
+        return lambda a, b: self._examples(epochs[a:b], examples[a:b])
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> LocatedWindows:
         """Windows of examples ``examples`` (of epochs ``epochs``), looked up together."""

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,22 @@ from lakeloader.read.windows import StreamReader
 from lakeloader.specs import dataset_names, mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
+
+LOCATE_AHEAD = 8   # training steps whose examples are located together, once steps are asked in order
+
+
+@dataclasses.dataclass(frozen=True)
+class LocatedSteps:
+    """Rows of training steps ``first`` to ``first + steps - 1`` of one process, assigned
+    together (each step's rows back to back): their dataset numbers and example indices, and
+    ``part(a, b)``, the examples of rows ``a`` to ``b`` when one dataset owns every row (its
+    ``train_block``; None otherwise)."""
+
+    first: int
+    steps: int
+    owners: np.ndarray
+    indices: np.ndarray
+    part: Callable[[int, int], Sequence[Example]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +165,7 @@ class Loader:
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
         self._arrays = ArrayPool()
+        self._located: LocatedSteps | None = None   # the training steps last located together
         # Training rows are written whole (concat windows; packed examples with their padding).
         self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
         # The fields beyond the row fields that every batch has (the mixture's datasets say which).
@@ -220,13 +237,49 @@ class Loader:
     def _windows(self, step: int) -> tuple[np.ndarray, Sequence[Example | None]]:
         """Each local row's dataset number (-1: past an eval pass) and example of batch ``step``
         (a dataset's :class:`~lakeloader.feed.rows.ExampleRun` as it is when it has every row)."""
-        positions = step * self.config.loader.batch_size + self.row_indices
         if self.mode == "eval":
+            positions = step * self.config.loader.batch_size + self.row_indices
             owners, indices = self.mixer.eval_assign(positions, [d.eval_count() for d in self.datasets])
-        else:
+            return owners, self._examples_of(owners, indices)
+        located = self._located_steps(step)
+        if located is None:   # a dataset still being built: this step alone
             owners, indices = self.mixer.assign(step, self.row_indices)
-        if self.mode == "train" and len(owners) and owners[0] >= 0 and bool((owners == owners[0]).all()):
-            return owners, self.datasets[int(owners[0])].train_windows(indices)
+            if owners[0] >= 0 and bool((owners == owners[0]).all()):
+                return owners, self.datasets[int(owners[0])].train_windows(indices)
+            return owners, self._examples_of(owners, indices)
+        a = (step - located.first) * self.rows
+        owners = located.owners[a : a + self.rows]
+        if located.part is not None:
+            return owners, located.part(a, a + self.rows)
+        return owners, self._examples_of(owners, located.indices[a : a + self.rows])
+
+    def _located_steps(self, step: int) -> LocatedSteps | None:
+        """The training steps from ``step`` on whose rows are assigned together and, when one
+        dataset owns them all, whose examples it locates together (``train_block``): the steps
+        last located if they hold ``step``, else :data:`LOCATE_AHEAD` steps if ``step`` follows
+        them (steps asked in order), else ``step`` alone (a seek: its first batch locates no more
+        than its own). None while a dataset is being built (locating later steps then could wait
+        for chunks this one does not need)."""
+        located = self._located   # (read once: threads building batches may replace it)
+        if located is not None and located.first <= step < located.first + located.steps:
+            return located
+        if not all(d.chunks.complete for d in self.datasets):
+            return None
+        total = self.num_batches()
+        steps = LOCATE_AHEAD if located is not None and step == located.first + located.steps else 1
+        if total is not None:
+            steps = min(steps, total - step)
+        assigned = [self.mixer.assign(s, self.row_indices) for s in range(step, step + steps)]
+        owners = np.concatenate([owners for owners, _ in assigned])
+        indices = np.concatenate([indices for _, indices in assigned])
+        one = owners[0] >= 0 and bool((owners == owners[0]).all())
+        located = LocatedSteps(step, steps, owners, indices,
+                               self.datasets[int(owners[0])].train_block(indices) if one else None)
+        self._located = located
+        return located
+
+    def _examples_of(self, owners: np.ndarray, indices: np.ndarray) -> list[Example | None]:
+        """The example of each row: example ``indices[i]`` of dataset ``owners[i]`` (-1: None)."""
         windows: list[Example | None] = [None] * len(owners)   # None: past an eval pass
         for owner in np.unique(owners[owners >= 0]).tolist():
             rows = np.flatnonzero(owners == owner)
@@ -237,7 +290,7 @@ class Loader:
                 found = examples.train_windows(indices[rows])
             for row, window in zip(rows.tolist(), found):
                 windows[row] = window
-        return owners, windows
+        return windows
 
     def check_step(self, step: int) -> None:
         """Raise :class:`StepRangeError` naming the valid steps unless batch ``step`` exists."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,6 +19,7 @@ from lakeloader.index.chunk_packing import GROUP_BITS, ITEM_FIELDS, item_table, 
 from lakeloader.index.packing import PackPlan
 from lakeloader.index.ranges import cumulative, distinct, fill_runs, locate, run_positions, spans
 from lakeloader.index.render import part_starts
+from lakeloader.index.row_layout import RowLayout, row_layout
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
 from lakeloader.read.table_arena import TableArena
@@ -43,13 +44,12 @@ class Item:
 @dataclasses.dataclass
 class PackedSet:
     """The items of packed examples located together (:meth:`PackedExamples._examples`), as
-    arrays: example ``i``'s items are ``first[i] : first[i] + counts[i]``; item ``k`` is tokens
-    ``[begin[k], end[k])`` of ``groups[group[k]]`` (one more than it writes when the document
-    goes on). A batch is filled from these without an :class:`Item` per document."""
+    arrays: example ``i``'s items are ``layout.bounds[i] : layout.bounds[i + 1]``; item ``k`` is
+    tokens ``[begin[k], end[k])`` of ``groups[group[k]]`` (one more than it writes when the
+    document goes on). A batch is filled from these without an :class:`Item` per document."""
 
     groups: list[RenderedGroup]     # the rendered row groups the items lie in, each once
-    first: np.ndarray               # int64 per example: its first item (the items run example by example)
-    counts: np.ndarray              # int64 per example: its number of items
+    layout: RowLayout               # where the items go in the examples' rows
     chunk: np.ndarray               # int64 per item: global chunk index
     doc: np.ndarray                 # int64 per item: document within the chunk
     start: np.ndarray               # int64 per item: rendered token range within the document
@@ -57,11 +57,11 @@ class PackedSet:
     group: np.ndarray               # int64 per item: index into ``groups``
     begin: np.ndarray               # int64 per item: token range within its row group
     end: np.ndarray
+    joined: np.ndarray | None = None    # bool per item but the last: the next item continues it (LocatedItems)
 
     def items(self, i: int) -> list[Item]:
         """Example ``i``'s items."""
-        a = int(self.first[i])
-        b = a + int(self.counts[i])
+        a, b = self.layout.bounds[i : i + 2].tolist()
         made = []
         for chunk, doc, start, stop, group, lo, hi in zip(*(field[a:b].tolist() for field in (
                 self.chunk, self.doc, self.start, self.stop, self.group, self.begin, self.end))):
@@ -72,41 +72,67 @@ class PackedSet:
 
     def fill_parts(self, which: list[int] | None, pad_id: int) -> FillParts:
         """:class:`FillParts` of examples ``which`` (None: every example, in order), the items
-        :meth:`items` would make."""
-        if which is None:   # every item, in order: example i's are first[i] : first[i] + counts[i]
-            counts, sizes, begin, group, end = self.counts, self.stop - self.start, self.begin, self.group, self.end
+        :meth:`items` would make; with every example, items that continue each other (``joined``)
+        are one piece."""
+        layout, joined = self.layout, self.joined
+        if which is None:   # every item, in order
+            begin, group, end = self.begin, self.group, self.end
         else:
             which_ = np.asarray(which, np.int64)
-            counts = self.counts[which_]
-            items = spans(self.first[which_], counts)
-            sizes = (self.stop - self.start)[items]
-            begin, group, end = self.begin[items], self.group[items], self.end[items]
+            counts = layout.counts[which_]
+            items = spans(layout.bounds[which_], counts)
+            layout = row_layout(counts, layout.sizes[items], layout.length)
+            begin, group, end, joined = self.begin[items], self.group[items], self.end[items], None
+        sizes = layout.sizes
         after = begin + sizes   # where each item's next token lies in its row group, if it holds one
         has_next = end > after   # (only the items of a document cut at a row's end do)
+        ahead = has_next.nonzero()[0]   # (the methods: numpy's wrappers cost more than these small arrays' work)
         every_token = [rendered.tokens for rendered in self.groups]
-        where, at, lengths = group.tolist(), begin.tolist(), sizes.tolist()
-        tokens = [every_token[g][a : a + size] for g, a, size in zip(where, at, lengths)]
-        ahead = np.flatnonzero(has_next)
-        next_token = np.full(len(sizes), pad_id, np.int32)
+        next_token = np.empty(len(sizes), np.int32)
+        next_token.fill(pad_id)
         next_token[ahead] = _picked(every_token, group[ahead], after[ahead], pad_id)
+        first = None   # each item a piece
+        if joined is not None and joined.any():   # (a long document's rows, read in order)
+            bounds = np.concatenate((_ONE_TRUE, ~joined, _ONE_TRUE)).nonzero()[0]   # the pieces' first items, then the end
+            first = bounds[:-1]
+            ends = cumulative(sizes)[bounds]
+            where, at, lengths = group[first].tolist(), begin[first].tolist(), (ends[1:] - ends[:-1]).tolist()
+        else:
+            where, at, lengths = group.tolist(), begin.tolist(), sizes.tolist()
+        tokens = [every_token[g][a : a + size] for g, a, size in zip(where, at, lengths)]
         if all(r.trainable is None for r in self.groups):
-            return FillParts(counts, sizes, tokens, None, next_token, has_next)
+            return FillParts(layout, tokens, None, next_token, has_next, first)
         everything = np.ones(max(lengths, default=0), bool)
         every_flag = [r.trainable for r in self.groups]
         flags = [every_flag[g] for g in where]
         trainable = [everything[:size] if f is None else f[a : a + size] for f, a, size in zip(flags, at, lengths)]
         last_mask = has_next.copy()
         last_mask[ahead] = _picked(every_flag, group[ahead], after[ahead], True)
-        return FillParts(counts, sizes, tokens, trainable, next_token, last_mask)
+        return FillParts(layout, tokens, trainable, next_token, last_mask, first)
+
+
+_ONE_TRUE = np.ones(1, bool)
 
 
 def _picked(arrays: list[np.ndarray | None], which: np.ndarray, at: np.ndarray, missing: Any) -> Any:
-    """``arrays[which[k]][at[k]]`` for each ``k`` (``missing`` where that array is None): one
-    gather when there is one array (most batches read in order), else item by item (a shuffled
-    batch's items lie in up to one row group each)."""
+    """``arrays[which[k]][at[k]]`` for each ``k`` (``missing`` where that array is None): a
+    gather per array when there are few (a batch read in order lies in one or two row groups),
+    else item by item (a shuffled batch's items lie in up to one row group each)."""
     if len(arrays) == 1:
         return missing if arrays[0] is None else arrays[0][at]
+    if len(arrays) <= FEW_GATHERS:
+        present = [(g, values) for g, values in enumerate(arrays) if values is not None]
+        if not present:
+            return missing
+        found = np.full(len(at), missing, present[0][1].dtype)
+        for g, values in present:
+            mine = which == g
+            found[mine] = values[at[mine]]
+        return found
     return [missing if arrays[g] is None else arrays[g][a] for g, a in zip(which.tolist(), at.tolist())]
+
+
+FEW_GATHERS = 4   # row groups up to which _picked gathers from each (a few calls each) rather than item by item
 
 
 class LazyItems(Sequence[Item]):
@@ -124,7 +150,7 @@ class LazyItems(Sequence[Item]):
         return self._made
 
     def __len__(self) -> int:
-        return int(self.located.counts[self.index])
+        return int(self.located.layout.counts[self.index])
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
         return self._items()[i]
@@ -200,18 +226,19 @@ class PackedExample(Example):
 
 
 class FillParts(NamedTuple):
-    """What :func:`fill_packed` writes, per example and per item, without an object per item."""
+    """What :func:`fill_packed` writes, per example, per item and per piece (consecutive items
+    copied as one view), without an object per item."""
 
-    counts: np.ndarray              # int64: items of each example
-    sizes: np.ndarray               # int64: tokens written per item (stop - start)
-    tokens: list[np.ndarray]        # each item's ``size`` input tokens (views)
-    trainable: list[np.ndarray] | None  # each item's ``size`` target flags; None: all targets
+    layout: RowLayout               # where the items go (their sizes: stop - start)
+    tokens: list[np.ndarray]        # each piece's input tokens (views): items first[p] to first[p + 1] - 1
+    trainable: list[np.ndarray] | None  # each piece's target flags; None: all targets
     next_token: np.ndarray          # int32: target of each item's last token (pad_id past the document)
     last_mask: np.ndarray           # bool: loss mask of each item's last token
+    first: np.ndarray | None = None     # int64: each piece's first item (None: a piece per item)
 
 
-def _parts_of_items(examples: Sequence[PackedExample], pad_id: int) -> FillParts:
-    """:class:`FillParts` of examples given by their :class:`Item` lists."""
+def _parts_of_items(examples: Sequence[PackedExample], pad_id: int, length: int) -> FillParts:
+    """:class:`FillParts` of examples given by their :class:`Item` lists, in rows of ``length``."""
     items = [item for example in examples for item in example.items]
     counts = np.array([len(example.items) for example in examples], np.int64)
     sizes = np.array([item.stop - item.start for item in items], np.int64)
@@ -226,7 +253,8 @@ def _parts_of_items(examples: Sequence[PackedExample], pad_id: int) -> FillParts
         last_mask = [more and (item.trainable is None or bool(item.trainable[size]))
                      for item, size, more in zip(items, lengths, has_next)]
     next_token = [int(item.tokens[size]) if more else pad_id for item, size, more in zip(items, lengths, has_next)]
-    return FillParts(counts, sizes, [item.tokens[:size] for item, size in zip(items, lengths)], trainable,
+    return FillParts(row_layout(counts, sizes, length), [item.tokens[:size] for item, size in zip(items, lengths)],
+                     trainable,
                      np.array(next_token, np.int32), np.array(last_mask, bool))
 
 
@@ -234,8 +262,10 @@ def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]
     """Write packed examples into rows ``rows`` of ``batch`` at once, padding included, as each
     one's :meth:`PackedExample.fill` into a padded row. Each field is written once for all rows,
     from one layout of runs tiling them (each row's items, its last item's run reaching over the
-    row's padding, if any): inputs by one concatenation of views (the items' tokens where they
-    lie in their rendered row groups, a constant run for each padded row's padding), segment ids
+    row's padding, if any: :class:`~lakeloader.index.row_layout.RowLayout`): inputs by one
+    concatenation of views (the items' tokens where they lie in their rendered row groups, items
+    that continue each other there and in the rows as one view; a constant run for each padded
+    row's padding), segment ids
     and positions run by run, then zero over the few padded rows' tails, and targets and loss
     masks as the inputs shifted by one, corrected at each item's last token (the document's next
     token, or padding at its end). Examples located together
@@ -243,17 +273,19 @@ def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]
     if not examples:
         return
     pad_id = examples[0].pad_id
+    length = batch["input_ids"].shape[1]
     sources: dict[int, tuple[PackedSet | None, list[int]]] = {}   # by located set (None: Item lists)
     for i, example in enumerate(examples):
         located = example.items.located if isinstance(example.items, LazyItems) else None
         sources.setdefault(id(located), (located, []))[1].append(i)
-    found = [_parts_of_items([examples[i] for i in mine], pad_id) if located is None else
+    found = [_parts_of_items([examples[i] for i in mine], pad_id, length) if located is None else
              located.fill_parts([examples[i].items.index for i in mine], pad_id)  # type: ignore[attr-defined]
              for located, mine in sources.values()]
-    parts = found[0] if len(found) == 1 else _merged(found, [mine for _, mine in sources.values()], len(examples))
-    in_row = _write_packed(batch, rows, parts, pad_id)
+    parts = found[0] if len(found) == 1 else _merged(found, [mine for _, mine in sources.values()], len(examples),
+                                                     length)
+    _write_packed(batch, rows, parts, pad_id)
     if "image_refs" in batch:   # few: only the items of interleaved documents carry images
-        firsts = cumulative(parts.counts)[:-1].tolist()
+        firsts, in_row = parts.layout.bounds[:-1].tolist(), parts.layout.starts % length
         for row, first, example in zip(rows, firsts, examples):
             if isinstance(example.items, LazyItems):
                 continue   # located together: no images (documents with parts are made item by item)
@@ -281,70 +313,61 @@ class LocatedPacked(ExampleRun):
 
     def fill_all(self, batch: Batch) -> None:
         """Every example into its row, as :func:`fill_packed` writes them."""
-        rows = list(range(len(self)))
         if "inputs" in batch:   # another dataset of the mixture is seq2seq: rows one by one
-            PackedExample.fill_rows(batch, rows, list(self))  # type: ignore[arg-type]
+            PackedExample.fill_rows(batch, list(range(len(self))), list(self))  # type: ignore[arg-type]
             return
-        _write_packed(batch, rows, self.located.fill_parts(None, self.pad_id), self.pad_id)
+        _write_packed(batch, range(len(self)), self.located.fill_parts(None, self.pad_id), self.pad_id)
 
 
-def _merged(found: list[FillParts], positions: list[list[int]], n: int) -> FillParts:
+def _merged(found: list[FillParts], positions: list[list[int]], n: int, length: int) -> FillParts:
     """One :class:`FillParts` of ``n`` examples from parts ``found[g]`` of the examples at
-    ``positions[g]``."""
+    ``positions[g]``, in rows of ``length``."""
     counts, first = np.empty(n, np.int64), np.empty(n, np.int64)
     base = 0
     for parts, mine in zip(found, positions):
-        counts[mine] = parts.counts
-        first[mine] = base + cumulative(parts.counts)[:-1]
-        base += len(parts.sizes)
+        assert parts.first is None, "merged parts hold a piece per item"
+        counts[mine] = parts.layout.counts
+        first[mine] = base + parts.layout.bounds[:-1]
+        base += len(parts.layout.sizes)
     order = spans(first, counts).tolist()   # every item, example by example
 
     def pick(lists: list[list[Any]]) -> list[Any]:
         every = [value for values in lists for value in values]
         return [every[k] for k in order]
 
-    sizes = np.concatenate([parts.sizes for parts in found])
+    sizes = np.concatenate([parts.layout.sizes for parts in found])
     trainable = None
     if any(parts.trainable is not None for parts in found):
         everything = np.ones(int(sizes.max()), bool)
-        trainable = pick([[everything[:size] for size in parts.sizes.tolist()] if parts.trainable is None
+        trainable = pick([[everything[:size] for size in parts.layout.sizes.tolist()] if parts.trainable is None
                           else parts.trainable for parts in found])
-    return FillParts(counts, sizes[order], pick([parts.tokens for parts in found]), trainable,
+    return FillParts(row_layout(counts, sizes[order], length), pick([parts.tokens for parts in found]), trainable,
                      np.concatenate([parts.next_token for parts in found])[order],
                      np.concatenate([parts.last_mask for parts in found])[order])
 
 
-def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) -> np.ndarray:
-    """The row fields of :func:`fill_packed` from ``parts`` (every example has an item); returns
-    where each item starts in its row."""
-    length = batch["input_ids"].shape[1]
-    counts, sizes = parts.counts, parts.sizes
-    n, items = len(counts), len(sizes)
-    if not counts.all():   # (the pack planner makes none: every example holds a document)
-        raise ValueError(f"packed examples without items: rows {np.asarray(rows)[counts == 0].tolist()}")
-    # The rows as runs tiling the batch: each row's items, its last one's run reaching over the
-    # row's padding (few rows have any: their tails are written apart).
-    row_of = np.arange(n, dtype=np.int64).repeat(counts)
-    bounds = cumulative(counts)
-    ends = cumulative(sizes)
-    row_first = bounds[:-1]
-    in_row = ends[:-1] - ends[row_first].repeat(counts)      # each item's offset in its row
-    item_starts = row_of * length + in_row                     # ... in the batch's rows, flat
-    row_last = bounds[1:] - 1
-    pads = length - (in_row[row_last] + sizes[row_last])
-    runs = sizes.copy()
-    runs[row_last] += pads
-    padded = np.flatnonzero(pads)
-    tails = list(zip(padded.tolist(), (length - pads[padded]).tolist()))   # (row, where its padding starts)
-    index: slice | np.ndarray = np.asarray(rows)
-    if rows == list(range(rows[0], rows[0] + n)):
+def _write_packed(batch: Batch, rows: Sequence[int], parts: FillParts, pad_id: int) -> None:
+    """The row fields of :func:`fill_packed` from ``parts`` into rows ``rows`` of ``batch``."""
+    layout = parts.layout
+    length, n, bounds = layout.length, len(layout.counts), layout.bounds
+    # The items' runs tile the rows, each row's last one reaching over the row's padding (few
+    # rows have any: their tails are written apart). Each padded row: (row, where its padding
+    # starts, the piece its padding goes before: the one of the item after the row's last).
+    before = bounds[layout.padded + 1]
+    if parts.first is not None:
+        before = parts.first.searchsorted(before)
+    tails = list(zip(layout.padded.tolist(), layout.pad_start.tolist(), before.tolist()))
+    index: slice | np.ndarray
+    if isinstance(rows, range) and rows.step == 1 or list(rows) == list(range(rows[0], rows[0] + n)):
         index = slice(rows[0], rows[0] + n)   # a block of rows: write into views of the batch
+    else:
+        index = np.asarray(rows)
 
-    def with_padding(per_item: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
-        """The items' arrays with each padded row's padding (a prefix of ``tail``) after its items."""
-        pieces = list(per_item)
-        for row, start in reversed(tails):
-            pieces.insert(int(bounds[row + 1]), tail[: length - start])
+    def with_padding(pieces: list[np.ndarray], tail: np.ndarray) -> list[np.ndarray]:
+        """The pieces with each padded row's padding (a prefix of ``tail``) after its items."""
+        pieces = list(pieces)
+        for _, start, at in reversed(tails):
+            pieces.insert(at, tail[: length - start])
         return pieces
 
     def rows_of(name: str) -> np.ndarray:
@@ -353,7 +376,7 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
 
     def clear_tails(values: np.ndarray) -> None:
         """Zero the padded rows' padding in ``values`` (rows built by ``rows_of``)."""
-        for row, start in tails:
+        for row, start, _ in tails:
             values[row, start:] = 0
 
     built: dict[str, np.ndarray] = {}
@@ -362,16 +385,16 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
                    casting="unsafe")
     if "segment_ids" in batch:   # (loader.fields)
         segment_ids = built["segment_ids"] = rows_of("segment_ids")
-        fill_runs(np.arange(1, items + 1, dtype=np.int64) - row_first.repeat(counts), runs, segment_ids)   # from 1 a row
+        fill_runs(layout.numbers, layout.runs, segment_ids)
         clear_tails(segment_ids)
     if "positions" in batch:
         positions = built["positions"] = rows_of("positions")
-        run_positions(item_starts, runs, positions)   # from 0 in each item
+        run_positions(layout.starts, layout.runs, positions)   # from 0 in each item
         clear_tails(positions)
     # Each item's last token: its target is the document's next token if the item holds one.
-    last = item_starts + sizes - 1
+    last = layout.starts + layout.sizes - 1
     targets = built["targets"] = rows_of("targets")
-    np.copyto(targets[:, :-1], inputs[:, 1:])
+    np.copyto(targets.reshape(-1)[:-1], inputs.reshape(-1)[1:])   # (one flat copy: each row's last is set below)
     targets[:, -1] = pad_id
     targets.reshape(-1)[last] = parts.next_token
     if "loss_mask" in batch:
@@ -381,14 +404,13 @@ def _write_packed(batch: Batch, rows: list[int], parts: FillParts, pad_id: int) 
             clear_tails(loss_mask)
         else:
             trainable = np.empty((n, length), bool)
-            np.concatenate(with_padding(parts.trainable, np.zeros(length, bool)), out=trainable.reshape(-1))
+            np.concatenate(with_padding(parts.trainable, _run(False, length, np.bool_)), out=trainable.reshape(-1))
             np.copyto(loss_mask[:, :-1], trainable[:, 1:], casting="unsafe")
             loss_mask[:, -1] = 0
         loss_mask.reshape(-1)[last] = parts.last_mask
     if not isinstance(index, slice):
         for name, values in built.items():
             batch[name][index] = values
-    return in_row
 
 
 @functools.lru_cache(maxsize=16)
@@ -397,6 +419,29 @@ def _run(value: int, length: int, dtype: type) -> np.ndarray:
     found = np.full(length, value, dtype)
     found.flags.writeable = False
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class LocatedItems:
+    """The items of examples located in their chunks' packing plans, no row group read yet:
+    a row per field of ``ITEM_FIELDS``, a column per item, the items example by example as
+    ``layout`` places them."""
+
+    columns: np.ndarray     # int64 [len(ITEM_FIELDS), items]
+    layout: RowLayout
+    joined: np.ndarray      # bool per item but the last: the next item continues it, where it lies and where it goes
+    # Items in row-group order (examples read in order): the distinct row groups and each item's.
+    groups: tuple[np.ndarray, np.ndarray] | None = None
+
+    def part(self, a: int, b: int) -> LocatedItems:
+        """Examples ``a`` to ``b`` (views)."""
+        lo, hi = self.layout.bounds[[a, b]].tolist()
+        groups = None
+        if self.groups is not None:   # (the part's row groups: a run of the distinct ones)
+            used, group = self.groups
+            first, last = group[[lo, hi - 1]].tolist()
+            groups = used[first : last + 1], group[lo:hi] - first
+        return LocatedItems(self.columns[:, lo:hi], self.layout.part(a, b), self.joined[lo : hi - 1], groups)
 
 
 ITEM_COLUMNS = 1 << 18   # items (of all chunks) whose tables a packed dataset keeps: 14 MB (7 int64 each)
@@ -473,31 +518,55 @@ class PackedExamples(DatasetExamples):
             tables.append((plan.example_bounds, item_table(plan, first_docs, chunk)))
         return tables
 
+    def train_block(self, js: np.ndarray) -> Callable[[int, int], Sequence[PackedExample]]:  # type: ignore[override]
+        """``part(a, b)``: :meth:`train_windows` of ``js[a:b]``, the items of every example of
+        ``js`` located up front, at once (:meth:`_located_items`); each part reads its row groups
+        when asked."""
+        epochs, examples = self.train_examples(js)
+        items = self._located_items(examples)
+        return lambda a, b: self._rendered(epochs[a:b], examples[a:b], items.part(a, b))
+
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
-        """Examples ``examples`` (of epochs ``epochs``), located together: their items gathered
-        from the chunks' item tables at once, then every row group of the batch looked up once,
-        up front (those not cached decode concurrently)."""
+        """Examples ``examples`` (of epochs ``epochs``), located together (:meth:`_located_items`,
+        :meth:`_rendered`)."""
         if not len(examples):
             return []
+        return self._rendered(epochs, examples, self._located_items(examples))
+
+    def _located_items(self, examples: np.ndarray) -> LocatedItems:
+        """The items of examples ``examples`` (non-empty), gathered from their chunks' item
+        tables at once, without reading a row group."""
         chunks = locate(self.example_offsets, examples)
         used_chunks, chunk_of = distinct(chunks)
-        items, counts = self._items.gather([(self.chunks.fingerprint, c) for c in used_chunks.tolist()], chunk_of,
-                                           examples - self.example_offsets[chunks], self._item_tables)
-        docs, starts, stops, begin, end, group_keys, group_docs = items
-        used, group = distinct(group_keys)
+        columns, counts = self._items.gather([(self.chunks.fingerprint, c) for c in used_chunks.tolist()], chunk_of,
+                                             examples - self.example_offsets[chunks], self._item_tables)
+        _, starts, stops, begin, _, group_keys, _ = columns
+        layout = row_layout(counts, stops - starts, self.spec.seq_len)
+        # Items that continue each other in a row group and in the rows (a long document's rows, in
+        # order) are filled as one piece.
+        joined = (group_keys[1:] == group_keys[:-1]) & (begin[1:] == begin[:-1] + layout.sizes[:-1]) & (
+            layout.starts[1:] == layout.starts[:-1] + layout.sizes[:-1])
+        in_order = bool((group_keys[1:] >= group_keys[:-1]).all())
+        return LocatedItems(columns, layout, joined, distinct(group_keys) if in_order else None)
+
+    def _rendered(self, epochs: np.ndarray, examples: np.ndarray, items: LocatedItems) -> Sequence[PackedExample]:
+        """Examples ``examples`` (of epochs ``epochs``) of located ``items``: every row group
+        they lie in looked up once, up front (those not cached decode concurrently)."""
+        docs, starts, stops, begin, end, group_keys, group_docs = items.columns
+        used, group = distinct(group_keys) if items.groups is None else items.groups
         rendered = self.reader.rendered_groups(
             self.chunks, list(zip((used >> GROUP_BITS).tolist(), (used & _GROUP_MASK).tolist())))
         last = int(used[-1])
         self.reader.look_ahead_after(self.chunks, last >> GROUP_BITS, last & _GROUP_MASK)
         item_chunk = group_keys >> GROUP_BITS
-        located = PackedSet(rendered, cumulative(counts)[:-1], counts, item_chunk, docs, starts, stops, group, begin, end)
+        located = PackedSet(rendered, items.layout, item_chunk, docs, starts, stops, group, begin, end, items.joined)
         if self.reader.template.image_kind is not None or self.seq2seq:   # items that need their parts
             # (made one by one: their row groups are cached now, each was looked up above)
             made = [self._item(chunk, group, doc_local, doc, start, stop) for chunk, group, doc_local, doc, start, stop
                     in zip(item_chunk.tolist(), (group_keys & _GROUP_MASK).tolist(), group_docs.tolist(), docs.tolist(),
                            starts.tolist(), stops.tolist())]
             return [PackedExample(self.name, e, k, made[a : a + n], self.pad_id) for e, k, a, n in zip(
-                epochs.tolist(), examples.tolist(), located.first.tolist(), located.counts.tolist())]
+                epochs.tolist(), examples.tolist(), items.layout.bounds[:-1].tolist(), items.layout.counts.tolist())]
         return LocatedPacked(self.name, epochs, examples, located, self.pad_id)
 
     def _example(self, epoch: int, k: int) -> PackedExample:
