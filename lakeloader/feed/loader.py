@@ -244,14 +244,15 @@ class Loader:
         located = self._located_steps(step)
         if located is None:   # a dataset still being built: this step alone
             owners, indices = self.mixer.assign(step, self.row_indices)
-            if owners[0] >= 0 and bool((owners == owners[0]).all()):
-                return owners, self.datasets[int(owners[0])].train_windows(indices)
-            return owners, self._examples_of(owners, indices)
-        a = (step - located.first) * self.rows
-        owners = located.owners[a : a + self.rows]
-        if located.part is not None:
-            return owners, located.part(a, a + self.rows)
-        return owners, self._examples_of(owners, located.indices[a : a + self.rows])
+        else:
+            a = (step - located.first) * self.rows
+            owners = located.owners[a : a + self.rows]
+            if located.part is not None:
+                return owners, located.part(a, a + self.rows)
+            indices = located.indices[a : a + self.rows]
+        if owners[0] >= 0 and bool((owners == owners[0]).all()):
+            return owners, self.datasets[int(owners[0])].train_windows(indices)
+        return owners, self._examples_of(owners, indices)
 
     def _located_steps(self, step: int) -> LocatedSteps | None:
         """The training steps from ``step`` on whose rows are assigned together and, when one
