@@ -318,6 +318,18 @@ def test_a_worker_killed_while_building_is_an_error_here(lake: Path) -> None:
     assert not shm_segments(os.getpid())
 
 
+def test_a_segment_a_killed_worker_left_empty_is_removed() -> None:
+    """A worker killed between creating a segment and giving it its size leaves it empty (what
+    ``shm_open`` makes before ``ftruncate``), which ``SharedMemory`` cannot map: the consumer's
+    clean-up removes it all the same, and the sized segments it removes after it."""
+    names = [f"lakeloader_{os.getpid()}_empty_test_{n}" for n in range(2)]
+    os.close(os.open(os.path.join("/dev/shm", names[0]), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    shared_memory.SharedMemory(names[1], create=True, size=64).close()
+    for name in names:
+        workers_module._unlink(name)
+    assert not shm_segments(os.getpid())
+
+
 @pytest.mark.parametrize(("how", "phase"), [("SIGKILL", "building"), ("SIGINT", "building"), ("SIGKILL", "starting")])
 def test_no_worker_or_segment_outlives_the_parent(lake: Path, tmp_path: Path, how: str, phase: str) -> None:
     """Killed or interrupted while its workers build batches, or while they are still starting

@@ -88,11 +88,19 @@ class WorkerError(LakeloaderError):
 
 
 def _unlink(name: str) -> None:
-    """Remove segment ``name`` if it still exists (its worker may have removed it already)."""
+    """Remove segment ``name`` if it still exists (its worker may have removed it already). One
+    its worker was killed between creating and sizing is empty, which ``SharedMemory`` cannot
+    map: where segments are files (Linux), that one is removed as a file."""
     try:
         segment = shared_memory.SharedMemory(name=name)
     except FileNotFoundError:
         return  # already removed by its worker: nothing left to clean
+    except ValueError:   # "cannot mmap an empty file"
+        path = os.path.join(_SHM_FOLDER, name)
+        if not os.path.isfile(path) or os.path.getsize(path):
+            raise
+        os.unlink(path)
+        return
     segment.close()
     segment.unlink()
 
