@@ -35,7 +35,8 @@ def _looped(items: list[list[int]]) -> dict[str, list[int]]:
 
 
 def _layout(items: list[list[int]]) -> RowLayout:
-    return row_layout(np.array([len(sizes) for sizes in items]), np.array([s for sizes in items for s in sizes]), LENGTH)
+    counts = np.array([len(sizes) for sizes in items])
+    return row_layout(counts, np.array([size for sizes in items for size in sizes]), LENGTH)
 
 
 def _assert_same(found: RowLayout, expected: RowLayout) -> None:

@@ -57,7 +57,7 @@ class PackedSet:
     group: np.ndarray               # int64 per item: index into ``groups``
     begin: np.ndarray               # int64 per item: token range within its row group
     end: np.ndarray
-    joined: np.ndarray | None = None    # bool per item but the last: the next item continues it (LocatedItems)
+    joined: np.ndarray              # bool per item but the last: the next item continues it (LocatedItems)
 
     def items(self, i: int) -> list[Item]:
         """Example ``i``'s items."""
@@ -93,7 +93,8 @@ class PackedSet:
         next_token[ahead] = _picked(every_token, group[ahead], after[ahead], pad_id)
         first = None   # each item a piece
         if joined is not None and joined.any():   # (a long document's rows, read in order)
-            bounds = np.concatenate((_ONE_TRUE, ~joined, _ONE_TRUE)).nonzero()[0]   # the pieces' first items, then the end
+            # The pieces' first items, then the end.
+            bounds = np.concatenate((_ONE_TRUE, ~joined, _ONE_TRUE)).nonzero()[0]
             first = bounds[:-1]
             ends = cumulative(sizes)[bounds]
             where, at, lengths = group[first].tolist(), begin[first].tolist(), (ends[1:] - ends[:-1]).tolist()
@@ -265,10 +266,9 @@ def fill_packed(batch: Batch, rows: list[int], examples: Sequence[PackedExample]
     row's padding, if any: :class:`~lakeloader.index.row_layout.RowLayout`): inputs by one
     concatenation of views (the items' tokens where they lie in their rendered row groups, items
     that continue each other there and in the rows as one view; a constant run for each padded
-    row's padding), segment ids
-    and positions run by run, then zero over the few padded rows' tails, and targets and loss
-    masks as the inputs shifted by one, corrected at each item's last token (the document's next
-    token, or padding at its end). Examples located together
+    row's padding), segment ids and positions run by run, then zero over the few padded rows'
+    tails, and targets and loss masks as the inputs shifted by one, corrected at each item's last
+    token (the document's next token, or padding at its end). Examples located together
     (:class:`PackedSet`) are read from its arrays, without an :class:`Item` per document."""
     if not examples:
         return

@@ -20,7 +20,8 @@ import numpy as np
 def cumulative(lengths: np.ndarray) -> np.ndarray:
     """Offsets ``[0, l0, l0+l1, ...]`` of consecutive pieces (length n+1)."""
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.add.accumulate(lengths, dtype=np.int64, out=out[1:])   # (np.cumsum's wrapper costs more than the sum; this runs often)
+    # (np.cumsum's wrapper costs more than the sum of a few elements; this runs often)
+    np.add.accumulate(lengths, dtype=np.int64, out=out[1:])
     return out
 
 
@@ -95,7 +96,8 @@ def locate(offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
     Empty pieces are skipped: the result is the last piece starting at or before the position.
     """
-    return np.asarray(offsets).searchsorted(positions, side="right") - 1   # (the method: np.searchsorted's wrapper costs more)
+    # (the array's method: np.searchsorted's wrapper costs more than a small search)
+    return np.asarray(offsets).searchsorted(positions, side="right") - 1
 
 
 def strided_chunk(iterator: np.ndarray, step: np.ndarray, ideal_readers: int) -> np.ndarray:

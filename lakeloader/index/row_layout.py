@@ -18,9 +18,9 @@ from lakeloader.index.ranges import cumulative
 class RowLayout:
     """Example ``i`` (row ``i``) holds items ``bounds[i] : bounds[i + 1]``; item ``k`` writes
     ``sizes[k]`` tokens from flat index ``starts[k]`` of the rows taken as one array (offset
-    ``starts[k] % length`` of its row). ``runs`` tile that array: item ``k``'s run is its size, and the last item
-    of a row also covers the row's padding (if any), which starts at ``pad_start[j]`` of row
-    ``padded[j]``."""
+    ``starts[k] % length`` of its row). ``runs`` tile that array: item ``k``'s run is its size,
+    and the last item of a row also covers the row's padding (if any), which starts at
+    ``pad_start[j]`` of row ``padded[j]``."""
 
     length: int             # tokens per row
     counts: np.ndarray      # int64 per example: its number of items (at least one)
