@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -240,6 +241,48 @@ def test_a_worker_that_cannot_open_its_loader_is_an_error_here(monkeypatch: pyte
         assert "raised in loader worker" in "".join(raised.value.__notes__)
         assert bool(built_here) == while_starting
         batches.close()
+    assert not shm_segments(os.getpid())
+
+
+class GatedLoader:
+    """A real loader whose batches after the first wait for file ``gate``, as batches waiting for
+    a chunk of a build in progress do, and that says the lake is built (``complete``) or not."""
+
+    def __init__(self, config: Path, gate: str, complete: bool) -> None:
+        self.loader, self.gate, self.complete = Loader(config), gate, complete
+
+    def batch(self, step: int, pool: Any = None) -> dict[str, np.ndarray]:
+        while step and not os.path.exists(self.gate):
+            time.sleep(0.01)
+        return self.loader.batch(step, pool)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_a_batch_built_while_the_lake_is_built_is_announced_at_once(lake: Path, tmp_path: Path,
+                                                                     complete: bool) -> None:
+    """While the lake is being built a worker announces each batch once it is built: the next one
+    may wait long for a chunk. Once the lake is built it announces them two at a time (one
+    wake-up of a waiting consumer for two), the first when the second is built too, and the last
+    one alone before it waits (odd total); the batches are the same either way."""
+    gate = tmp_path / "gate"
+    config = config_of(lake, "gated", shuffle="none")
+    batches = workers_module.worker_batches(functools.partial(GatedLoader, config, str(gate), complete),
+                                            1, 0, 5, 2)
+    got: list[dict[str, np.ndarray]] = []
+    consumer = threading.Thread(target=lambda: got.extend(batches), daemon=True)
+    consumer.start()
+    deadline = time.monotonic() + (5 if complete else 60)   # (a spawned worker starts in about a second)
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(got) == (0 if complete else 1)
+    gate.touch()
+    consumer.join(60)
+    assert not consumer.is_alive(), "the worker's last batches never came"
+    assert_batches_equal(got, [Loader(config).batch(step) for step in range(5)])
+    got.clear()
     assert not shm_segments(os.getpid())
 
 

@@ -254,6 +254,11 @@ class Loader:
             return owners, self.datasets[int(owners[0])].train_windows(indices)
         return owners, self._examples_of(owners, indices)
 
+    @property
+    def complete(self) -> bool:
+        """Whether every dataset is built: no batch waits for a chunk of a build any more."""
+        return all(d.chunks.complete for d in self.datasets)
+
     def _located_steps(self, step: int) -> LocatedSteps | None:
         """The training steps from ``step`` on whose rows are assigned together and, when one
         dataset owns them all, whose examples it locates together (``train_block``): the steps
@@ -264,7 +269,7 @@ class Loader:
         located = self._located   # (read once: threads building batches may replace it)
         if located is not None and located.first <= step < located.first + located.steps:
             return located
-        if not all(d.chunks.complete for d in self.datasets):
+        if not self.complete:
             return None
         total = self.num_batches()
         steps = LOCATE_AHEAD if located is not None and step == located.first + located.steps else 1
