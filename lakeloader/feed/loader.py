@@ -56,6 +56,13 @@ class LocatedSteps:
     part: Callable[[int, int], Sequence[Example]] | None
 
 
+def _sole_owner(owners: np.ndarray) -> int | None:
+    """The dataset that owns every row of ``owners`` (non-empty); None when several do or a row
+    is past an evaluation pass (-1)."""
+    first = int(owners[0])
+    return first if first >= 0 and bool((owners == first).all()) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoaderState:
     """Everything needed to resume: the next step and the fingerprint of what defines batches."""
@@ -250,8 +257,9 @@ class Loader:
             if located.part is not None:
                 return owners, located.part(a, a + self.rows)
             indices = located.indices[a : a + self.rows]
-        if owners[0] >= 0 and bool((owners == owners[0]).all()):
-            return owners, self.datasets[int(owners[0])].train_windows(indices)
+        sole = _sole_owner(owners)
+        if sole is not None:
+            return owners, self.datasets[sole].train_windows(indices)
         return owners, self._examples_of(owners, indices)
 
     @property
@@ -278,9 +286,9 @@ class Loader:
         assigned = [self.mixer.assign(s, self.row_indices) for s in range(step, step + steps)]
         owners = np.concatenate([owners for owners, _ in assigned])
         indices = np.concatenate([indices for _, indices in assigned])
-        one = owners[0] >= 0 and bool((owners == owners[0]).all())
+        sole = _sole_owner(owners)
         located = LocatedSteps(step, steps, owners, indices,
-                               self.datasets[int(owners[0])].train_block(indices) if one else None)
+                               None if sole is None else self.datasets[sole].train_block(indices))
         self._located = located
         return located
 

@@ -113,6 +113,7 @@ class PackedSet:
 
 
 _ONE_TRUE = np.ones(1, bool)
+FEW_GATHERS = 4   # row groups up to which _picked gathers from each (a few calls each) rather than item by item
 
 
 def _picked(arrays: list[np.ndarray | None], which: np.ndarray, at: np.ndarray, missing: Any) -> Any:
@@ -131,9 +132,6 @@ def _picked(arrays: list[np.ndarray | None], which: np.ndarray, at: np.ndarray, 
             found[mine] = values[at[mine]]
         return found
     return [missing if arrays[g] is None else arrays[g][a] for g, a in zip(which.tolist(), at.tolist())]
-
-
-FEW_GATHERS = 4   # row groups up to which _picked gathers from each (a few calls each) rather than item by item
 
 
 class LazyItems(Sequence[Item]):

@@ -20,7 +20,8 @@ itself and sends ``("release", slot)`` back only once nothing refers to them any
 caller dropped the batch and its slices: no copy); elsewhere it copies every batch out. While
 :data:`LENT` slots of a worker are still held by the caller, it copies the next batches out into
 arrays nobody else holds instead (:class:`~lakeloader.feed.rows.ArrayPool`) and releases their
-slots at once, so a caller keeping every batch never stalls the workers. A batch the caller keeps is never overwritten.
+slots at once, so a caller keeping every batch never stalls the workers. A batch the caller keeps
+is never overwritten.
 
 Shutdown. ``close()`` (also run by the iterator's ``close``, by garbage collection and at exit)
 sends ``("stop",)``, joins the workers (terminating any that do not stop) and unlinks every
