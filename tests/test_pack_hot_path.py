@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from lakeloader.feed.loader import Loader
-from lakeloader.feed.packed_examples import PackedExample, fill_packed
+from lakeloader.feed.loader import LOCATE_AHEAD, Loader
+from lakeloader.feed.packed_examples import LocatedPacked, PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
 from lakeloader.read import windows as windows_module
 
@@ -158,3 +158,49 @@ def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_
     monkeypatch.setattr(windows_module, "LOOK_AHEAD_GROUPS", 0)
     with Loader(path) as loader:
         assert_batches_equal(ahead, [loader.batch(step) for step in range(steps)])
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full"])
+@pytest.mark.parametrize("dataset", ["web", "chat"])
+def test_steps_in_order_from_cached_row_groups_equal_each_step_alone(lake: Path, tmp_path: Path, dataset: str,
+                                                                     shuffle: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the steps a loader locates together (asked in order) find every row group they need
+    cached (a second epoch), their fill parts are made once for the block and sliced for each
+    step. Every batch, and each row filled alone from the step's examples (provenance), is bitwise
+    what a loader asked each step alone makes (seeks, in reverse order), on 1 and 2 processes;
+    with one process and no shuffle, a long document's rows that continue from one step into the
+    next in a block included."""
+    config = yaml.safe_load(lake.read_text())
+    config["loader"].update(shuffle={"kind": shuffle}, batch_size=2)   # (many steps: many boundaries between them)
+    config["mixture"]["weights"] = {dataset: 1}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    blocks: list[int] = []
+    parts_of = LocatedPacked.parts_of
+    monkeypatch.setattr(LocatedPacked, "parts_of", lambda self, size: blocks.append(len(self)) or parts_of(self, size))
+    for processes in (1, 2):
+        for process in range(processes):
+            with Loader(path, process_index=process, process_count=processes) as loader:
+                epoch = loader.datasets[0].train_count() // 2
+                steps = list(range(2 * epoch + 2 * LOCATE_AHEAD + 1))
+                blocks.clear()
+                in_order = [loader.batch(step) for step in steps]
+                assert blocks and set(blocks) == {LOCATE_AHEAD * loader.rows}, (processes, blocks)
+                examples = [loader.examples(step).examples for step in steps]
+                for step in steps[epoch + LOCATE_AHEAD:]:   # (all in blocks of cached row groups)
+                    alone = _padded(in_order[step], len(examples[step]), loader.pad_id)
+                    for number, example in enumerate(examples[step]):
+                        example.fill(row_of(alone, number))   # type: ignore[union-attr]
+                    assert_batches_equal(alone, {k: v for k, v in in_order[step].items() if k in alone},
+                                         "rows filled alone", [step])
+                # A document's rows that continue across a boundary inside a block (1 + 8k, ...)
+                ends = [(examples[s][-1].items[-1], examples[s + 1][0].items[0])   # type: ignore[union-attr]
+                        for s in steps[epoch + LOCATE_AHEAD : -1] if s % LOCATE_AHEAD]
+                continued = sum((a.chunk, a.doc, a.stop) == (b.chunk, b.doc, b.start) for a, b in ends)
+                assert continued or processes > 1 or shuffle == "full", "no document continued into the next step"
+            with Loader(path, process_index=process, process_count=processes) as loader:
+                blocks.clear()
+                alone_batches = {step: loader.batch(step) for step in reversed(steps)}
+                assert not blocks
+            assert_batches_equal(in_order, [alone_batches[step] for step in steps], f"{processes} processes", steps)

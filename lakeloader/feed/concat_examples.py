@@ -373,11 +373,12 @@ class DatasetExamples(ShuffledDataset):
             return self._strided_windows(js)
         return self._examples(*self.train_examples(js))
 
-    def train_block(self, js: np.ndarray) -> Callable[[int, int], Sequence[Example]]:
+    def train_block(self, js: np.ndarray, part_size: int) -> Callable[[int, int], Sequence[Example]]:
         """``part(a, b)``: :meth:`train_windows` of ``js[a:b]``, for the parts of ``js`` asked
-        one by one (a loader's next steps). What a dataset can locate for all of ``js`` at once,
-        without reading tokens, it locates here, up front: windows their examples under the
-        shuffle (:class:`PackedExamples` their items too)."""
+        one by one (a loader's next steps: ``a`` and ``b`` multiples of ``part_size``). What a
+        dataset can locate for all of ``js`` at once, without reading tokens, it locates here, up
+        front: windows their examples under the shuffle (:class:`PackedExamples` their items too,
+        and reads them here when their row groups are cached)."""
         if self.ordering == "strided":
             return lambda a, b: self._strided_windows(js[a:b])
         epochs, examples = self.train_examples(js)

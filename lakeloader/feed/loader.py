@@ -288,7 +288,7 @@ class Loader:
         indices = np.concatenate([indices for _, indices in assigned])
         sole = _sole_owner(owners)
         located = LocatedSteps(step, steps, owners, indices,
-                               None if sole is None else self.datasets[sole].train_block(indices))
+                               None if sole is None else self.datasets[sole].train_block(indices, self.rows))
         self._located = located
         return located
 

@@ -235,6 +235,17 @@ class FillParts(NamedTuple):
     last_mask: np.ndarray           # bool: loss mask of each item's last token
     first: np.ndarray | None = None     # int64: each piece's first item (None: a piece per item)
 
+    def part(self, a: int, b: int) -> FillParts:
+        """The parts of examples ``a`` to ``b`` alone (slices), whose first item begins a piece
+        and whose last ends one (pieces cut there: :meth:`LocatedItems.cut`)."""
+        lo, hi = self.layout.bounds[[a, b]].tolist()
+        p, q, first = lo, hi, self.first
+        if first is not None:
+            p, q = first.searchsorted((lo, hi)).tolist()
+            first = first[p:q] - lo
+        return FillParts(self.layout.part(a, b), self.tokens[p:q], None if self.trainable is None else self.trainable[p:q],
+                         self.next_token[lo:hi], self.last_mask[lo:hi], first)
+
 
 def _parts_of_items(examples: Sequence[PackedExample], pad_id: int, length: int) -> FillParts:
     """:class:`FillParts` of examples given by their :class:`Item` lists, in rows of ``length``."""
@@ -300,21 +311,33 @@ class LocatedPacked(ExampleRun):
     ``located``'s ``k``): rows 0, 1, ... of a batch, filled at once from its arrays."""
 
     def __init__(self, dataset: str, epochs: np.ndarray, examples: np.ndarray, located: PackedSet,
-                 pad_id: int) -> None:
+                 pad_id: int, offset: int = 0, parts: FillParts | None = None) -> None:
         super().__init__(dataset, epochs, examples)
         self.located = located
         self.pad_id = pad_id
+        self.offset = offset    # example k is ``located``'s example offset + k
+        self.parts = parts      # what fill_all writes, if made already (a part of a block's)
 
     def example(self, k: int, epoch: int, example: int) -> PackedExample:
         """Example ``k`` as a :class:`PackedExample` (its items made on first use)."""
-        return PackedExample(self.dataset, epoch, example, LazyItems(self.located, k), self.pad_id)
+        return PackedExample(self.dataset, epoch, example, LazyItems(self.located, self.offset + k), self.pad_id)
 
     def fill_all(self, batch: Batch) -> None:
         """Every example into its row, as :func:`fill_packed` writes them."""
         if "inputs" in batch:   # another dataset of the mixture is seq2seq: rows one by one
             PackedExample.fill_rows(batch, list(range(len(self))), list(self))  # type: ignore[arg-type]
             return
-        _write_packed(batch, range(len(self)), self.located.fill_parts(None, self.pad_id), self.pad_id)
+        parts = self.located.fill_parts(None, self.pad_id) if self.parts is None else self.parts
+        _write_packed(batch, range(len(self)), parts, self.pad_id)
+
+    def parts_of(self, size: int) -> Callable[[int, int], LocatedPacked]:
+        """``part(a, b)``: examples ``a`` to ``b`` alone, ``a`` and ``b`` multiples of ``size``
+        (where the located items' pieces are cut: :meth:`LocatedItems.cut`), with their
+        :class:`FillParts` sliced from those of every example, made here once."""
+        assert self.offset == 0 and self.parts is None, "parts of a whole located set"
+        parts = self.located.fill_parts(None, self.pad_id)
+        return lambda a, b: LocatedPacked(self.dataset, self.epochs[a:b], self.examples[a:b], self.located,
+                                          self.pad_id, a, parts.part(a, b))
 
 
 def _merged(found: list[FillParts], positions: list[list[int]], n: int, length: int) -> FillParts:
@@ -441,9 +464,21 @@ class LocatedItems:
             groups = used[first : last + 1], group[lo:hi] - first
         return LocatedItems(self.columns[:, lo:hi], self.layout.part(a, b), self.joined[lo : hi - 1], groups)
 
+    def cut(self, size: int) -> LocatedItems:
+        """These items with none continuing the one before it at every ``size``-th example: the
+        pieces filled at once (``joined``) end where the parts of ``size`` examples do."""
+        joined = self.joined.copy()
+        joined[self.layout.bounds[size:-1:size] - 1] = False
+        return dataclasses.replace(self, joined=joined)
+
 
 ITEM_COLUMNS = 1 << 18   # items (of all chunks) whose tables a packed dataset keeps: 14 MB (7 int64 each)
 _GROUP_MASK = (1 << GROUP_BITS) - 1
+
+
+def _group_pairs(keys: np.ndarray) -> list[tuple[int, int]]:
+    """``(chunk, row group)`` of each row-group key (:data:`GROUP_BITS`)."""
+    return list(zip((keys >> GROUP_BITS).tolist(), (keys & _GROUP_MASK).tolist()))
 
 
 class PackedExamples(DatasetExamples):
@@ -516,12 +551,21 @@ class PackedExamples(DatasetExamples):
             tables.append((plan.example_bounds, item_table(plan, first_docs, chunk)))
         return tables
 
-    def train_block(self, js: np.ndarray) -> Callable[[int, int], Sequence[PackedExample]]:  # type: ignore[override]
-        """``part(a, b)``: :meth:`train_windows` of ``js[a:b]``, the items of every example of
-        ``js`` located up front, at once (:meth:`_located_items`); each part reads its row groups
-        when asked."""
+    def train_block(self, js: np.ndarray, part_size: int) -> Callable[[int, int], Sequence[PackedExample]]:  # type: ignore[override]
+        """``part(a, b)``: :meth:`train_windows` of ``js[a:b]`` (``a`` and ``b`` multiples of
+        ``part_size``), the items of every example of ``js`` located up front, at once
+        (:meth:`_located_items`). Each part reads its row groups when asked, but for examples
+        read in order whose row groups are all cached (an epoch after the first), whose parts are
+        made together here, once, and sliced."""
         epochs, examples = self.train_examples(js)
         items = self._located_items(examples)
+        if len(examples) > part_size and not self._items_need_parts:
+            used, group = distinct(items.columns[ITEM_FIELDS.index("group_key")]) if items.groups is None else items.groups
+            cached = self.reader.cached_groups(self.chunks, _group_pairs(used))
+            if cached is not None:
+                whole = self._rendered(epochs, examples, items.cut(part_size), (used, group, cached))
+                assert isinstance(whole, LocatedPacked)
+                return whole.parts_of(part_size)
         return lambda a, b: self._rendered(epochs[a:b], examples[a:b], items.part(a, b))
 
     def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
@@ -547,18 +591,27 @@ class PackedExamples(DatasetExamples):
         in_order = bool((group_keys[1:] >= group_keys[:-1]).all())
         return LocatedItems(columns, layout, joined, distinct(group_keys) if in_order else None)
 
-    def _rendered(self, epochs: np.ndarray, examples: np.ndarray, items: LocatedItems) -> Sequence[PackedExample]:
+    @property
+    def _items_need_parts(self) -> bool:
+        """Whether items are made with their documents' parts (images, a seq2seq split), one by one."""
+        return self.reader.template.image_kind is not None or self.seq2seq
+
+    def _rendered(self, epochs: np.ndarray, examples: np.ndarray, items: LocatedItems,
+                  groups: tuple[np.ndarray, np.ndarray, list[RenderedGroup]] | None = None) -> Sequence[PackedExample]:
         """Examples ``examples`` (of epochs ``epochs``) of located ``items``: every row group
-        they lie in looked up once, up front (those not cached decode concurrently)."""
+        they lie in looked up once, up front (those not cached decode concurrently), unless
+        ``groups`` gives them already (the distinct row-group keys, each item's, their renderings)."""
         docs, starts, stops, begin, end, group_keys, group_docs = items.columns
-        used, group = distinct(group_keys) if items.groups is None else items.groups
-        rendered = self.reader.rendered_groups(
-            self.chunks, list(zip((used >> GROUP_BITS).tolist(), (used & _GROUP_MASK).tolist())))
+        if groups is None:
+            used, group = distinct(group_keys) if items.groups is None else items.groups
+            rendered = self.reader.rendered_groups(self.chunks, _group_pairs(used))
+        else:
+            used, group, rendered = groups
         last = int(used[-1])
         self.reader.look_ahead_after(self.chunks, last >> GROUP_BITS, last & _GROUP_MASK)
         item_chunk = group_keys >> GROUP_BITS
         located = PackedSet(rendered, items.layout, item_chunk, docs, starts, stops, group, begin, end, items.joined)
-        if self.reader.template.image_kind is not None or self.seq2seq:   # items that need their parts
+        if self._items_need_parts:
             # (made one by one: their row groups are cached now, each was looked up above)
             made = [self._item(chunk, group, doc_local, doc, start, stop) for chunk, group, doc_local, doc, start, stop
                     in zip(item_chunk.tolist(), (group_keys & _GROUP_MASK).tolist(), group_docs.tolist(), docs.tolist(),

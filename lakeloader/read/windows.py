@@ -207,6 +207,12 @@ class StreamReader:
             found[i] = rendered
         return found  # type: ignore[return-value]
 
+    def cached_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[RenderedGroup] | None:
+        """:meth:`rendered_groups` of ``wanted`` if the cache holds every one (each marked as
+        just used), else None (nothing decoded)."""
+        found = self.files.cache.cached(self._rendered_keys(chunks, wanted))
+        return None if any(value is None for value in found) else found  # type: ignore[return-value]
+
     def _render_group(self, chunks: DatasetChunks, chunk: int, group: int) -> RenderedGroup:
         stored = self.files.read_row_group(chunks, chunk, group)
         parts = stored.parts
