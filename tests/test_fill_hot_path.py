@@ -327,6 +327,31 @@ def test_pool_arrays_start_at_different_page_offsets() -> None:
     assert pool.empty((64, 2048), np.int32).ctypes.data == address
 
 
+
+def test_pool_fields_of_a_batch_share_memory_reused_once_none_is_held() -> None:
+    """A batch's fields made together (``empty_fields``) are separate arrays at page offsets a few
+    cache lines apart; their memory comes back only once none of them, nor a view of one, is held."""
+    pool = ArrayPool()
+    dtypes = [np.int32, np.int32, np.float32, np.int32, np.int32]
+    fields = pool.empty_fields((64, 2048), dtypes)
+    assert [a.dtype for a in fields] == [np.dtype(d) for d in dtypes] and all(a.shape == (64, 2048) for a in fields)
+    for i, a in enumerate(fields):
+        a.fill(i)
+        assert a.flags.c_contiguous and a.flags.writeable
+        for b in fields[i + 1 :]:
+            assert not np.shares_memory(a, b)
+            gap = (a.ctypes.data - b.ctypes.data) % 4096
+            assert min(gap, 4096 - gap) >= 256 and gap % 64 == 0
+    assert [int(a[5, 7]) for a in fields] == [0, 1, 2, 3, 4]   # none overwrote another
+    addresses = [a.ctypes.data for a in fields]
+    kept = fields[3][1:]
+    del fields, a, b
+    again = pool.empty_fields((64, 2048), dtypes)
+    assert not {a.ctypes.data for a in again} & set(addresses)   # a view of one field holds them all
+    del again, kept
+    assert [a.ctypes.data for a in pool.empty_fields((64, 2048), dtypes)] == addresses   # reused
+
+
 def _content(example: Window | PackedExample) -> tuple[object, ...]:
     """What an example holds: provenance and every token."""
     if isinstance(example, Window):

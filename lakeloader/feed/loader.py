@@ -341,8 +341,10 @@ class Loader:
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
         padding = {"input_ids": self.pad_id, "targets": self.pad_id}   # (the other fields' padding is 0)
-        arrays: Batch = {name: pool.empty(shape, field_dtype(name)) if whole else
-                         pool.full(shape, padding.get(name, 0), field_dtype(name)) for name in loader.fields}
+        arrays: Batch = dict(zip(loader.fields, pool.empty_fields(shape, [field_dtype(name) for name in loader.fields])))
+        if not whole:
+            for name, values in arrays.items():
+                values.fill(padding.get(name, 0))
         if self._seq2seq:
             arrays["inputs"] = pool.full(shape, self.pad_id, np.int32)
             arrays["inputs_segment_ids"] = pool.full(shape, 0, np.int32)

@@ -168,6 +168,10 @@ class ArraySource(abc.ABC):
     def empty(self, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
         """An array of ``shape`` and ``dtype`` with unspecified contents that nobody else holds."""
 
+    def empty_fields(self, shape: tuple[int, ...], dtypes: Sequence[type | np.dtype]) -> list[np.ndarray]:
+        """An array of ``shape`` for each of ``dtypes`` (a batch's fields), as :meth:`empty` makes them."""
+        return [self.empty(shape, dtype) for dtype in dtypes]
+
     def full(self, shape: tuple[int, ...], value: Any, dtype: type | np.dtype) -> np.ndarray:
         """:meth:`empty` filled with ``value``."""
         found = self.empty(shape, dtype)
@@ -179,32 +183,42 @@ class ArrayPool(ArraySource):
     """Arrays for batches, each handed out again only once nothing outside the pool refers to it
     (no array, view, buffer or dict of the caller's): a caller never sees memory it holds reused,
     yet batches after the first cost no fresh memory (whose page faults cost more than filling
-    it). Successive arrays start at different offsets within a page: arrays of a batch's size
-    all start at the same page offset otherwise, and copying between two of them with a shift
-    of a few bytes (targets from inputs) stalls on 4K aliasing, several times slower. Thread-safe."""
+    it). The arrays of one :meth:`empty_fields` call share one allocation, reused once none of
+    them is referred to (one look-up a batch, not one a field). Successive arrays start at
+    different offsets within a page: arrays of a batch's size all start at the same page offset
+    otherwise, and copying between two of them with a shift of a few bytes (targets from inputs)
+    stalls on 4K aliasing, several times slower. Thread-safe."""
 
     def __init__(self, keep: int = 64) -> None:
-        self.keep = keep    # arrays kept per shape and dtype
-        # Per shape and dtype: each array's memory (owned by the pool) and where the array starts in it.
-        self._kept: dict[tuple[tuple[int, ...], str], list[tuple[np.ndarray, int]]] = {}
+        self.keep = keep    # allocations kept per shape and dtypes
+        # Per shape and dtypes (as asked): each allocation (owned by the pool) and where its arrays start in it.
+        self._kept: dict[tuple[tuple[int, ...], tuple[type | np.dtype, ...]], list[tuple[np.ndarray, list[int]]]] = {}
         self._made = 0
         self._lock = threading.Lock()
 
     def empty(self, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
         """An array of ``shape`` and ``dtype`` with unspecified contents that nobody else holds."""
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
+        return self.empty_fields(shape, (dtype,))[0]
+
+    def empty_fields(self, shape: tuple[int, ...], dtypes: Sequence[type | np.dtype]) -> list[np.ndarray]:
+        """An array of ``shape`` for each of ``dtypes``, with unspecified contents, that nobody
+        else holds: one allocation, handed out again once none of them is held."""
+        key = (shape, tuple(dtypes))
         with self._lock:
-            kept = self._kept.setdefault((shape, dtype.str), [])
+            kept = self._kept.setdefault(key, [])
             for i in range(len(kept)):
                 # Free when only the pool's tuple and this call's argument refer to the memory
                 # (every view of a handed-out array refers to it as its base).
                 if sys.getrefcount(kept[i][0]) == 2:
-                    owner, start = kept[i]
-                    return np.ndarray(shape, dtype, owner, start)
-            owner = np.empty(nbytes + 2 * PAGE, np.uint8)
-            start = -owner.ctypes.data % PAGE + self._made * STAGGER % PAGE
-            self._made += 1
+                    owner, starts = kept[i]
+                    return [np.ndarray(shape, dtype, owner, start) for dtype, start in zip(dtypes, starts)]
+            extents = [-(-math.prod(shape) * np.dtype(dtype).itemsize // PAGE) * PAGE + PAGE for dtype in dtypes]
+            owner = np.empty(sum(extents) + PAGE, np.uint8)
+            starts, at = [], -owner.ctypes.data % PAGE
+            for extent in extents:
+                starts.append(at + self._made * STAGGER % PAGE)
+                self._made += 1
+                at += extent
             if len(kept) < self.keep:
-                kept.append((owner, start))
-            return np.ndarray(shape, dtype, owner, start)
+                kept.append((owner, starts))
+            return [np.ndarray(shape, dtype, owner, start) for dtype, start in zip(dtypes, starts)]
