@@ -341,7 +341,7 @@ class Loader:
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
         padding = {"input_ids": self.pad_id, "targets": self.pad_id}   # (the other fields' padding is 0)
-        arrays: Batch = dict(zip(loader.fields, pool.empty_fields(shape, [field_dtype(name) for name in loader.fields])))
+        arrays: Batch = dict(zip(loader.fields, pool.empty_fields(shape, [field_dtype(n) for n in loader.fields])))
         if not whole:
             for name, values in arrays.items():
                 values.fill(padding.get(name, 0))

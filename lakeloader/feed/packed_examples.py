@@ -243,8 +243,9 @@ class FillParts(NamedTuple):
         if first is not None:
             p, q = first.searchsorted((lo, hi)).tolist()
             first = first[p:q] - lo
-        return FillParts(self.layout.part(a, b), self.tokens[p:q], None if self.trainable is None else self.trainable[p:q],
-                         self.next_token[lo:hi], self.last_mask[lo:hi], first)
+        trainable = None if self.trainable is None else self.trainable[p:q]
+        return FillParts(self.layout.part(a, b), self.tokens[p:q], trainable, self.next_token[lo:hi],
+                         self.last_mask[lo:hi], first)
 
 
 def _parts_of_items(examples: Sequence[PackedExample], pad_id: int, length: int) -> FillParts:
@@ -551,16 +552,18 @@ class PackedExamples(DatasetExamples):
             tables.append((plan.example_bounds, item_table(plan, first_docs, chunk)))
         return tables
 
-    def train_block(self, js: np.ndarray, part_size: int) -> Callable[[int, int], Sequence[PackedExample]]:  # type: ignore[override]
+    def train_block(self, js: np.ndarray,  # type: ignore[override]
+                    part_size: int) -> Callable[[int, int], Sequence[PackedExample]]:
         """``part(a, b)``: :meth:`train_windows` of ``js[a:b]`` (``a`` and ``b`` multiples of
         ``part_size``), the items of every example of ``js`` located up front, at once
-        (:meth:`_located_items`). Each part reads its row groups when asked, but for examples
-        read in order whose row groups are all cached (an epoch after the first), whose parts are
-        made together here, once, and sliced."""
+        (:meth:`_located_items`). Each part reads its row groups when asked, unless the cache
+        holds every row group of ``js``'s examples already (an epoch after the first): then they
+        are read here, and the parts' :class:`FillParts` are made together, once, and sliced."""
         epochs, examples = self.train_examples(js)
         items = self._located_items(examples)
         if len(examples) > part_size and not self._items_need_parts:
-            used, group = distinct(items.columns[ITEM_FIELDS.index("group_key")]) if items.groups is None else items.groups
+            group_keys = items.columns[ITEM_FIELDS.index("group_key")]
+            used, group = distinct(group_keys) if items.groups is None else items.groups
             cached = self.reader.cached_groups(self.chunks, _group_pairs(used))
             if cached is not None:
                 whole = self._rendered(epochs, examples, items.cut(part_size), (used, group, cached))
