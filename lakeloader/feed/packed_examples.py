@@ -443,6 +443,9 @@ def _run(value: int, length: int, dtype: type) -> np.ndarray:
     return found
 
 
+_GROUP_KEY = ITEM_FIELDS.index("group_key")   # the row of LocatedItems.columns holding each item's row-group key
+
+
 @dataclasses.dataclass(frozen=True)
 class LocatedItems:
     """The items of examples located in their chunks' packing plans, no row group read yet:
@@ -464,6 +467,10 @@ class LocatedItems:
             first, last = group[[lo, hi - 1]].tolist()
             groups = used[first : last + 1], group[lo:hi] - first
         return LocatedItems(self.columns[:, lo:hi], self.layout.part(a, b), self.joined[lo : hi - 1], groups)
+
+    def row_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct row-group keys the items lie in (ascending) and each item's index into them."""
+        return distinct(self.columns[_GROUP_KEY]) if self.groups is None else self.groups
 
     def cut(self, size: int) -> LocatedItems:
         """These items with none continuing the one before it at every ``size``-th example: the
@@ -562,8 +569,7 @@ class PackedExamples(DatasetExamples):
         epochs, examples = self.train_examples(js)
         items = self._located_items(examples)
         if len(examples) > part_size and not self._items_need_parts:
-            group_keys = items.columns[ITEM_FIELDS.index("group_key")]
-            used, group = distinct(group_keys) if items.groups is None else items.groups
+            used, group = items.row_groups()
             cached = self.reader.cached_groups(self.chunks, _group_pairs(used))
             if cached is not None:
                 whole = self._rendered(epochs, examples, items.cut(part_size), (used, group, cached))
@@ -606,7 +612,7 @@ class PackedExamples(DatasetExamples):
         ``groups`` gives them already (the distinct row-group keys, each item's, their renderings)."""
         docs, starts, stops, begin, end, group_keys, group_docs = items.columns
         if groups is None:
-            used, group = distinct(group_keys) if items.groups is None else items.groups
+            used, group = items.row_groups()
             rendered = self.reader.rendered_groups(self.chunks, _group_pairs(used))
         else:
             used, group, rendered = groups
