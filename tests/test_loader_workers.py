@@ -23,6 +23,7 @@ import yaml
 
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
+from lakeloader.feed.packed_examples import LocatedPacked
 from lakeloader.feed.rows import ROW_FIELDS
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.slots import Layout, Slots, field_of
@@ -192,6 +193,32 @@ def test_resume_with_workers_equals_the_tail(lake: Path) -> None:
     config = config_of(lake, "resume-2", shuffle="full", workers=2, prefetch=1)
     for start in (3, 7):
         assert_batches_equal(from_workers(config, start, STEPS - start), reference[start:])
+    assert not shm_segments(os.getpid())
+
+
+@pytest.mark.parametrize("shuffle", ["none", "full"])
+def test_packed_workers_past_the_first_epoch_give_the_batches_of_steps_asked_alone(
+        lake: Path, shuffle: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the first epoch a worker's loader finds its blocks' row groups cached and makes each
+    block's fill parts once (asked in a worker's runs of :data:`BLOCK` steps, it uses half of each
+    block): two workers' batches over an epoch and a half are bitwise those of one loader asked
+    every step alone (seeks, in reverse order)."""
+    config = config_of(lake, f"epochs-{shuffle}-0", packing="pack", shuffle=shuffle)
+    with Loader(config) as loader:
+        steps = range(loader.datasets[0].train_count() // 8 * 3 // 2)
+        alone = {step: loader.batch(step) for step in reversed(steps)}
+    reference = [alone[step] for step in steps]
+    # In this process, the steps a worker of two builds take the cached blocks' path here too.
+    blocks: list[int] = []
+    parts_of = LocatedPacked.parts_of
+    monkeypatch.setattr(LocatedPacked, "parts_of", lambda self, size: blocks.append(len(self)) or parts_of(self, size))
+    mine = [step for step in steps if step // workers_module.BLOCK % 2 == 0]
+    with Loader(config) as loader:
+        assert_batches_equal([loader.batch(step) for step in mine], [reference[step] for step in mine],
+                             "a worker's steps", mine)
+    assert blocks, "no block of cached row groups"
+    workers = config_of(lake, f"epochs-{shuffle}-2", packing="pack", shuffle=shuffle, workers=2, prefetch=3)
+    assert_batches_equal(from_workers(workers, 0, len(steps)), reference, "two workers", steps)
     assert not shm_segments(os.getpid())
 
 
