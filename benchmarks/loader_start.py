@@ -10,7 +10,7 @@ N ...`` it measures the same on copies of the lake's catalog grown to N chunks e
 chunks repeated: :mod:`lakeloader.demo.many_chunks`; the chunk files are shared).
 
 With ``verify: checksum`` a process hashes each chunk file it opens unless an earlier process on
-the machine recorded it unchanged since (:mod:`lakeloader.read.hash_records`): by default one
+the machine recorded it unchanged since (:mod:`lakeloader.catalog.hash_records`): by default one
 unmeasured run per case comes first, as a resumed run finds the machine; ``--first-on-machine``
 clears the records before every run instead, so that each one hashes its files.
 

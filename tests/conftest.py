@@ -20,6 +20,8 @@ import pytest
 import yaml
 import zstandard
 
+from lakeloader.catalog.pointer import seal_pointer
+from lakeloader.catalog.reader_index import TABLES, index_file
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
@@ -136,6 +138,22 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     # Beside the test's tmp_path, not in it: tests list what they write there.
     monkeypatch.setenv("LAKELOADER_CACHE", str(tmp_path_factory.mktemp("cache")))
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+
+
+def reseal_snapshot(lake_root: Path) -> dict[str, Any]:
+    """Make the lake's CURRENT pointer vouch for its snapshot files as they are now, as someone who
+    altered them and knows lakeloader would (the pointer's checksums guard against damage, not
+    against a writer of the lake): for tests of what a reader does with an altered catalog. Returns
+    the new pointer."""
+    current = lake_root / "_catalog" / "CURRENT"
+    pointer = {k: v for k, v in json.loads(current.read_bytes()).items() if k != "checksum"}
+    files = {"catalog": pointer["file"]}
+    if isinstance(pointer.get("reader_index"), dict):
+        files |= {table: index_file(pointer["reader_index"]["prefix"], table) for table in TABLES}
+    pointer["sha256"] = {key: hashlib.sha256((lake_root / "_catalog" / name).read_bytes()).hexdigest()
+                         for key, name in files.items() if (lake_root / "_catalog" / name).exists()}
+    current.write_bytes(seal_pointer(pointer))
+    return json.loads(current.read_bytes())
 
 
 def lake_documents(config_path: Path, dataset: str) -> list[list[int]]:

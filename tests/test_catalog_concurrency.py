@@ -6,6 +6,7 @@ processes, real DuckDB, real Parquet) and acts on the lake from other processes 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -161,7 +162,8 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
         wait_until(lambda: read_pointer(lake) is not None, proc, log, "the first snapshot")
         while proc.poll() is None:
             pointer = read_pointer(lake)
-            assert set(pointer) == {"version", "file", "reader_index", "published_at", "build_id", "lake_id"}
+            assert set(pointer) == {"version", "file", "reader_index", "sha256", "published_at", "build_id",
+                                    "lake_id", "checksum"}
             assert pointer["file"] == f"catalog-{pointer['version']:06d}.duckdb"
             assert pointer["reader_index"] == {"prefix": f"catalog-{pointer['version']:06d}", "format": INDEX_FORMAT}
             # The reader index CURRENT names is whole, and says what its snapshot says.
@@ -170,6 +172,9 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
             assert pointer["build_id"] == 1
             path = lake_root / "_catalog" / pointer["file"]
             assert path.is_file()
+            # CURRENT gives each file's sha256 as published (none is written after the pointer).
+            for key, name in {"catalog": pointer["file"], **index_files}.items():
+                assert hashlib.sha256((lake_root / "_catalog" / name).read_bytes()).hexdigest() == pointer["sha256"][key]
             con = duckdb.connect(str(path), read_only=True)  # the file CURRENT names, as it is
             try:
                 committed, planned = con.execute(

@@ -21,7 +21,7 @@ from lakeloader.cli import main
 from lakeloader.contracts.errors import CatalogError
 from lakeloader.read.catalog_view import CatalogView
 
-from conftest import Lakes, global_batches, stdlib_texts
+from conftest import Lakes, global_batches, reseal_snapshot, stdlib_texts
 
 SECRET = "a colleague's private note 0451"
 
@@ -208,12 +208,15 @@ def test_sql_during_a_build_in_this_process_reads_the_snapshot_not_the_writer(ow
 
 
 def plant(path: Path, statement: str) -> None:
-    """Alter a published catalog file as a colleague with write access to the lake could."""
+    """Alter a published catalog file as a colleague with write access to the lake could (a
+    snapshot's checksum in CURRENT sealed again: they guard against damage, not a lake's writer)."""
     con = duckdb.connect(str(path))
     try:
         con.execute(statement)
     finally:
         con.close()
+    if path.parent.name == "_catalog":
+        reseal_snapshot(path.parent.parent)
 
 
 def test_batches_never_run_a_view_planted_in_the_snapshot(built: Path, own: dict[str, Path],

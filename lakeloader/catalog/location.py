@@ -10,7 +10,24 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, WRITER_CATALOG
+from lakeloader.contracts.errors import CatalogIntegrityError
 from lakeloader.storage import is_local
+
+_FORBIDDEN_CHARACTERS = ("\\", "\x00", ":")
+
+
+def checked_name(relative: str, url: str = "the lake") -> str:
+    """``relative`` if it is a name inside the lake (slash-separated parts, none empty, ``.`` or
+    ``..``, no backslash, colon or NUL): every path a reader takes from a lake's files goes
+    through here before it is joined to anything, so a damaged or hostile catalog can name no
+    file outside the lake (nor, for a remote lake, outside its local cache)."""
+    parts = relative.split("/") if isinstance(relative, str) else [""]
+    if any(part in ("", ".", "..") for part in parts) or any(c in relative for c in _FORBIDDEN_CHARACTERS):
+        raise CatalogIntegrityError(
+            f"the catalog of lake {url} names the file {relative!r}, which is not a name inside the lake: "
+            "the catalog was altered or damaged; read only lakes from people you trust, and rebuild this "
+            "one (lakeloader build CONFIG into a new lake) or restore it from a trusted copy")
+    return relative
 
 
 def default_cache_dir() -> str:
@@ -38,12 +55,12 @@ class LakeLocation:
         return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
 
     def path_of(self, relative: str) -> str:
-        """Filesystem path (for ``self.fs``) of a lake-relative path."""
-        return f"{self.root.rstrip('/')}/{relative}"
+        """Filesystem path (for ``self.fs``) of a lake-relative path (``checked_name``)."""
+        return f"{self.root.rstrip('/')}/{checked_name(relative, self.url)}"
 
     def url_of(self, relative: str) -> str:
-        """Full URL (or absolute local path) of a lake-relative path."""
-        return f"{self.url.rstrip('/')}/{relative}"
+        """Full URL (or absolute local path) of a lake-relative path (``checked_name``)."""
+        return f"{self.url.rstrip('/')}/{checked_name(relative, self.url)}"
 
     @property
     def writer_catalog_path(self) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.catalog.sql import query
+from lakeloader.contracts.errors import CatalogIntegrityError
 
 INDEX_FORMAT = 1   # in the CURRENT pointer: a reader uses only an index of the format it reads
 TABLES = ("chunks", "row_groups", "examples")
@@ -111,16 +112,72 @@ def _column(table: pa.Table, name: str) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
+# The columns the lookups below read, each with the test its type must pass.
+_COLUMNS: dict[str, dict[str, Callable[[pa.DataType], bool]]] = {
+    "chunks": {"global_index": pa.types.is_int64, "num_docs": pa.types.is_integer, "num_tokens": pa.types.is_integer,
+               "committed": pa.types.is_boolean, "num_parts": pa.types.is_list, "path": pa.types.is_string,
+               "num_bytes": pa.types.is_integer, "checksum": pa.types.is_string, "shard_index": pa.types.is_integer},
+    "row_groups": {"global_index": pa.types.is_int64, "num_docs": pa.types.is_integer,
+                   "num_tokens": pa.types.is_integer, "num_parts": pa.types.is_list},
+    "examples": {"global_index": pa.types.is_int64, "num_examples": pa.types.is_integer},
+}
+
+
+def _check_columns(name: str, table: pa.Table) -> None:
+    """A ValueError unless ``table`` has the columns the lookups read, of their types."""
+    for column, is_kind in _COLUMNS[name].items():
+        index = table.schema.get_field_index(column)
+        if index < 0 or not is_kind(table.schema.field(index).type):
+            raise ValueError(f"{name} has no column {column} of the type lakeloader writes")
+
+
+def _rows(value: Any, table: pa.Table) -> tuple[int, int]:
+    """``value`` as the [first, end) rows of ``table`` it must be (a ValueError if not)."""
+    first, end = value
+    if not (type(first) is int and type(end) is int and 0 <= first <= end <= table.num_rows):
+        raise ValueError(f"rows {value!r} are not a range of the {table.num_rows} rows")
+    return first, end
+
+
+def _strings(value: Any) -> list[str]:
+    if not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+        raise ValueError(f"{value!r} is not a list of strings")
+    return value
+
+
+def _indexed_dataset(d: dict[str, Any], tables: dict[str, pa.Table]) -> IndexedDataset:
+    """One dataset's entry of the index's metadata, every value checked for its type and range."""
+    text = {key: d[key] for key in ("fingerprint", "token_type", "tokenizer_path")}
+    if not all(isinstance(value, str) for value in text.values()) or not isinstance(d["source"], (str, type(None))):
+        raise ValueError(f"a dataset's names are not strings: {d!r}")
+    examples = {key: _rows(rows, tables["examples"]) for key, rows in d["examples"].items()}
+    return IndexedDataset(text["fingerprint"], text["token_type"], _strings(d["fields"]), d["source"],
+                          text["tokenizer_path"], _rows(d["chunks"], tables["chunks"]),
+                          _rows(d["row_groups"], tables["row_groups"]), examples,
+                          frozenset(_strings(d["packing_plans"])))
+
+
 class ReaderIndex:
-    """A published snapshot's reader index, memory-mapped: immutable, safe to share by threads."""
+    """A published snapshot's reader index, memory-mapped: immutable, safe to share by threads.
+
+    Its files are those the pointer vouches for (their sha256 checked before they get here); the
+    arrays and their metadata are still checked for what the lookups rely on (valid Arrow data,
+    row ranges inside the tables), so even a file altered with a matching checksum gives a clear
+    error, never a crash or a read outside its arrays."""
 
     def __init__(self, paths: dict[str, str]) -> None:
-        self.tables = {table: _mapped(paths[table]) for table in TABLES}
-        metadata = json.loads(self.tables["chunks"].schema.metadata[_METADATA_KEY])
-        self.datasets = {name: IndexedDataset(
-            d["fingerprint"], d["token_type"], list(d["fields"]), d["source"], d["tokenizer_path"],
-            tuple(d["chunks"]), tuple(d["row_groups"]), {key: tuple(rows) for key, rows in d["examples"].items()},
-            frozenset(d["packing_plans"])) for name, d in metadata["datasets"].items()}
+        try:
+            self.tables = {table: _mapped(paths[table]) for table in TABLES}
+            for name, table in self.tables.items():
+                _check_columns(name, table)
+                table.validate(full=True)
+            metadata = json.loads(self.tables["chunks"].schema.metadata[_METADATA_KEY])
+            self.datasets = {name: _indexed_dataset(d, self.tables) for name, d in metadata["datasets"].items()}
+        except (pa.ArrowException, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CatalogIntegrityError(
+                f"the reader index {paths['chunks'].removesuffix('.chunks.arrow')}.*.arrow is not as lakeloader "
+                f"writes it ({type(exc).__name__}: {exc}): the lake was altered; read only lakes from people you "
+                "trust, and if this lake is yours `lakeloader build CONFIG` publishes a whole catalog again") from exc
 
     def plan(self, name: str) -> tuple[str, str, list[str], str | None] | None:
         """Dataset ``name``'s (fingerprint, token_type, part kinds, source dataset), as the

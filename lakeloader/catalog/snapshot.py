@@ -2,13 +2,14 @@
 
 Layout: ``<lake>/_catalog/catalog-<version>.duckdb``, its reader index
 ``catalog-<version>.<table>.arrow`` (catalog/reader_index.py), plus ``<lake>/_catalog/CURRENT``, a
-small JSON pointer replaced atomically after the snapshot and index it names are complete.
+small JSON pointer replaced atomically after the snapshot and index it names are complete. The
+pointer gives each of those files' sha256 and is sealed by a checksum of its own
+(catalog/pointer.py): a reader opens only files whose bytes are those published.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import re
@@ -20,29 +21,46 @@ from typing import Any, TypeVar
 import duckdb
 import pyarrow as pa
 
+from lakeloader.catalog.hash_records import HashRecords
 from lakeloader.catalog.location import LakeLocation
+from lakeloader.catalog.pointer import (
+    CATALOG_FILE,
+    POINTER,
+    parse_pointer,
+    seal_pointer,
+    snapshot_file,
+    snapshot_prefix,
+)
 from lakeloader.catalog.reader_index import ATTACHED, INDEX_FORMAT, TABLES, ReaderIndex, index_file, write_reader_index
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import catalog_failure, connect_reader
-from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError
-from lakeloader.storage import is_transient, remove_quietly, write_atomically, write_failure
+from lakeloader.config import SqlConfig
+from lakeloader.contracts.errors import CatalogError, CatalogIntegrityError, CatalogNotPublishedError
+from lakeloader.storage import is_transient, remove_quietly, sha256_of, write_atomically, write_failure
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_DIR = "_catalog"
-POINTER = f"{SNAPSHOT_DIR}/CURRENT"
 KEEP_SNAPSHOTS = 3
 SNAPSHOT_BLOCK_SIZE = 16384
 _CACHED = re.compile(r"catalog-(\d+)\.(?:duckdb|\w+\.arrow)")   # a whole cached copy (not a download's .tmp-)
 T = TypeVar("T")
 
 
-def read_pointer(lake: LakeLocation) -> dict[str, Any] | None:
-    """The CURRENT pointer of the lake's published catalog, or None if nothing is published."""
+def read_pointer(lake: LakeLocation, sealed: bool = True) -> dict[str, Any] | None:
+    """The CURRENT pointer of the lake's published catalog, checked (``parse_pointer``; a build
+    passes ``sealed=False`` to take one published before checksums), or None if nothing is
+    published."""
     try:
-        return json.loads(lake.fs.cat_file(lake.path_of(POINTER)))
+        data = lake.fs.cat_file(lake.path_of(POINTER))
     except FileNotFoundError:
         return None
+    return parse_pointer(data, lake.url_of(POINTER), TABLES, INDEX_FORMAT, sealed)
+
+
+def _sha256_file(path: str) -> str:
+    with open(path, "rb") as handle:
+        return sha256_of(handle)
 
 
 def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str, index_target: Callable[[str], str]) -> None:
@@ -80,10 +98,10 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
     The copy records its own version, and the pointer the lake id, so that a build can tell
     whether a local catalog belongs to this lake and is as new as its newest snapshot.
     """
-    pointer = read_pointer(lake)
+    pointer = read_pointer(lake, sealed=False)
     version = (pointer["version"] + 1) if pointer else 1
-    name, prefix = f"catalog-{version:06d}.duckdb", f"catalog-{version:06d}"
-    files = {"catalog": name, **{table: index_file(prefix, table) for table in TABLES}}
+    name, prefix = snapshot_file(version), snapshot_prefix(version)
+    files = {CATALOG_FILE: name, **{table: index_file(prefix, table) for table in TABLES}}
     con.execute(query("set_lake_meta"), {"key": "published_version", "value": str(version)})
     lake_id, _ = catalog_identity(con)
     target = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
@@ -93,12 +111,13 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
     for path in temporary.values():
         remove_quietly(path)
     try:
-        _copy_catalog(con, temporary["catalog"], temporary.__getitem__)
-        for key in (*TABLES, "catalog"):   # the catalog file last: one in the lake has its index
+        _copy_catalog(con, temporary[CATALOG_FILE], temporary.__getitem__)
+        checksums = {key: _sha256_file(path) for key, path in temporary.items()}
+        for key in (*TABLES, CATALOG_FILE):   # the catalog file last: one in the lake has its index
             _place(lake, temporary[key], f"{SNAPSHOT_DIR}/{files[key]}")
         payload = {"version": version, "file": name, "reader_index": {"prefix": prefix, "format": INDEX_FORMAT},
-                   "published_at": time.time(), "build_id": build_id, "lake_id": lake_id}
-        write_atomically(lake.url_of(POINTER), json.dumps(payload).encode(), lake.storage_options)
+                   "sha256": checksums, "published_at": time.time(), "build_id": build_id, "lake_id": lake_id}
+        write_atomically(lake.url_of(POINTER), seal_pointer(payload), lake.storage_options)
     except duckdb.Error as exc:
         raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
     except OSError as exc:
@@ -106,13 +125,13 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
             raise  # retried by the caller
         raise write_failure("publishing the catalog snapshot", target, exc) from exc
     finally:
-        for leftover in [*temporary.values(), f"{temporary['catalog']}.wal"]:  # never left half-written
+        for leftover in [*temporary.values(), f"{temporary[CATALOG_FILE]}.wal"]:  # never left half-written
             remove_quietly(leftover)
     for old in range(max(1, version - KEEP_SNAPSHOTS - 5), version - KEEP_SNAPSHOTS + 1):
-        stale = lake.path_of(f"{SNAPSHOT_DIR}/catalog-{old:06d}.duckdb")
+        stale = lake.path_of(f"{SNAPSHOT_DIR}/{snapshot_file(old)}")
         if lake.fs.exists(stale):   # its index first: a version without its catalog file is gone whole
             for table in TABLES:
-                index = lake.path_of(f"{SNAPSHOT_DIR}/{index_file(f'catalog-{old:06d}', table)}")
+                index = lake.path_of(f"{SNAPSHOT_DIR}/{index_file(snapshot_prefix(old), table)}")
                 if lake.fs.exists(index):
                     lake.fs.rm_file(index)
             lake.fs.rm_file(stale)
@@ -141,14 +160,18 @@ def _newest(lake: LakeLocation, open_published: Callable[[dict[str, Any]], T]) -
         try:
             return open_published(pointer)
         except (FileNotFoundError, duckdb.Error, CatalogError, pa.ArrowInvalid) as exc:
+            if attempt == 2 and isinstance(exc, CatalogIntegrityError):
+                raise
             if attempt == 2:
                 raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
     raise AssertionError("unreachable")
 
 
-def open_snapshot(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckdb.DuckDBPyConnection, int]:
+def open_snapshot(lake: LakeLocation, analyst_views: bool = True,
+                  sql: SqlConfig | None = None) -> tuple[duckdb.DuckDBPyConnection, int]:
     """A read-only connection to the lake's newest published catalog, and its version (with the
-    analyst views of catalog/views.sql unless ``analyst_views`` is false: ``connect_reader``).
+    analyst views of catalog/views.sql unless ``analyst_views`` is false, within the limits of
+    ``sql``: ``connect_reader``).
 
     The connection is ``connect_reader``'s: it runs no SQL stored in the snapshot and reaches
     nothing outside it, whoever wrote the lake.
@@ -156,19 +179,20 @@ def open_snapshot(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckd
     Remote lakes' snapshots are copied into the local cache first (DuckDB opens local files).
     A snapshot pruned between reading the pointer and opening it is retried once.
     """
-    con, pointer = connect_newest(lake, analyst_views)
+    con, pointer = connect_newest(lake, analyst_views, sql)
     return con, int(pointer["version"])
 
 
-def connect_newest(lake: LakeLocation, analyst_views: bool = True) -> tuple[duckdb.DuckDBPyConnection, dict[str, Any]]:
+def connect_newest(lake: LakeLocation, analyst_views: bool = True,
+                   sql: SqlConfig | None = None) -> tuple[duckdb.DuckDBPyConnection, dict[str, Any]]:
     """:func:`open_snapshot`'s connection, with the CURRENT pointer of the snapshot it reads."""
-    return _newest(lake, lambda pointer: (connect_pointer(lake, pointer, analyst_views), pointer))
+    return _newest(lake, lambda pointer: (connect_pointer(lake, pointer, analyst_views, sql), pointer))
 
 
-def connect_pointer(lake: LakeLocation, pointer: dict[str, Any],
-                    analyst_views: bool = True) -> duckdb.DuckDBPyConnection:
+def connect_pointer(lake: LakeLocation, pointer: dict[str, Any], analyst_views: bool = True,
+                    sql: SqlConfig | None = None) -> duckdb.DuckDBPyConnection:
     """``connect_reader`` of the snapshot ``pointer`` names (a FileNotFoundError once pruned)."""
-    return connect_reader(local_snapshot(lake, pointer), analyst_views)
+    return connect_reader(local_snapshot(lake, pointer), analyst_views, sql)
 
 
 def open_reader_index(lake: LakeLocation) -> tuple[dict[str, Any], ReaderIndex | None]:
@@ -180,27 +204,43 @@ def open_reader_index(lake: LakeLocation) -> tuple[dict[str, Any], ReaderIndex |
         index = pointer.get("reader_index")
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
             return pointer, None   # an older lakeloader's snapshot, or a newer one's format: SQL
-        prefix = index["prefix"]
-        files = {table: local_snapshot(lake, pointer, index_file(prefix, table)) for table in TABLES}
+        files = {table: local_snapshot(lake, pointer, table) for table in TABLES}
         return pointer, ReaderIndex(files)
 
     return _newest(lake, open_index)
 
 
-def local_snapshot(lake: LakeLocation, pointer: dict[str, Any], name: str | None = None) -> str:
-    """Local path of the snapshot ``pointer`` names, or of its file ``name`` (downloaded into the
-    cache for remote lakes).
+def _published_file(pointer: dict[str, Any], key: str) -> str:
+    """The name in ``_catalog/`` of the snapshot file ``key`` (CATALOG_FILE or a reader-index table)."""
+    return pointer["file"] if key == CATALOG_FILE else index_file(pointer["reader_index"]["prefix"], key)
 
+
+def _mismatch(lake: LakeLocation, pointer: dict[str, Any], key: str) -> CatalogIntegrityError:
+    return CatalogIntegrityError(
+        f"the published catalog file {lake.url_of(f'{SNAPSHOT_DIR}/{_published_file(pointer, key)}')} is damaged "
+        f"or was altered: its sha256 is not the one {lake.url_of(POINTER)} gives. If this lake is yours, "
+        "`lakeloader build CONFIG` publishes a whole catalog again; read only lakes from people you trust")
+
+
+def local_snapshot(lake: LakeLocation, pointer: dict[str, Any], key: str = CATALOG_FILE) -> str:
+    """Local path of the snapshot ``pointer`` names, or of its reader index's table ``key``
+    (downloaded into the cache for remote lakes), whose bytes have the sha256 the pointer gives
+    (a CatalogIntegrityError naming the file if not).
+
+    A local lake's file is hashed once per machine while it is unchanged (``HashRecords``); a
+    remote lake's is hashed as it is downloaded, and only a copy that matches enters the cache.
     Cached copies are kept per lake id: a lake re-created at the same URL numbers its snapshots
     from 1 again, and must never be read through the old lake's copies. Copies of versions the
     lake itself no longer keeps are deleted as a newer one arrives (a reader following a build
     fetches each version it reads).
     """
-    name = name or pointer["file"]
+    # Only a build takes a pointer without checksums (``read_pointer``): it adopts that snapshot as is.
+    name, expected = _published_file(pointer, key), pointer.get("sha256", {}).get(key)
     remote = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
     if lake.is_local:
-        if not os.path.exists(remote):
-            raise FileNotFoundError(remote)
+        with open(remote, "rb") as handle:   # FileNotFoundError once pruned
+            if expected is not None and HashRecords(lake.cache_dir).sha256(remote, handle, expected) != expected:
+                raise _mismatch(lake, pointer, key)
         return remote
     local = os.path.join(lake.cache_dir, "snapshots", pointer.get("lake_id") or "no-lake-id", name)
     if not os.path.exists(local):
@@ -209,6 +249,8 @@ def local_snapshot(lake: LakeLocation, pointer: dict[str, Any], name: str | None
         temporary = f"{local}.tmp-{uuid.uuid4().hex}"
         try:
             lake.fs.get_file(remote, temporary)
+            if expected is not None and _sha256_file(temporary) != expected:
+                raise _mismatch(lake, pointer, key)
             os.replace(temporary, local)
         finally:
             if os.path.exists(temporary):

@@ -34,12 +34,22 @@ class CatalogNotPublishedError(CatalogError):
     """The lake has no published catalog snapshot yet (its first build has not published one)."""
 
 
+class CatalogIntegrityError(CatalogError):
+    """A file of the lake's published catalog (its pointer, a snapshot, a reader index) is damaged
+    or was altered: it fails its checksum, is not as lakeloader writes it, or names a path outside
+    the lake. The message names the file and what to do."""
+
+
 class ChunkIntegrityError(LakeloaderError):
     """A chunk file is missing or does not match its catalog record."""
 
 
 class StorageUnavailableError(LakeloaderError):
     """Object storage stayed unreachable past the configured retry deadline."""
+
+
+class BucketNotFoundError(LakeloaderError):
+    """The object-store bucket of a lake's URL does not exist (or the credentials cannot see it)."""
 
 
 class StepRangeError(LakeloaderError, IndexError):
@@ -49,3 +59,8 @@ class StepRangeError(LakeloaderError, IndexError):
 class LakeWriteError(LakeloaderError):
     """Writing into the lake or its catalog failed (disk full, read-only, no permission); the
     message names the file and what to do. Raised inside Dask tasks: the message is its only argument."""
+
+
+class QueryLimitError(CatalogError):
+    """A query on the catalog ran past a limit of the config's ``sql`` section (its time or
+    memory) and was stopped; the message names the key to raise."""

@@ -13,7 +13,8 @@ from typing import Any
 import duckdb
 
 from lakeloader.catalog.lake import Lake
-from lakeloader.catalog.snapshot import POINTER, catalog_identity, local_snapshot, publish_snapshot, read_pointer
+from lakeloader.catalog.pointer import POINTER
+from lakeloader.catalog.snapshot import catalog_identity, local_snapshot, publish_snapshot, read_pointer
 from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, connect_reader
 from lakeloader.config import Config
 from lakeloader.contracts.errors import CatalogError
@@ -66,7 +67,7 @@ def prepare_writer_catalog(lake: Lake, recover: bool) -> None:
     ``recover`` sets a local catalog aside and adopts the newest snapshot whatever it holds.
     """
     path = lake.writer_catalog_path
-    pointer = with_retries(lambda: read_pointer(lake), deadline=lake.io_retry_deadline,
+    pointer = with_retries(lambda: read_pointer(lake, sealed=False), deadline=lake.io_retry_deadline,
                            what=f"reading the published catalog of {lake.describe()}")
     if recover:
         if pointer is None:

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lakeloader.catalog.hash_records import HashRecords, whole_sha256
 from lakeloader.catalog.lake import Lake
 from lakeloader.contracts.chunk_file import (
     PART_KINDS_COLUMN,
@@ -30,7 +31,6 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
-from lakeloader.read.hash_records import HashRecords, whole_sha256
 from lakeloader.read.lru import LRU
 from lakeloader.read.pages import ColumnChunk, column_chunk, leaf_column, read_column_ranges
 from lakeloader.storage import with_retries

@@ -14,6 +14,7 @@ import uuid
 import pyarrow as pa
 
 from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.location import checked_name
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class DiskCache:
         self.hits = 0
 
     def _local(self, relative: str) -> str:
-        return os.path.join(self.folder, relative.replace("/", "__"))
+        return os.path.join(self.folder, checked_name(relative, self.lake.url).replace("/", "__"))
 
     def local_path(self, relative: str) -> str:
         """Where the local copy of lake file ``relative`` is (or would be) kept."""

@@ -1,6 +1,6 @@
-"""Which chunk files of a local lake this machine has hashed and found as the catalog says, so
-that a later process (a resumed run, a loader's worker) does not hash them again while they are
-unchanged.
+"""Which files of a local lake (chunk files, published catalog snapshots and their reader
+index) this machine has hashed and found as the catalog or pointer says, so that a later process
+(a resumed run, a loader's worker) does not hash them again while they are unchanged.
 
 A record names the file's identity and times as ``fstat`` gives them (device, inode, size,
 modification and change times, to the nanosecond) and the sha256 it was found to have. Any write
@@ -42,7 +42,7 @@ def _identity(stat: os.stat_result) -> list[int]:
 
 
 class HashRecords:
-    """Records of chunk files hashed on this machine, one small JSON file each under
+    """Records of lake files hashed on this machine, one small JSON file each under
     ``cache_dir/hashed`` (written atomically; read by every process of every reader of the lake)."""
 
     def __init__(self, cache_dir: str) -> None:
