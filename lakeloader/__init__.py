@@ -7,6 +7,7 @@ stays fast for command-line help and config validation.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakeloader.config import Config, load_config
@@ -23,6 +24,7 @@ from lakeloader.contracts.errors import (
 
 if TYPE_CHECKING:
     from lakeloader.catalog.lake import Lake
+    from lakeloader.catalog.store import LiveCatalog
     from lakeloader.feed.loader import Loader
     from lakeloader.ingest.driver import BuildReport
 
@@ -44,24 +46,33 @@ __all__ = [
 ]
 
 
-def build_lake(config: Config | str | os.PathLike[str], **options: Any) -> BuildReport:
-    """Build or resume the lake of ``config`` (see :func:`lakeloader.ingest.driver.build`).
-
-    (Not named ``build``: that is the name of the build stage's subpackage.)"""
+def build_lake(config: Config | str | os.PathLike[str], *, workers: int | None = None,
+               scheduler: str | None = None, progress: bool = True, recover_catalog: bool = False,
+               dashboard_address: str | None = None, live: LiveCatalog | None = None) -> BuildReport:
+    """Build or resume the lake of ``config`` (see :func:`lakeloader.ingest.driver.build`; ``live``:
+    a handle through which loaders of this process read the build's live catalog)."""
     from lakeloader.ingest.driver import build
 
-    return build(config, **options)
+    return build(config, workers=workers, scheduler=scheduler, progress=progress, recover_catalog=recover_catalog,
+                 dashboard_address=dashboard_address, live=live)
 
 
-def open_lake(config_or_lake: Config | str | os.PathLike[str], **options: Any) -> Lake:
-    """The lake of a config or a lake path/URL, for SQL and status (see :func:`lakeloader.catalog.lake.open_lake`)."""
+def open_lake(config_or_lake: Config | str | os.PathLike[str],
+              storage_options: dict[str, Any] | None = None) -> Lake:
+    """The lake of a config or a lake path/URL (``storage_options`` for a URL's object store), for
+    SQL and status (see :func:`lakeloader.catalog.lake.open_lake`)."""
     from lakeloader.catalog.lake import open_lake as open_lake_at
 
-    return open_lake_at(config_or_lake, **options)
+    return open_lake_at(config_or_lake, storage_options)
 
 
-def open_loader(config: Config | str | os.PathLike[str], **options: Any) -> Loader:
-    """A batch loader over the lake of ``config`` (see :class:`lakeloader.feed.loader.Loader`)."""
+def open_loader(config: Config | str | os.PathLike[str], *, process_index: int = 0, process_count: int = 1,
+                mode: str = "train", rows: Sequence[int] | None = None, catalog: LiveCatalog | None = None) -> Loader:
+    """A batch loader over the lake of ``config`` for process ``process_index`` of
+    ``process_count`` (``mode``: train or eval; ``rows``: the rows of each batch this process
+    owns, for other shardings; ``catalog``: a build's live-catalog handle; see
+    :class:`lakeloader.feed.loader.Loader`)."""
     from lakeloader.feed.loader import Loader
 
-    return Loader(config, **options)
+    return Loader(config, process_index=process_index, process_count=process_count, mode=mode, rows=rows,
+                  catalog=catalog)

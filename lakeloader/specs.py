@@ -7,17 +7,20 @@ loader (rendering, mixing) and the audit.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from lakeloader.config import Config
+from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.specs import Fim, MixtureSpec, PackingSpec, Stage, Template, derive_key, make_template
 
 
-def dataset_names(config: Config) -> tuple[str, ...]:
-    """The datasets the config's mixture draws from (weight > 0 in some stage), in config order;
-    a config without a ``mixture`` section must have exactly one dataset (else a ConfigError)."""
+def dataset_names(config: Config | str | os.PathLike[str]) -> tuple[str, ...]:
+    """The datasets the config's mixture draws from (weight > 0 in some stage), in config order:
+    what a batch's ``dataset_ids`` number. A config without a ``mixture`` section must have
+    exactly one dataset (else a ConfigError). ``config``: a Config or its YAML file."""
+    config = load_config(config)
     if config.mixture is None:
         if len(config.datasets) != 1:
             raise ConfigError(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -140,6 +141,13 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 
 
+def batch_files(path: Path) -> dict[str, Any]:
+    """The batch fields of a ``lakeloader batches`` file (each ``[steps, rows, ...]``), without the
+    ``dataset_names`` it also holds."""
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files if name != "dataset_names"}
+
+
 def reseal_snapshot(lake_root: Path) -> dict[str, Any]:
     """Make the lake's CURRENT pointer vouch for its snapshot files as they are now, as someone who
     altered them and knows lakeloader would (the pointer's checksums guard against damage, not
@@ -173,9 +181,6 @@ def lake_documents(config_path: Path, dataset: str) -> list[list[int]]:
 
 def global_batches(config: Path, processes: int, steps: range) -> list[dict[str, Any]]:
     """Global batches ``steps`` assembled from ``processes`` loaders' rows (row order kept)."""
-    import numpy as np
-
-    from lakeloader.feed.loader import Loader
 
     loaders = [Loader(config, process_index=p, process_count=processes) for p in range(processes)]
     out = []
@@ -195,8 +200,6 @@ def assert_batches_equal(a: Batch | list[Batch], b: Batch | list[Batch], what: s
     """``a`` and ``b`` (one batch or a list of batches) are bitwise equal: the same fields, and
     each field the same dtype, shape and values. A failure names ``what``, the step (``steps[i]``
     for the i-th batch of a list, else its position) and field of the first difference."""
-    import numpy as np
-
     one = isinstance(a, dict)
     xs, ys = ([a], [b]) if one else (list(a), list(b))
     assert len(xs) == len(ys), f"{what}: {len(xs)} batches != {len(ys)}"

@@ -131,3 +131,34 @@ def test_missing_and_unreadable_sources_before_any_work(tmp_path: Path, dask_sch
     rejects = open_lake(config).sql("SELECT source, reason FROM rejects ORDER BY source")
     assert [Path(s).name for s in rejects.source] == ["absent.jsonl", "dangling.jsonl", "folder.jsonl"]
     assert len(lake_documents(config, "d")) == len(stdlib_texts("json"))
+
+
+def test_text_columns_of_any_string_encoding_and_a_utf16_file(tmp_path: Path, dask_scheduler: str) -> None:
+    """Parquet text typed dictionary<string> or string_view reads as strings; a UTF-16 (or -32)
+    JSONL file is one reject naming its encoding, its records never miscounted as lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = stdlib_texts("json")
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), data / "dict.parquet")
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string_view())}), data / "view.parquet")
+    (data / "wide.jsonl").write_bytes("".join(json.dumps({"text": t}) + "\n" for t in texts[:3]).encode("utf-16"))
+    write_jsonl(data / "narrow.jsonl", texts[:3])
+    config = write_config(tmp_path, {
+        "dict": {"sources": [str(data / "dict.parquet")]}, "view": {"sources": [str(data / "view.parquet")]},
+        "wide": {"sources": [str(data / "narrow.jsonl"), str(data / "wide.jsonl")], "on_error": "skip"}})
+    build(config, scheduler=dask_scheduler, progress=False)
+    encode = Tokenizer.from_file(str(DEMO_TOKENIZER)).encode
+    expected = [encode(t, add_special_tokens=False).ids for t in texts]
+    assert lake_documents(config, "dict") == expected
+    assert lake_documents(config, "view") == expected
+    lake = open_lake(config)
+    rejects = lake.sql("SELECT source, location, reason FROM rejects WHERE dataset = 'wide'")
+    splits = lake.sql("SELECT count(*) AS n FROM chunks c JOIN shards s USING (dataset, shard_index) "
+                      "WHERE c.dataset = 'wide' AND s.source LIKE '%wide.jsonl'").n[0]
+    assert len(rejects) == splits >= 1   # one reject a split, however many lines it has
+    assert all("UTF-16LE" in reason and "iconv" in reason for reason in rejects.reason)
+    assert all(source.endswith("wide.jsonl") for source in rejects.source)
+    assert lake_documents(config, "wide") == expected[:3]

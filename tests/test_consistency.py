@@ -145,7 +145,8 @@ def test_batches_streams_with_bounded_memory(lake: Path, tmp_path: Path,
     assert peak < steps * per_batch / 3, f"peak {peak / 1e6:.0f} MB for {steps * per_batch / 1e6:.0f} MB of batches"
     assert "batches: 100%" in capsys.readouterr().err  # the progress bar, on stderr
     with np.load(tmp_path / "many.npz") as data, Loader(wide) as loader:
-        assert list(data.keys()) == ["input_ids", "targets", "loss_mask", "segment_ids", "positions", "dataset_ids"]
+        assert list(data.keys()) == ["input_ids", "targets", "loss_mask", "segment_ids", "positions", "dataset_ids",
+                                     "dataset_names"]
         for step in (0, 17, steps - 1):
             for key, values in loader.batch(step).items():
                 assert data[key].shape == (steps, *values.shape) and data[key].dtype == values.dtype
@@ -159,7 +160,8 @@ def test_batches_file_is_the_np_savez_file_and_atomic(lake: Path, tmp_path: Path
     with Loader(lake) as loader:
         out, shapes = write_batches(loader, 2, 7, tmp_path / "new", progress=False)
         stacked = [loader.batch(step) for step in range(2, 7)]
-    np.savez(tmp_path / "old.npz", **{k: np.stack([b[k] for b in stacked]) for k in stacked[0]})
+        names = np.array(loader.dataset_names, dtype=str)
+    np.savez(tmp_path / "old.npz", **{k: np.stack([b[k] for b in stacked]) for k in stacked[0]}, dataset_names=names)
     assert out == str(tmp_path / "new.npz") and shapes["input_ids"] == (5, BATCH, 64)
     assert (tmp_path / "new.npz").read_bytes() == (tmp_path / "old.npz").read_bytes()
     with Loader(lake, mode="eval") as loader:  # an eval pass ends: a range past it fails midway

@@ -68,6 +68,9 @@ def test_npz_and_jax_feed_carry_dataset_ids(lake: dict[str, Path], tmp_path: Pat
     with Loader(lake["pack"]) as loader, np.load(out) as data:
         expected = np.stack([loader.batch(s)["dataset_ids"] for s in range(STEPS)])
         assert data["dataset_ids"].dtype == np.int32 and np.array_equal(data["dataset_ids"], expected)
+        # What the ids number travels with them: the file, the Loader and dataset_names of the config.
+        assert data["dataset_names"].tolist() == list(loader.dataset_names) == list(dataset_names(lake["pack"])) \
+            == ["a", "b"]
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     with JaxFeed(lake["pack"], mesh, prefetch=0) as feed:
         for step, batch in zip(range(2), feed.iter_from(0)):

@@ -16,7 +16,7 @@ import pytest
 
 from lakeloader.feed.loader import Loader
 
-from conftest import Lakes, assert_batches_equal, stdlib_texts
+from conftest import Lakes, assert_batches_equal, batch_files, stdlib_texts
 
 STEPS = [0, 1, 2, 5, 1000]
 
@@ -81,7 +81,7 @@ def run_workers(config: Path, tmp: Path, processes: int, devices: int) -> list[d
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
-    return [dict(np.load(out)) for out in outs]
+    return [batch_files(out) for out in outs]
 
 
 def assemble(parts: list[dict[str, np.ndarray]], tag: str, name: str) -> np.ndarray:

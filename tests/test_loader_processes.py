@@ -19,7 +19,7 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.feed.loader import Loader
 from lakeloader.read.catalog_view import CatalogView, ChunkWaitTimeout
 
-from conftest import DEMO_TOKENIZER, write_config, write_jsonl
+from conftest import DEMO_TOKENIZER, batch_files, write_config, write_jsonl
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 
@@ -36,8 +36,7 @@ def finish(process: subprocess.Popen[str], timeout: float = 180) -> str:
 
 
 def load(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as data:
-        return {name: data[name] for name in data.files}
+    return batch_files(path)
 
 
 def assembled(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -32,7 +32,8 @@ from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import ROW_FIELDS
 from lakeloader.ingest.driver import build
 
-from conftest import DEMO_TOKENIZER, FIELD_CHOICES, assert_batches_equal, stdlib_texts, with_fields, write_jsonl
+from conftest import (DEMO_TOKENIZER, FIELD_CHOICES, assert_batches_equal, batch_files, stdlib_texts, with_fields,
+                      write_jsonl)
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 BATCH, SEQ_LEN, STEPS = 8, 64, 24
@@ -163,7 +164,7 @@ class LakeWalk:
             named = {f for f in damaged_at_start if any(Path(f).name in err for err in failed)}
             assert named and all("lakeloader verify CONFIG --repair" in err for err in failed), failed
             return
-        parts = [dict(np.load(out)) for out in outs]
+        parts = [batch_files(out) for out in outs]
         got = [{k: np.concatenate([part[k][i] for part in parts]) for k in parts[0]}
                for i in range(stop - first)]
         assert_batches_equal(got, [with_fields(batch, fields) for batch in self.oracle["batches"][first:stop]])

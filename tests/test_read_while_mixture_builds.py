@@ -35,7 +35,7 @@ from lakeloader.index.render import stream_lengths
 from lakeloader.ingest.driver import build
 from lakeloader.read.catalog_view import CatalogView, ChunkWaitTimeout
 
-from conftest import assert_batches_equal, stdlib_texts, write_config
+from conftest import assert_batches_equal, batch_files, stdlib_texts, write_config
 
 CLI = [sys.executable, "-m", "lakeloader.cli"]
 STEPS = 4
@@ -131,8 +131,8 @@ def workers_held(scheduler: str, folder: Path) -> Iterator[None]:
 
 def load_steps(path: Path) -> list[dict[str, np.ndarray]]:
     """Batches of a ``lakeloader batches --out`` file, one dict per step."""
-    with np.load(path) as data:
-        return [{name: data[name][step] for name in data.files} for step in range(STEPS)]
+    data = batch_files(path)
+    return [{name: values[step] for name, values in data.items()} for step in range(STEPS)]
 
 
 @pytest.mark.parametrize("kinds", [("text",), ("system", "user", "assistant")])

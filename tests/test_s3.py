@@ -43,7 +43,7 @@ from lakeloader.ingest.driver import BuildReport, build
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.disk_cache import DiskCache
 
-from conftest import DEMO_TOKENIZER, stdlib_texts, write_jsonl, write_parquet
+from conftest import DEMO_TOKENIZER, batch_files, stdlib_texts, write_jsonl, write_parquet
 
 BUCKET = "lakeloader-test"
 SEQ_LEN, BATCH = 64, 8
@@ -265,8 +265,7 @@ def test_reader_process_during_s3_build(lakes: Lakes, tmp_path: Path, dask_sched
     assert chunks.planned > 60
     assert "waiting for chunk" in err, err  # it did read while the build was running
 
-    with np.load(tmp_path / "during.npz") as during:
-        during = {name: during[name] for name in during.files}
+    during = batch_files(tmp_path / "during.npz")
     after = batches(config, range(steps))
     for step in range(steps):
         assert_batches_equal({k: v[step] for k, v in during.items()}, after[step], f"step {step}")
@@ -440,9 +439,9 @@ def test_cli_status_and_sql_on_s3_lake(lakes: Lakes, tmp_path: Path, capsys: pyt
     del plain["storage_options"]
     plain = write_yaml(tmp_path / "plain.yaml", plain)
     run("batches", str(plain), "--steps", "0:3", "--out", str(tmp_path / "env.npz"), env=env)
-    with np.load(tmp_path / "env.npz") as got:
-        for step, expected in enumerate(batches(lakes.s3_config, range(3))):
-            assert_batches_equal({k: got[k][step] for k in got.files}, expected, f"step {step}")
+    got = batch_files(tmp_path / "env.npz")
+    for step, expected in enumerate(batches(lakes.s3_config, range(3))):
+        assert_batches_equal({k: v[step] for k, v in got.items()}, expected, f"step {step}")
 
 
 # -- 5. worker processes reading an s3:// lake ----------------------------------------------------
@@ -550,8 +549,8 @@ def test_a_mixture_read_by_workers_of_two_processes_across_a_killed_s3_build(
     after = batches(config, range(steps))
     rows = BATCH // 2
     for index in range(2):
-        with np.load(tmp_path / f"during-{index}.npz") as during:
-            for step in range(steps):
-                expected = {name: values[index * rows:(index + 1) * rows] for name, values in after[step].items()}
-                assert_batches_equal({name: during[name][step] for name in during.files}, expected,
-                                     f"process {index} step {step}")
+        during = batch_files(tmp_path / f"during-{index}.npz")
+        for step in range(steps):
+            expected = {name: values[index * rows:(index + 1) * rows] for name, values in after[step].items()}
+            assert_batches_equal({name: values[step] for name, values in during.items()}, expected,
+                                 f"process {index} step {step}")

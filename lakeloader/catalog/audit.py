@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -133,13 +134,16 @@ def registered(con: duckdb.DuckDBPyConnection, mixture_id: str) -> bool:
 def _connection(config: Config) -> Iterator[duckdb.DuckDBPyConnection | None]:
     """The one read-only connection to the lake's catalog an audit uses (None: no lake yet, the
     closed form needs none), closed at the end."""
+    lake = open_lake(config)
     try:
-        con = open_lake(config).connect()
+        con = lake.connect()
     except (CatalogError, OSError):
         yield None
         return
     try:
         yield con
+    except duckdb.Error as exc:
+        raise lake.catalog_damage(exc) or exc
     finally:
         con.close()
 
@@ -299,6 +303,9 @@ def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.
     return frame
 
 
+_DASHES: tuple[Any, ...] = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (2, 3)))
+
+
 def plot_audit(config: Config | str | os.PathLike[str], first: int, stop: int,
                path: str | os.PathLike[str], *, max_steps: int = 20_000) -> None:
     """Draw the realized vs target share of each dataset over steps ``[first, stop)`` (top: share
@@ -343,23 +350,23 @@ def plot_audit(config: Config | str | os.PathLike[str], first: int, stop: int,
         top.plot(steps, (rows["after"].to_numpy() - start[name]) / done, color=color, lw=3.0,
                  alpha=0.45, label=name)
         top.plot(steps, target[:, number], color=color, lw=1.1, ls="--", zorder=3)
-        bottom.plot(steps, rows["deviation"].to_numpy(), color=color, lw=0.9,
-                    **({"ls": "none", "marker": ".", "ms": 1.5} if sampled else {}))
+        # Deviations often coincide: a line style of its own keeps each dataset's visible.
+        bottom.plot(steps, rows["deviation"].to_numpy(), color=color, lw=1.2, alpha=0.85, label=name,
+                    **({"ls": "none", "marker": ".", "ms": 1.5} if sampled else {"ls": _DASHES[number % len(_DASHES)]}))
     bottom.axhline(2.0, color="black", lw=1.0, ls=":", label="bound (2 examples)")
     top.set_ylabel(f"share of the examples of steps {first}..k")
     top.set_title(f"mixture {mixer.mixture_id}: realized vs target share\n"
                   f"batch {size}, steps [{first:,}, {last + 1:,}), from the {source}", fontsize="medium")
     top.grid(alpha=0.3)
-    datasets = top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
-                          ncol=1 if len(mixer.names) <= 16 else 2, title="dataset")
-    top.add_artist(datasets)
     styles = [Line2D([], [], color="grey", lw=3.0, alpha=0.45), Line2D([], [], color="grey", lw=1.1, ls="--")]
-    top.legend(styles, ["realized", "target"], loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize="small")
+    handles, labels = top.get_legend_handles_labels()
+    top.legend(handles + styles, labels + ["realized", "target"], loc="best", fontsize="small", framealpha=0.9,
+               ncol=1 + len(labels) // 12)
     bottom.set_ylabel("|count - weight × n|\n(from the stage start)")
     bottom.set_xlabel("global step k")
-    bottom.set_ylim(0, 2.2)
+    bottom.set_ylim(-0.08, 2.2)   # a dataset on zero deviation stays in view
     bottom.grid(alpha=0.3)
-    bottom.legend(loc="upper right", fontsize="small")
+    bottom.legend(loc="upper right", fontsize="small", framealpha=0.9, ncol=min(4, len(mixer.names) + 1))
     for number, stage in enumerate(mixer.stages):
         if first < stage.start_step <= last:
             for axis in (top, bottom):

@@ -111,8 +111,10 @@ def check_combination(config: Config, mode: str) -> None:
 class Loader:
     """Deterministic global batches of a lake for process ``process_index`` of ``process_count``.
 
-    ``mode="train"`` cycles the data forever (epochs reshuffle nothing yet: order is fixed);
-    ``mode="eval"`` is one finite pass in order with the last batch padded and masked.
+    ``mode="train"`` cycles the data forever, each epoch in its own order under a shuffle (the
+    epoch is part of every permutation's key); ``mode="eval"`` is one finite pass in order with
+    the last batch padded and masked. ``dataset_names`` are the datasets a batch's
+    ``dataset_ids`` number, in that order.
     """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, process_index: int = 0,
@@ -150,7 +152,7 @@ class Loader:
         self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
-        names = dataset_names(config)
+        self.dataset_names = names = dataset_names(config)
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}

@@ -33,11 +33,15 @@ def _open_npy(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> IO[bytes]:
     return handle
 
 
+DATASET_NAMES = "dataset_names"   # the archive's member naming what ``dataset_ids`` number
+
+
 def write_batches(loader: Loader, first: int, stop: int, out: str | os.PathLike[str], *,
                   progress: bool = True) -> tuple[str, dict[str, tuple[int, ...]]]:
     """Write ``loader``'s batches ``[first, stop)`` to ``out`` (``.npz`` appended when missing,
     as ``np.savez`` does): one array per field shaped ``[stop - first, *batch_shape]``, the same
-    keys, dtypes and values as ``np.savez(out, **stacked_batches)``. Holds about one batch in
+    keys, dtypes and values as ``np.savez(out, **stacked_batches)``, and ``dataset_names`` (a
+    string array: the datasets ``dataset_ids`` number, in order). Holds about one batch in
     memory; shows a progress bar on stderr unless ``progress`` is false. Returns the file
     written and each field's shape."""
     out = os.fspath(out)
@@ -75,6 +79,8 @@ def write_batches(loader: Loader, first: int, stop: int, out: str | os.PathLike[
                         continue
                     with open(os.path.join(folder, f"{name}.npy"), "rb") as source:
                         shutil.copyfileobj(source, member, _COPY_BLOCK)
+            with archive.open(f"{DATASET_NAMES}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.array(loader.dataset_names, dtype=str), allow_pickle=False)
         os.replace(temporary, out)
     finally:
         for handle in files.values():

@@ -20,11 +20,16 @@ from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES, Reject, metada
 from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.formats import Document, RecordError, RecordFormat
 from lakeloader.plan.sources import readable_url
-from lakeloader.plan.splits import Split
+from lakeloader.plan.splits import Split, holds_text
 from lakeloader.storage import is_transient
 
 _BLOCK = 1 << 20
 _BOM = b"\xef\xbb\xbf"   # UTF-8 byte order mark: dropped at the start of a file, as text tools do
+# Byte order marks of the encodings a text file is most often in when it is not UTF-8 (UTF-32's
+# first, as UTF-32LE's starts with UTF-16LE's): such a file's every line would be rejected, or
+# miscounted where a UTF-16 newline's second byte begins a line of its own.
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"),
+               (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 # Errors of reading or decoding a whole split (the file vanished, is not gzip, fails its CRC, ...):
 # with on_error: skip the split becomes one reject instead of failing the build.
 _UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError)
@@ -331,12 +336,12 @@ def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy
                    location: str) -> None:
     """Documents of a text-only format's string column (checked once for its type)."""
     field = source.record_format.columns[0]
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    if not holds_text(column.type):
         policy.reject(None, f"column {field!r} has type {column.type}, expected strings; "
                       "point text_field at a string column", location=location)
         return
     text_parts = source.record_format.text_parts
-    for index, text in enumerate(column.to_pylist()):
+    for index, text in enumerate(column.to_pylist()):   # dictionaries and views give str too
         if text is None:
             policy.reject(index, f"column {field!r} is null", rows=True)
         elif not text:
@@ -411,13 +416,31 @@ def _read_split(source: SplitSource) -> SplitDocuments:
     )
 
 
+def _file_head(source: SplitSource, size: int = 4) -> bytes:
+    """The first ``size`` bytes of ``source``'s (uncompressed) file."""
+    fs, path = url_to_fs(source.url, **source.storage_options)
+    with fs.open(path, "rb") as handle:
+        return handle.read(size)
+
+
+def _other_encoding(head: bytes) -> str | None:
+    """The encoding whose byte order mark ``head`` (a file's first bytes) starts with, if not UTF-8's."""
+    return next((name for bom, name in _OTHER_BOMS if head.startswith(bom)), None)
+
+
 def _read_lines(source: SplitSource, policy: _Policy, out: _Collected) -> tuple[int, int]:
-    """Reads the documents of a text/JSONL split into ``out``; returns its lines and bytes."""
+    """Reads the documents of a text/JSONL split into ``out``; returns its lines and bytes. A file
+    in another encoding than UTF-8 (known by its byte order mark) is one reject of the split."""
     fault = None
     if source.split.kind == "bytes":
         data, first = _read_byte_range(source)
     else:
         (data, fault), first = _decompressed(source), 0
+    encoding = _other_encoding(data[:4] if first == 0 else _file_head(source))
+    if encoding is not None:
+        policy.reject(None, f"the file is {encoding} (its byte order mark says so), lakeloader reads UTF-8: "
+                      f"convert it (e.g. iconv -f {encoding} -t UTF-8)", location=_split_location(source.split))
+        return 0, len(data)
     if first == 0 and data.startswith(_BOM):
         data = data[len(_BOM):]
     # Lines before the split are counted only if a reject needs a line number.

@@ -29,6 +29,14 @@ class Split:
     first_row: int = 0
 
 
+def holds_text(kind: pa.DataType) -> bool:
+    """Whether a Parquet column of Arrow type ``kind`` holds text: strings, large strings, string
+    views, or a dictionary of one of those."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
 def plan_splits(shard: Shard, split_size: int, storage_options: dict[str, Any],
                 record_format: RecordFormat | None = None) -> list[Split]:
     """The splits of ``shard`` in order; empty files have none.
@@ -45,7 +53,7 @@ def plan_splits(shard: Shard, split_size: int, storage_options: dict[str, Any],
             field = record_format.columns[0]
             if field in schema.names:
                 kind = schema.field(field).type
-                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                if not holds_text(kind):
                     raise SourceError(f"{readable_url(shard.url)}: column {field!r} has type {kind}, "
                                       "expected strings; point text_field at a string column")
         splits, first_row = [], 0
