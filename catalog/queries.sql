@@ -9,6 +9,9 @@ COMMIT;
 -- name: rollback_transaction
 ROLLBACK;
 
+-- name: checkpoint
+CHECKPOINT;
+
 -- name: dataset_plan
 SELECT fingerprint FROM dataset_plans WHERE name = $name;
 
@@ -167,12 +170,23 @@ FROM builds ORDER BY build_id DESC LIMIT 5;
 -- views.sql defined from the wheel: no SQL stored in the file runs.
 ATTACH $path AS lake (READ_ONLY);
 
--- name: attached_table_check
--- A count; a CatalogException unless {table} of the attached catalog file is a table (a view of
--- that name, or none, raises). Every table of schema.sql checked this way, joined by UNION ALL,
--- is one bind (~2 ms): listing the file's objects (attached_objects) first builds DuckDB's own
--- default views of every schema (~10 ms of every reader's open, at any lake size).
-SELECT count(*) FROM duckdb_table_sample('lake.main.{table}')
+-- name: attached_stored_columns
+-- Bound, never run: only the result's column names are read. {tables}: attached_stored_columns_of
+-- each table of schema.sql, joined by commas: a marker column naming the table, then the columns
+-- the attached catalog file stores for it. A generated column (whose SQL would run when read) is
+-- not stored, so it is not among them; and the bind fails with a CatalogException unless each is
+-- a table there (a view of that name, or none, raises). One bind (~1 ms): listing the file's
+-- objects or columns (attached_objects) first builds DuckDB's own default views of every schema
+-- (~10 ms of every reader's open, at any lake size). With attached_all_columns_of instead (only
+-- once each is known to be a table: a view's SQL would be bound), every column of each table,
+-- generated ones included.
+SELECT * FROM {tables}
+
+-- name: attached_stored_columns_of
+(SELECT NULL AS "{marker}", * FROM duckdb_table_sample('lake.main.{table}'))
+
+-- name: attached_all_columns_of
+(SELECT NULL AS "{marker}", * FROM lake.main.{table})
 
 -- name: attached_objects
 -- Tables and views of the attached catalog file (a view where schema.sql has a table means the
@@ -183,21 +197,20 @@ UNION ALL
 SELECT view_name, 'view' FROM duckdb_views()
 WHERE database_name = 'lake' AND schema_name = 'main' AND NOT internal;
 
+-- name: attached_catalog_path
+-- The catalog file a reader's connection attached (none on the build's own connection).
+SELECT path FROM duckdb_databases() WHERE database_name = 'lake';
+
 -- name: reader_table
--- One table of the attached catalog as a view of the reader's database ({table}: a table of schema.sql).
-CREATE VIEW {table} AS FROM lake.main.{table};
-
--- name: attached_table_columns
--- No rows of one table of the attached catalog file: the result's description names its columns.
-SELECT * FROM lake.main.{table} LIMIT 0;
-
--- name: reader_table_padded
--- reader_table of a catalog written before some of the table's columns were added by schema.sql's
--- ALTER TABLE ... ADD COLUMN lines ({columns}: NULL::<type> AS <column> for each): they read NULL.
-CREATE VIEW {table} AS SELECT *, {columns} FROM lake.main.{table};
+-- One table of the attached catalog as a view of the reader's database ({table}: a table of
+-- schema.sql; {columns}: its columns by name, a column schema.sql added after the catalog was
+-- written as NULL::<type> AS <column>). Never *: a column the file has beyond those is not read.
+CREATE VIEW {table} AS SELECT {columns} FROM lake.main.{table};
 
 -- name: lock_reader
--- Then no file, network or extension is reachable, and no statement can change that.
+-- Then no file, network or extension is reachable, and no statement can change that. No progress
+-- bar either: DuckDB prints it on stdout, where `lakeloader sql` writes its result.
+SET enable_progress_bar = false;
 SET enable_external_access = false;
 SET lock_configuration = true;
 

@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         "num_tokens, num_parts, tokens_<kind> per part kind, and each metadata field); "
         "table macros: mixture_plan(id, "
         "first_step, stop_step), mixture_proportions(id, first_step, stop_step) over the steps [first_step, "
-        "stop_step), as --steps A:B. Example: lakeloader sql configs/demo.yaml "
+        "stop_step), as --steps A:B. A query runs within the config's sql section (memory_limit, "
+        "threads, timeout_s; given LAKE, their defaults) and Ctrl-C stops it. Example: lakeloader sql configs/demo.yaml "
         "\"SELECT name, num_docs, num_tokens FROM datasets\"")
     sql.add_argument("target", metavar="CONFIG|LAKE")
     sql.add_argument("query", metavar="QUERY")
@@ -400,6 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # unix tools do, with the status of a process ended by SIGPIPE (128 + 13).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except KeyboardInterrupt:
+        # Ctrl-C (a query of sql or stats is interrupted first): one line and the status of a
+        # process ended by SIGINT (128 + 2), as unix tools do, never a traceback.
+        print(f"lakeloader {args.command}: interrupted", file=sys.stderr)
+        return 130
     except LakeloaderError as exc:
         print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
 from lakeloader.contracts.selection import where_problem
 from lakeloader.contracts.specs import REQUIRED_ROW_FIELDS, ROW_FIELDS, WeightError, check_weights
+from lakeloader.storage import S3_PROTOCOLS, s3_options_problem
 
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
@@ -371,6 +372,26 @@ class LoaderConfig(_Strict):
         return [name for name in ROW_FIELDS if name in value]   # in the batch's order, whatever the list's
 
 
+class SqlConfig(_Strict):
+    """Limits of the SQL run on a lake's catalog by readers: ``lakeloader sql`` and ``stats``
+    (``Lake.sql``, ``Lake.stats``), and the catalog queries of status, audit and loaders. A lake
+    path instead of a config gets the defaults."""
+
+    memory_limit: int = Field(default=4 * 10**9, description=(
+        "Memory the DuckDB database of one catalog reader may use (a size); nothing spills to disk, so "
+        "a query that needs more stops with an error naming this key."))
+    threads: int | None = Field(default=None, ge=1, description=(
+        "Threads one catalog reader's queries run on (null: one per core, at most 4)."))
+    timeout_s: float | None = Field(default=300.0, gt=0, description=(
+        "Seconds a query of `lakeloader sql` or `stats` (Lake.sql, Lake.stats) may run before it is "
+        "stopped with an error naming this key (null: no limit). Ctrl-C stops one at once."))
+
+    @field_validator("memory_limit", mode="before")
+    @classmethod
+    def _memory(cls, value: Any) -> int:
+        return parse_size(value)
+
+
 class StageConfig(_Strict):
     """Mixture weights from ``start_step`` on."""
 
@@ -432,13 +453,16 @@ class Config(_Strict):
     datasets: dict[str, DatasetConfig] = Field(min_length=1, description=(
         "The datasets by name (letters, digits, _ . -; it names folders in the lake)."))
     storage_options: dict[str, Any] = Field(default_factory=dict, description=(
-        "fsspec options of the lake's and sources' filesystems; credentials are never shown."))
+        "fsspec options of the lake's and sources' filesystems; credentials are never shown. With an "
+        "s3:// lake or source they are checked when the config loads: s3fs's options, client_kwargs "
+        "of a botocore client, config_kwargs of botocore's Config, s3_additional_kwargs of S3 requests."))
     io_retry_deadline: float = Field(default=DEFAULT_IO_RETRY_DEADLINE, ge=0, description=(
         "Seconds of retrying unreachable storage."))
     build: BuildConfig = Field(default=BuildConfig(), description="How the lake is built.")
     loader: LoaderConfig = Field(default=LoaderConfig(), description="How examples and batches are formed.")
     mixture: MixtureConfig | None = Field(default=None, description=(
         "Weights over datasets; needed with more than one dataset (default: the one dataset, weight 1)."))
+    sql: SqlConfig = Field(default=SqlConfig(), description="Limits of the SQL readers run on the catalog.")
     source_file: str | None = Field(default=None, exclude=True)
 
     def redact(self, text: str) -> str:
@@ -509,6 +533,17 @@ class Config(_Strict):
                     ("mixture", *path, unknown[0]),
                     f"mixture names unknown dataset(s) {unknown}; datasets are {sorted(self.datasets)}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _storage_options_fit(self) -> Config:
+        # Checked here, not at the first request: s3fs and botocore fail there with a traceback
+        # (one that may quote the options' values).
+        urls = [self.lake, *(source for dataset in self.datasets.values() for source in dataset.sources)]
+        if any(url.partition("://")[0].lower() in S3_PROTOCOLS for url in urls if "://" in url):
+            problem = s3_options_problem(self.storage_options)
+            if problem is not None:
+                raise KeyValueError(("storage_options", *problem[0]), f"{problem[1]} (for s3:// URLs)")
         return self
 
 
@@ -607,8 +642,10 @@ def parse_config(raw: Any, *, source: str = "<config>", base: Path | None = None
             loc = _error_loc(error)
             line = _line_of(loc, lines)
             where = f"line {line}, " if line else ""
-            problems.append(f"  {where}{_describe(error, loc)}")
-        raise ConfigError(f"{source}: invalid config:\n" + "\n".join(problems)) from None
+            problems.append(f"{where}{_describe(error, loc)}")
+        if len(problems) == 1:   # the usual case: one line, as every error of the command line
+            raise ConfigError(f"{source}: invalid config: {problems[0]}") from None
+        raise ConfigError(f"{source}: invalid config:\n" + "\n".join(f"  {p}" for p in problems)) from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

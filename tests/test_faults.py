@@ -102,17 +102,22 @@ def test_disk_full_even_for_the_catalog_gives_one_clean_error(tmp_path: Path, da
     config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
     with tmpfs(tmp_path / "lake", "1m") as lake:
         result = cli("build", str(config), "--scheduler", dask_scheduler, "--no-progress")
-        assert_clean_error(result, str(lake), "No space left on device", "Free space", "lakeloader build CONFIG")
+        if result.returncode == 0:
+            # The disk filled only after the catalog was saved and the final snapshot published:
+            # the build stands, its last records kept by the write-ahead log.
+            assert "build 1 succeeded and is published, but its last catalog records stay" in result.stderr
+        else:
+            assert_clean_error(result, str(lake), "No space left on device", "Free space", "lakeloader build CONFIG")
         assert "Failed to create checkpoint" not in result.stderr
         assert leftovers(lake) == []
         remount(lake, "size=64m")
-        [row] = builds(config)  # read from the catalog file: it kept what happened
-        if "build 1 succeeded" in result.stderr:
-            # The disk filled only at the catalog's closing checkpoint: every chunk and the final
-            # snapshot were written, and the write-ahead log kept the build's record.
+        [row] = builds(config)  # read from the catalog file: it kept what happened, as the exit says
+        if result.returncode == 0:
             assert row["status"] == "succeeded" and row["error"] is None
-        else:
-            assert row["status"] == "failed" and "No space left on device" in str(row["error"])
+        else:   # the disk filled at a write that names the error, or at the final save of the catalog
+            assert row["status"] == "failed", row
+            assert ("No space left on device" in str(row["error"])
+                    or f"the build ended before its catalog {lake / 'catalog.duckdb'} was saved" in str(row["error"])), row
         build(config, scheduler=dask_scheduler, progress=False)
         assert [r["status"] for r in builds(config)] == [row["status"], "succeeded"]
 

@@ -346,6 +346,30 @@ def test_a_changed_predicate_is_a_new_selection_and_tokenizes_nothing(lake, tmp_
         after.fingerprint[0]
 
 
+def test_two_configs_giving_one_name_other_predicates_never_read_each_others_selection(
+        lake, tmp_path: Path, dask_scheduler: str) -> None:
+    """One dataset name, two predicates in two configs of one lake: a loader reads its own
+    predicate's selection or says to build it, never the other config's (issue 48, item 1)."""
+    original, _ = lake
+    shutil.copytree(original / "lake", tmp_path / "lake")
+    pad = dict(weights={"web_sel": 1}, data=original / "data", packing="pad", seq_len=4096,
+               pack={"long_documents": "error"})
+    first = lake_config(tmp_path, **pad).rename(tmp_path / "first.yaml")
+    second = lake_config(tmp_path, where=CHANGED, **pad).rename(tmp_path / "second.yaml")
+    build(first, scheduler=dask_scheduler, progress=False)
+    expected = eval_documents(first)
+    with pytest.raises(CatalogError, match=r"'web_sel' .* not the selection .*second\.yaml defines.*"
+                                           r"lakeloader build .*second\.yaml"):
+        Loader(second, mode="eval")
+    assert main(["batches", str(second), "--steps", "0:1", "--out", str(tmp_path / "b.npz")]) == 2
+    build(second, scheduler=dask_scheduler, progress=False)
+    assert eval_documents(second) == source_documents(second, CHANGED)[0] != expected
+    with pytest.raises(CatalogError, match=r"first\.yaml defines"):
+        Loader(first, mode="eval")
+    build(first, scheduler=dask_scheduler, progress=False)
+    assert eval_documents(first) == expected
+
+
 def test_a_filter_needs_the_planned_types_and_selects_something(tmp_path: Path, dask_scheduler: str) -> None:
     corpus(tmp_path / "data")
     # Untyped fields bind as strings when the config is read; the plan infers score: float.

@@ -32,6 +32,7 @@ from lakeloader.contracts.chunk_file import (
     unreadable_chunk,
 )
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
+from lakeloader.contracts.selection import PREDICATE_COLUMNS, PredicateError, check_predicate
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,25 @@ def _dataset_select(relation: str, fields: list[str], schema: pa.Schema) -> str:
         source=relation, columns="".join(f",\n       {column}" for column in columns))
 
 
+def _stored_predicate(con: duckdb.DuckDBPyConnection, name: str, where: str, schema: pa.Schema) -> str:
+    """The predicate the catalog stores for the filtered dataset ``name``, checked as strictly as
+    the config's ``where`` against the metadata fields of its chunk files (``schema``) and
+    ``num_tokens``, as DuckDB prints it back (it cannot end its parentheses in the view). The
+    catalog is a file of the lake, so a CatalogError names it and the dataset if it is refused."""
+    columns = {field.name.removeprefix(META_PREFIX): field.type for field in schema if field.name.startswith(META_PREFIX)}
+    try:
+        return check_predicate(where, {**columns, **PREDICATE_COLUMNS})
+    except PredicateError as exc:
+        row = con.execute(query("attached_catalog_path")).fetchone()
+        shown = " ".join(where.split())
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise CatalogError(
+            f"catalog {row[0] if row else 'of the lake'}: the predicate it stores for dataset {name!r} "
+            f"({shown!r}) is refused: {exc}. lakeloader stores the where of the config, checked; this one was "
+            "altered by hand or by other software: rebuild the lake from its config (lakeloader build "
+            "CONFIG into a new lake) or read only lakes from people you trust") from None
+
+
 def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> None:
     """Define the ``documents`` view on ``con`` (a catalog connection of ``lake``) over the lake's
     committed chunk files: one row per document with ``DOCUMENT_COLUMNS``, ``tokens_<kind>`` per part
@@ -112,7 +132,8 @@ def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> No
         select = _dataset_select(relation, list(group.fields.iloc[0]), dataset.schema)
         where = group["where"].iloc[0]
         if isinstance(where, str):   # a dataset defined by a filter: its chunk files are its source's
-            select = query("documents_of_filtered_dataset").format(select=select, where=where)
+            select = query("documents_of_filtered_dataset").format(
+                select=select, where=_stored_predicate(con, name, where, dataset.schema))
         selects.append(select)
         log.debug("documents view: dataset %r, %d committed chunks", name, len(group))
     body = "\nUNION ALL BY NAME\n".join(selects) if selects else query("documents_empty")

@@ -11,8 +11,8 @@ import pandas as pd
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.stale import stale_chunk_folders
-from lakeloader.catalog.store import is_lock_error
-from lakeloader.contracts.errors import CatalogError, CatalogLockedError
+from lakeloader.catalog.store import catalog_failure, is_lock_error
+from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeWriteError
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +26,18 @@ def _hold_catalog(lake: Lake) -> duckdb.DuckDBPyConnection | None:
             raise CatalogError(f"no catalog at {path}: nothing was built in this lake")
         try:
             return duckdb.connect(path)
-        except duckdb.IOException as exc:
-            if not is_lock_error(exc):
-                raise
-            raise CatalogLockedError(
-                f"catalog {path} is in use (a `lakeloader build` of this lake, or a process reading "
-                "its catalog directly): run `lakeloader gc` when the build has finished") from exc
+        except duckdb.Error as exc:
+            if is_lock_error(exc):
+                raise CatalogLockedError(
+                    f"catalog {path} is in use (a `lakeloader build` of this lake, or a process reading "
+                    "its catalog directly): run `lakeloader gc` when the build has finished") from exc
+            failure = catalog_failure(path, exc)
+            if isinstance(failure, LakeWriteError):   # a read-only lake, say: removing folders writes
+                raise LakeWriteError(
+                    f"`lakeloader gc` cannot open the catalog {path} for writing ({' '.join(str(exc).split())}): "
+                    "it holds the catalog while it removes folders, so run it where the lake is writable "
+                    "(`lakeloader gc --dry-run` only reads)") from exc
+            raise failure or exc
     con = lake.connect()
     try:
         running = con.execute(query("running_builds")).fetchall()
@@ -51,16 +57,26 @@ def remove_stale_chunk_folders(lake: Lake, *, dry_run: bool = False) -> pd.DataF
     Refuses while a build holds the catalog, and holds a local lake's catalog lock meanwhile so
     that no build starts. Never touches the folders of the plans in force; a reader still on a
     replaced plan would lose its files, which is why this is an explicit command.
-    ``dry_run`` only lists them."""
+    ``dry_run`` only lists them: it reads the catalog as any reader does (read-only; the published
+    snapshot while a build holds the catalog), so it works on a read-only lake and beside a build."""
+    if dry_run:
+        con = lake.connect()
+        try:
+            return stale_chunk_folders(lake, con)
+        except duckdb.Error as exc:
+            raise lake.catalog_damage(exc) or exc
+        finally:
+            con.close()
     holder = _hold_catalog(lake)
     con = holder.cursor() if holder is not None else lake.connect()
     try:
         stale = stale_chunk_folders(lake, con)
-        if not dry_run:
-            for folder in stale["folder"]:
-                log.info("removing stale chunk folder %s", folder)
-                lake.fs.rm(lake.path_of(folder), recursive=True)
+        for folder in stale["folder"]:
+            log.info("removing stale chunk folder %s", folder)
+            lake.fs.rm(lake.path_of(folder), recursive=True)
         return stale
+    except duckdb.Error as exc:
+        raise lake.catalog_damage(exc) or exc
     finally:
         con.close()
         if holder is not None:

@@ -6,8 +6,8 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import duckdb
 import pandas as pd
@@ -22,19 +22,36 @@ from lakeloader.catalog.documents import (
 )
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.snapshot import open_snapshot
-from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query
+from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query, run_bounded
 from lakeloader.catalog.stale import stale_chunk_folders
-from lakeloader.catalog.store import LiveCatalog, connect_reader
-from lakeloader.config import Config, load_config
-from lakeloader.contracts.errors import CatalogError, CatalogLockedError
-from lakeloader.storage import with_retries
+from lakeloader.catalog.store import LiveCatalog, catalog_failure, connect_reader, is_damaged_catalog
+from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, Config, SqlConfig, load_config
+from lakeloader.contracts.errors import (
+    CatalogError,
+    CatalogLockedError,
+    CatalogNotPublishedError,
+    LakeloaderError,
+    QueryLimitError,
+)
+from lakeloader.storage import missing_bucket, with_retries
 from lakeloader.tokenizer import LazyTokenizer, lazy_tokenizer_file, lazy_tokenizer_text
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Lake(LakeLocation):
     """A lake opened for queries: catalog connections, SQL, status and its tokenizer."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 io_retry_deadline: float = DEFAULT_IO_RETRY_DEADLINE, sql: SqlConfig | None = None,
+                 config_file: str | None = None) -> None:
+        """``sql``: the limits of its catalog connections and queries (the config's ``sql``
+        section); ``config_file``: the config they come from, named by errors about them."""
+        super().__init__(url, storage_options, io_retry_deadline)
+        self.sql_config = sql or SqlConfig()
+        self._limits_from = (config_file if config_file else
+                             "the lake's config (given a lake's path instead, lakeloader uses the defaults)")
 
     def connect(self, *, sandboxed: bool = False, live: LiveCatalog | None = None) -> duckdb.DuckDBPyConnection:
         """A read-only catalog connection: a local lake's catalog file when no build holds it,
@@ -49,11 +66,24 @@ class Lake(LakeLocation):
                 return cursor
         if self.is_local and os.path.exists(path):  # remote: this host's copy may be stale
             try:
-                return connect_reader(path)
+                return connect_reader(path, sql=self.sql_config)
             except CatalogLockedError:
                 log.info("catalog is being written by a build; reading the published snapshot")
-        return with_retries(lambda: open_snapshot(self)[0], deadline=self.io_retry_deadline,
-                            what=f"reading the published catalog of {self.describe()}")
+        try:
+            return with_retries(lambda: open_snapshot(self, sql=self.sql_config)[0], deadline=self.io_retry_deadline,
+                                what=f"reading the published catalog of {self.describe()}")
+        except CatalogNotPublishedError as exc:   # nothing published, or no bucket to publish in
+            missing = missing_bucket(self.fs, self.root, f"lake {self.describe()}")
+            if missing is None:
+                raise
+            raise missing from exc
+
+    def catalog_damage(self, exc: duckdb.Error) -> LakeloaderError | None:
+        """The one-line error (with the ``--recover-catalog`` hint) for a query that found a local
+        lake's catalog file damaged (a block failing its checksum, the file cut short); None for
+        any other error."""
+        path = self.writer_catalog_path
+        return catalog_failure(path, exc) if self.is_local and is_damaged_catalog(path, exc) else None
 
     def tokenizer(self, con: Any, datasets: Sequence[str]) -> LazyTokenizer:
         """The lake's copy of the tokenizer that built ``datasets`` (``con``: a catalog connection
@@ -75,39 +105,51 @@ class Lake(LakeLocation):
     def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
         """Run one read-only query (``ALLOWED_SQL``) against the catalog and return the result as
         a DataFrame. Anything else (writes, other files, network, extensions, settings) is refused
-        with ``CatalogError`` and changes nothing."""
+        with ``CatalogError`` and changes nothing. It runs within ``sql.memory_limit`` and
+        ``sql.timeout_s`` (``QueryLimitError`` past them), and Ctrl-C interrupts it."""
         check_read_only(statement)
         with self._reader(documents=mentions_documents(statement)) as con:
-            result = con.execute(statement, params) if params else con.execute(statement)
-            return integer_columns(result.df(), result.description)
+            def run() -> pd.DataFrame:
+                result = con.execute(statement, params) if params else con.execute(statement)
+                return integer_columns(result.df(), result.description)
+            return self._bounded(con, run)
 
     def stats(self, by: str | None = None) -> pd.DataFrame:
         """Documents, tokens and document-length percentiles (p50, p90, p99, max) per dataset, or
         per dataset and value of ``by`` (a column of the ``documents`` view, e.g. a metadata field)."""
         with self._reader(documents=True) as con:
-            return document_stats(con, by)
+            return self._bounded(con, lambda: document_stats(con, by))
 
     def plot_lengths(self, path: str | os.PathLike[str], by: str | None = None) -> pd.DataFrame:
         """Write a PNG histogram of document lengths to ``path`` (one panel per dataset, log-scaled
         length axis; with ``by``, a curve per value) and return the ``stats(by)`` it summarises."""
         with self._reader(documents=True) as con:
-            stats = document_stats(con, by)
-            plot_lengths(length_histogram(con, by), stats, os.fspath(path), by)
+            stats, histogram = self._bounded(con, lambda: (document_stats(con, by), length_histogram(con, by)))
+            plot_lengths(histogram, stats, os.fspath(path), by)
             return stats
+
+    def _bounded(self, con: duckdb.DuckDBPyConnection, call: Callable[[], T]) -> T:
+        """``call()``, queries on ``con``, stopped after ``sql.timeout_s`` or at Ctrl-C."""
+        return run_bounded(con, call, self.sql_config.timeout_s, self._limits_from)
 
     @contextlib.contextmanager
     def _reader(self, *, documents: bool) -> Iterator[duckdb.DuckDBPyConnection]:
         """A sandboxed catalog connection (with the ``documents`` view if asked), its DuckDB
-        errors as ``CatalogError`` (chunk files that cannot be read as ``ChunkIntegrityError``)."""
+        errors as ``CatalogError`` (chunk files that cannot be read as ``ChunkIntegrityError``, one
+        that needs more than ``sql.memory_limit`` as ``QueryLimitError``)."""
         con = self.connect(sandboxed=True)
         try:
             if documents:
                 register_documents(con, self)
             yield con
+        except duckdb.OutOfMemoryException as exc:
+            raise QueryLimitError(
+                f"the query needs more memory than sql.memory_limit ({self.sql_config.memory_limit:,} bytes) "
+                f"allows and was stopped: raise sql.memory_limit in {self._limits_from}, or ask for less") from exc
         except (duckdb.PermissionException, duckdb.InvalidInputException) as exc:
             raise scan_failure(exc) or CatalogError(f"SQL error: {exc}\nlakeloader sql runs {ALLOWED_SQL}") from exc
         except duckdb.Error as exc:
-            raise scan_failure(exc) or CatalogError(f"SQL error: {exc}") from exc
+            raise self.catalog_damage(exc) or scan_failure(exc) or CatalogError(f"SQL error: {exc}") from exc
         finally:
             con.close()
 
@@ -120,6 +162,8 @@ class Lake(LakeLocation):
                       (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
             tables["stale_folders"] = stale_chunk_folders(self, con)
             return tables
+        except duckdb.Error as exc:
+            raise self.catalog_damage(exc) or exc
         finally:
             con.close()
 
@@ -147,11 +191,12 @@ def open_lake(config_or_lake: Config | str | os.PathLike[str],
               storage_options: dict[str, Any] | None = None) -> Lake:
     """The lake of a config (object or YAML path) or a lake path/URL."""
     if isinstance(config_or_lake, Config):
-        return Lake(config_or_lake.lake, config_or_lake.storage_options, config_or_lake.io_retry_deadline)
+        return Lake(config_or_lake.lake, config_or_lake.storage_options, config_or_lake.io_retry_deadline,
+                    config_or_lake.sql, config_or_lake.source_file)
     text = os.fspath(config_or_lake)
     if text.endswith((".yaml", ".yml")):
         config = load_config(text)
-        return Lake(config.lake, config.storage_options, config.io_retry_deadline)
+        return Lake(config.lake, config.storage_options, config.io_retry_deadline, config.sql, config.source_file)
     lake = Lake(text, storage_options)
     if lake.is_local and not os.path.isdir(lake.root):
         raise CatalogError(f"no lake at {text}: give a config file (.yaml) or a lake folder/URL")

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 
-from lakeloader.contracts.errors import CatalogError, LakeloaderError
+from lakeloader.contracts.errors import CatalogError, LakeloaderError, QueryLimitError
+
+T = TypeVar("T")
+# How long a query that was interrupted (Ctrl-C, its timeout) may take to stop before the caller
+# goes on without it; DuckDB checks for an interrupt between vectors, so it takes milliseconds.
+INTERRUPT_WAIT_SECONDS = 5.0
+_POLL_SECONDS = 0.1
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _EXPLAIN = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^()]*\)\s*)?", re.IGNORECASE)
@@ -93,3 +101,39 @@ def check_read_only(statement: str) -> None:
     shown = " ".join(statement.split())
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     raise CatalogError(f"refused {shown!r} (a {kind.name} statement): lakeloader sql runs {ALLOWED_SQL}")
+
+
+def run_bounded(con: duckdb.DuckDBPyConnection, call: Callable[[], T], timeout_s: float | None,
+                where: str = "the config") -> T:
+    """``call()`` (queries on ``con`` and their fetch) run in another thread, interrupted
+    (``con.interrupt()``) after ``timeout_s`` seconds (None: never), raising QueryLimitError
+    that names ``sql.timeout_s`` of ``where``, or at Ctrl-C, re-raising the KeyboardInterrupt.
+    DuckDB does not see SIGINT while it runs a query: this thread waits, so Python does."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:   # handed to the waiting thread, which raises it
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    threading.Thread(target=work, name="lakeloader-sql", daemon=True).start()
+    try:
+        while not done.wait(_POLL_SECONDS):
+            if deadline is not None and time.monotonic() >= deadline:
+                con.interrupt()
+                done.wait(INTERRUPT_WAIT_SECONDS)
+                raise QueryLimitError(
+                    f"the query ran longer than sql.timeout_s ({timeout_s:g} s) and was stopped: raise "
+                    f"sql.timeout_s in {where} (or null for no limit), or ask for less")
+    except KeyboardInterrupt:
+        con.interrupt()
+        done.wait(INTERRUPT_WAIT_SECONDS)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

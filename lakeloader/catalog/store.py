@@ -21,6 +21,7 @@ import duckdb
 import pandas as pd
 
 from lakeloader.catalog.sql import query, sql_file
+from lakeloader.config import SqlConfig
 from lakeloader.contracts.chunk_file import ChunkResult, PlanStats
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeloaderError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
@@ -36,6 +37,9 @@ SCHEMA_VERSION = "2"
 CLOSE_WAIT_SECONDS = 60.0
 _LOCK_PID = re.compile(r"PID (\d+)")
 _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
+_TABLE_BODY = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+) \((.*?)^\);", re.MULTILINE | re.DOTALL)
+_COLUMN = re.compile(r"^\s*(\w+)\s+[A-Z]")
+_CONSTRAINTS = {"PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT"}
 _ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
@@ -156,24 +160,108 @@ def added_columns() -> dict[str, list[tuple[str, str]]]:
     return added
 
 
-def _reader_tables(con: duckdb.DuckDBPyConnection, present: list[str]) -> str:
-    """The reader's view of each ``present`` table; a column schema.sql added after the catalog
-    was written reads NULL (so lakes built before it still read). Only the tables that schema.sql
-    adds columns to are asked for theirs (an empty select each: listing every column of the file
-    costs five times more)."""
+@functools.cache
+def schema_columns() -> dict[str, tuple[str, ...]]:
+    """Per table of catalog/schema.sql, its columns in order (those only its ALTER TABLE ... ADD
+    COLUMN lines name last, as DuckDB orders them)."""
+    columns = {}
+    for table, body in _TABLE_BODY.findall(sql_file("schema")):
+        names = [match.group(1) for line in body.splitlines()
+                 if (match := _COLUMN.match(line.split("--")[0])) and match.group(1).upper() not in _CONSTRAINTS]
+        names += [column for column, _ in added_columns().get(table, []) if column not in names]
+        columns[table] = tuple(names)
+    return columns
+
+
+def _marker(table: str) -> str:
+    return f"lakeloader table {table}"
+
+
+def _columns_of(con: duckdb.DuckDBPyConnection, piece: str, tables: Sequence[str]) -> dict[str, set[str]] | None:
+    """The columns (lower case) of each of ``tables`` of the attached catalog file, from one bind
+    of attached_stored_columns over ``piece`` (attached_stored_columns_of: those stored, or
+    attached_all_columns_of: every one): the marker columns split them. None when the markers do
+    not come once each in order (a column of the file named like one)."""
+    if not tables:
+        return {}
+    pieces = ", ".join(query(piece).format(marker=_marker(name), table=name) for name in tables)
+    names = con.sql(query("attached_stored_columns").format(tables=pieces)).columns
+    markers = {_marker(name) for name in tables}
+    starts = [i for i, name in enumerate(names) if name in markers]
+    if [names[i] for i in starts] != [_marker(name) for name in tables]:
+        return None
+    ends = starts[1:] + [len(names)]
+    return {table: {name.lower() for name in names[start + 1:end]} for table, start, end in zip(tables, starts, ends)}
+
+
+def _not_as_written(path: str, problem: str) -> CatalogError:
+    return CatalogError(
+        f"catalog {path} is not as lakeloader writes it: {problem}. It was altered by hand or by other "
+        "software; rebuild the catalog (lakeloader build CONFIG into a new lake) or restore it from a trusted copy")
+
+
+def _stored_columns(con: duckdb.DuckDBPyConnection, path: str) -> dict[str, set[str]]:
+    """The columns the catalog file ``path`` (attached as ``lake``) stores for each table of
+    catalog/schema.sql it has (generated columns are not stored); a CatalogError if any of them
+    is a view there."""
+    tables = catalog_tables()
+    try:   # The usual case, every table there and a table: one cheap bind.
+        stored = _columns_of(con, "attached_stored_columns_of", tables)
+        if stored is not None:
+            return stored
+    except duckdb.CatalogException as exc:   # A catalog of an older schema, or altered: list what it has.
+        log.debug("catalog %s: not every table of schema.sql is a table there (%s); listing its objects", path, exc)
+    objects = dict(con.execute(query("attached_objects")).fetchall())
+    altered = sorted(name for name in tables if objects.get(name) == "view")
+    if altered:
+        raise _not_as_written(path, f"{', '.join(altered)} should be tables but are views")
+    stored = _columns_of(con, "attached_stored_columns_of", [name for name in tables if objects.get(name) == "table"])
+    if stored is None:
+        raise _not_as_written(path, "a column of its tables is named like the marker columns lakeloader reads them with")
+    return stored
+
+
+def _generated(path: str, columns: Iterable[tuple[str, str]]) -> CatalogError:
+    named = ", ".join(f"{table}.{column}" for table, column in columns)
+    return _not_as_written(path, f"{named}: generated column(s), an expression of SQL stored in the file that "
+                                 "would run in every reader of it")
+
+
+def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, set[str]]) -> str:
+    """The reader's view of each table of ``stored`` (its stored columns): schema.sql's columns by
+    name, so no other column of the file is read; a column schema.sql added after the catalog was
+    written reads NULL (so lakes built before it still read). A column of schema.sql that the file
+    lacks, or has as a generated column, is a CatalogError naming it."""
     statements = []
-    for name in present:
-        added = added_columns().get(name, [])
-        columns = set()
-        if added:
-            columns = {c[0] for c in con.execute(query("attached_table_columns").format(table=name)).description}
-        missing = [(column, kind) for column, kind in added if column not in columns]
+    for name, columns in stored.items():
+        missing = [column for column in schema_columns()[name] if column.lower() not in columns]
+        kinds = dict(added_columns().get(name, []))
         if missing:
-            statements.append(query("reader_table_padded").format(
-                table=name, columns=", ".join(f"NULL::{kind} AS {column}" for column, kind in missing)))
-        else:
-            statements.append(query("reader_table").format(table=name))
+            every = _columns_of(con, "attached_all_columns_of", [name]) or {name: set()}
+            generated = [(name, column) for column in missing if column.lower() in every[name]]
+            if generated:
+                raise _generated(path, generated)
+            lost = [column for column in missing if column not in kinds]
+            if lost:
+                raise _not_as_written(path, f"table {name} lacks the column(s) {', '.join(lost)}")
+        selected = [column if column not in missing else f"NULL::{kinds[column]} AS {column}"
+                    for column in schema_columns()[name]]
+        statements.append(query("reader_table").format(table=name, columns=", ".join(selected)))
     return "".join(statements)
+
+
+def refuse_generated_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """On a reader's connection (``connect_reader``), a CatalogError naming the file if a table
+    of schema.sql has a generated column there, one schema.sql does not name included: the
+    reader's views never read those, but a user's SQL can name the file's tables (``lake.chunks``)."""
+    row = con.execute(query("attached_catalog_path")).fetchone()
+    if row is None:   # the build's own connection: it attached no catalog file
+        return
+    stored = _stored_columns(con, row[0])
+    every = _columns_of(con, "attached_all_columns_of", list(stored)) or {}
+    generated = [(table, column) for table, columns in every.items() for column in sorted(columns - stored[table])]
+    if generated:
+        raise _generated(row[0], generated)
 
 
 RECOVER_CATALOG_HINT = ("recover it from the lake's newest published snapshot with `lakeloader build "
@@ -184,11 +272,22 @@ _OS_REASONS = {"no space left": errno.ENOSPC, "read-only file system": errno.ERO
                "permission denied": errno.EACCES, "disk quota exceeded": errno.EDQUOT}
 
 
+def is_damaged_catalog(path: str, exc: BaseException) -> bool:
+    """Whether DuckDB's ``exc`` says the catalog file ``path`` is damaged: garbage or zeros where
+    its header is, a block failing its checksum, or the file cut short (DuckDB names the file it
+    could not read to the end; a chunk file cut short is not the catalog's damage)."""
+    text = str(exc).lower()
+    if "corrupt database file" in text or "not a valid duckdb database file" in text:
+        return True
+    return "could not read enough bytes from file" in text and path.lower() in text
+
+
 def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalog") -> LakeloaderError | None:
-    """The clear error for a DuckDB error opening or writing the catalog file ``path`` (while
-    doing ``what``): a corrupt file, a full or read-only disk, no permission; None for any other."""
-    text = str(exc)
-    if "corrupt database file" in text.lower():
+    """The clear error for a DuckDB error opening, reading or writing the catalog file ``path``
+    (while doing ``what``): a damaged file (one line, with the ``--recover-catalog`` hint), a full
+    or read-only disk, no permission; None for any other."""
+    text = " ".join(str(exc).split())   # one line, whatever DuckDB's message holds
+    if is_damaged_catalog(path, exc):
         return CatalogError(f"catalog {path} is corrupt ({text}): {RECOVER_CATALOG_HINT}")
     for reason, code in _OS_REASONS.items():
         if reason in text.lower():
@@ -198,35 +297,19 @@ def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalo
 
 def define_views(con: duckdb.DuckDBPyConnection, analyst: bool = True) -> None:
     """Define on ``con`` the view readers need (catalog/prefix.sql: committed_prefix) and, with
-    ``analyst``, the views and macros of catalog/views.sql built on it."""
+    ``analyst``, the views and macros of catalog/views.sql built on it, for whose SQL a reader's
+    catalog file is first checked to hold no generated column (``refuse_generated_columns``:
+    ~3 ms, so only here)."""
     con.execute(sql_file("prefix"))
     if analyst:
+        refuse_generated_columns(con)
         con.execute(sql_file("views"))
 
 
-def _attached_tables(con: duckdb.DuckDBPyConnection, path: str) -> list[str]:
-    """The tables of catalog/schema.sql that the catalog file ``path`` (attached as ``lake``)
-    has; a CatalogError if any of them is a view there."""
-    tables = catalog_tables()
-    try:   # The usual case, every table there and a table: one cheap check.
-        con.execute(" UNION ALL ".join(query("attached_table_check").format(table=name) for name in tables))
-        return list(tables)
-    except duckdb.CatalogException as exc:   # A catalog of an older schema, or altered: list what it has.
-        log.debug("catalog %s: not every table of schema.sql is a table there (%s); listing its objects", path, exc)
-    objects = dict(con.execute(query("attached_objects")).fetchall())
-    altered = sorted(name for name in tables if objects.get(name) == "view")
-    if altered:
-        raise CatalogError(
-            f"catalog {path} is not as lakeloader writes it: {', '.join(altered)} should be "
-            "tables but are views. It was altered by hand or by other software; rebuild the "
-            "catalog (lakeloader build CONFIG into a new lake) or restore it from a trusted copy"
-        )
-    return [name for name in tables if objects.get(name) == "table"]
-
-
-def connect_reader(path: str, analyst_views: bool = True) -> duckdb.DuckDBPyConnection:
+def connect_reader(path: str, analyst_views: bool = True, sql: SqlConfig | None = None) -> duckdb.DuckDBPyConnection:
     """A read-only connection to a catalog file that runs no SQL stored in the file and can
-    reach no other file, network or extension. Without ``analyst_views`` only the view readers
+    reach no other file, network or extension, within the memory and threads of ``sql`` (the
+    config's ``sql`` section; default: its defaults). Without ``analyst_views`` only the view readers
     need is defined (``define_views`` adds the others later: defining views is not configuration,
     so the lock below does not stop it).
 
@@ -238,7 +321,9 @@ def connect_reader(path: str, analyst_views: bool = True) -> duckdb.DuckDBPyConn
     """
     if not os.path.exists(path):
         raise CatalogError(f"no catalog at {path}: build the lake first (lakeloader build CONFIG)")
-    con = duckdb.connect(":memory:", config=_READER_CONFIG)
+    limits = sql or SqlConfig()
+    con = duckdb.connect(":memory:", config={**_READER_CONFIG, "memory_limit": f"{limits.memory_limit}B",
+                                             "threads": limits.threads or min(4, os.cpu_count() or 1)})
     try:
         try:
             con.execute(query("attach_catalog"), {"path": path})
@@ -251,7 +336,7 @@ def connect_reader(path: str, analyst_views: bool = True) -> duckdb.DuckDBPyConn
                     "published snapshot, or its live catalog when given the build's LiveCatalog "
                     "handle") from exc
             raise catalog_failure(path, exc) or exc
-        con.execute(_reader_tables(con, _attached_tables(con, path)))
+        con.execute(_reader_tables(con, path, _stored_columns(con, path)))
         define_views(con, analyst=analyst_views)
         con.execute(query("lock_reader"))
     except BaseException:
@@ -278,6 +363,7 @@ class CatalogWriter:
         follows it until :meth:`close` (readers in this process then read it live)."""
         self.path = path
         self._live = live
+        self._checkpoint_failed = False   # DuckDB then refuses every further write, a checkpoint too
         existed = os.path.exists(path)
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -327,11 +413,20 @@ class CatalogWriter:
         if self._live is not None:
             self._live.detach()
         try:
-            self.con.execute("CHECKPOINT")
-        except duckdb.Error as exc:
-            raise catalog_failure(self.path, exc) or exc
+            if not self._checkpoint_failed:
+                self.checkpoint()
         finally:
             self._close_connection()
+
+    def checkpoint(self) -> None:
+        """Write everything committed so far from the write-ahead log into the catalog file (a
+        full or read-only disk is a clear error). After a failed checkpoint DuckDB takes no more
+        writes on this connection; the write-ahead log keeps every commit for the next open."""
+        try:
+            self._run("checkpoint")
+        except duckdb.Error as exc:
+            self._checkpoint_failed = True
+            raise catalog_failure(self.path, exc) or exc
 
     def _close_connection(self) -> None:
         # DuckDB refuses to close a connection while a cursor of it is in a call: one a user took

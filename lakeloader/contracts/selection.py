@@ -17,11 +17,30 @@ from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES
 # The columns a predicate may name besides the metadata fields.
 PREDICATE_COLUMNS = {"num_tokens": pa.int64()}
 # The predicate is parsed and bound as the WHERE clause of this statement over an empty relation.
-# These two statements stay here (not in catalog/queries.sql): the config validates with them and
-# sits below the catalog layer; neither touches a catalog.
+# These statements stay here (not in catalog/queries.sql): the config validates with them and
+# sits below the catalog layer; none touches a catalog.
 _CANDIDATE = "candidate"
 _WRAPPED = "SELECT 1 FROM candidate WHERE ({where})"
+_RENDERED = "SELECT 1 FROM candidate WHERE "   # how DuckDB prints _WRAPPED back, before the expression
 _SERIALIZE = "SELECT json_serialize_sql($statement)"
+_RENDER = "SELECT json_deserialize_sql($tree::JSON)"
+# DuckDB's functions whose result is not a function of their arguments (stability VOLATILE or
+# CONSISTENT_WITHIN_QUERY in duckdb_functions()): the time, settings, sequences, random numbers,
+# error(), sleep_ms(). A selection is the same on every evaluation, so a predicate calls none of
+# them. Listed here, not looked up (duckdb_functions() costs ~50 ms); tests compare the list
+# with DuckDB's.
+IMPURE_FUNCTIONS = frozenset({
+    "current_connection_id", "current_database", "current_date", "current_query", "current_query_id",
+    "current_schema", "current_schemas", "current_setting", "current_transaction_id", "currval", "error",
+    "gen_random_uuid", "get_current_time", "get_current_timestamp", "getvariable", "in_search_path",
+    "nextval", "now", "random", "setseed", "setval", "sleep_ms", "stats", "today", "transaction_timestamp",
+    "txid_current", "uuid", "uuidv4", "uuidv7", "vector_type", "write_log",
+})
+
+
+class PredicateError(ValueError):
+    """A filter's predicate is not one pure SQL expression over its source's columns: the
+    message says what is wrong (without saying where: callers name the config key or catalog)."""
 
 
 def _nodes(value: Any) -> Iterator[dict[str, Any]]:
@@ -34,39 +53,96 @@ def _nodes(value: Any) -> Iterator[dict[str, Any]]:
             yield from _nodes(item)
 
 
-def where_problem(where: str, metadata: Mapping[str, str | None]) -> str | None:
-    """What is wrong with ``where`` as a filter (None: nothing): it must be one pure SQL expression
-    (no subquery, no statement around it) that DuckDB binds against an empty relation of
-    ``metadata`` (field -> string | int | float | bool; an untyped field binds as a string) and
-    ``num_tokens``."""
-    columns = {**{field: METADATA_ARROW_TYPES.get(kind or "string", pa.string()) for field, kind in metadata.items()},
-               **PREDICATE_COLUMNS}
+def _where_clause(tree: dict[str, Any]) -> dict[str, Any] | None:
+    """The WHERE expression of a parsed _WRAPPED statement, or None unless the statement is that
+    and nothing more: one SELECT of candidate, no subquery, modifier, grouping or CTE."""
+    statements = tree["statements"]
+    node = statements[0]["node"] if len(statements) == 1 else {}
+    pure = (node.get("type") == "SELECT_NODE" and not node.get("modifiers") and not node.get("group_expressions")
+            and node.get("having") is None and node.get("qualify") is None and node.get("sample") is None
+            and not node.get("cte_map", {}).get("map")
+            and node.get("from_table", {}).get("table_name") == _CANDIDATE
+            and not any(n.get("class") == "SUBQUERY" for n in _nodes(node.get("where_clause"))))
+    return node.get("where_clause") if pure else None
+
+
+def _unknown_names(where: dict[str, Any], columns: Mapping[str, pa.DataType]) -> tuple[list[str], list[str]]:
+    """The column names ``where`` gives that are not ``columns`` (nor a lambda's parameters: DuckDB
+    reads a name such as current_date that is no column as a function of the time), and the
+    functions it calls that are impure or qualified (a macro of another database)."""
+    known = {name.lower() for name in columns}
+    known |= {n["column_names"][-1].lower() for lam in _nodes(where) if lam.get("class") == "LAMBDA"
+              for n in _nodes(lam.get("lhs")) if n.get("class") == "COLUMN_REF"}
+    names = [".".join(n["column_names"]) for n in _nodes(where) if n.get("class") == "COLUMN_REF"
+             and (len(n["column_names"]) != 1 or n["column_names"][0].lower() not in known)]
+    functions = [".".join(part for part in (n.get("catalog"), n.get("schema"), n["function_name"]) if part)
+                 for n in _nodes(where) if n.get("class") == "FUNCTION"
+                 and (n["function_name"].lower() in IMPURE_FUNCTIONS or n.get("schema") or n.get("catalog"))]
+    return names, functions
+
+
+def check_predicate(where: str, columns: Mapping[str, pa.DataType]) -> str:
+    """``where`` as DuckDB prints its parsed expression back (no comment, its parentheses
+    balanced: it cannot end the clause it is put in), checked to be one pure SQL expression over
+    ``columns`` (name -> Arrow type): no statement around it, no subquery, table or aggregate, no
+    column but those, no impure function (``IMPURE_FUNCTIONS``), and binding to those columns'
+    types. A PredicateError says what is wrong. Nothing of it runs: it is parsed and bound only."""
     known = ", ".join(columns)
     if not where.strip():
-        return f"the predicate is empty: give a SQL predicate over {known}, e.g. \"num_tokens < 8192\""
-    statement = _WRAPPED.format(where=where)
-    con = duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
+        raise PredicateError(f"the predicate is empty: give a SQL predicate over {known}, e.g. \"num_tokens < 8192\"")
+    impure = PredicateError(f"not one pure expression: a filter is a predicate over {known} (no subquery, no "
+                            "statement, no table), e.g. \"lang = 'en' AND num_tokens < 8192\"")
+    con = _sandbox()
     try:
-        parsed = json.loads(con.execute(_SERIALIZE, {"statement": statement}).fetchall()[0][0])
-        if parsed.get("error"):
-            return f"not a SQL predicate ({parsed.get('error_message')}); write an expression over {known}"
-        statements = parsed["statements"]
-        node = statements[0]["node"] if len(statements) == 1 else {}
-        pure = (node.get("type") == "SELECT_NODE" and not node.get("modifiers") and not node.get("group_expressions")
-                and node.get("having") is None and node.get("qualify") is None and node.get("sample") is None
-                and not node.get("cte_map", {}).get("map")
-                and node.get("from_table", {}).get("table_name") == _CANDIDATE
-                and not any(n.get("class") == "SUBQUERY" for n in _nodes(node.get("where_clause"))))
-        if not pure:
-            return (f"not one pure expression: a filter is a predicate over {known} (no subquery, no "
-                    "statement, no table), e.g. \"lang = 'en' AND num_tokens < 8192\"")
+        tree = json.loads(con.execute(_SERIALIZE, {"statement": _WRAPPED.format(where=where)}).fetchall()[0][0])
+        if tree.get("error"):
+            raise PredicateError(f"not a SQL predicate ({tree.get('error_message')}); write an expression over {known}")
+        if _where_clause(tree) is None:
+            raise impure
+        # From here on only DuckDB's own rendering of the tree is used (and checked again).
+        rendered = str(con.execute(_RENDER, {"tree": json.dumps(tree)}).fetchall()[0][0])
+        if not rendered.startswith(_RENDERED):
+            raise impure
+        expression = rendered.removeprefix(_RENDERED)
+        statement = _WRAPPED.format(where=expression)
+        clause = _where_clause(json.loads(con.execute(_SERIALIZE, {"statement": statement}).fetchall()[0][0]))
+        if clause is None:
+            raise impure
+        names, functions = _unknown_names(clause, columns)
+        if functions:
+            raise PredicateError(
+                f"calls {', '.join(sorted(set(functions)))}: a filter's predicate may call only functions whose "
+                "result depends on their arguments alone (no time, setting, random number, sequence, error or "
+                f"sleep, no function of another database); write it over {known}")
+        if names:
+            raise PredicateError(f"does not bind to the source dataset's columns ({known}): column \"{names[0]}\" "
+                                 "not found; fix the predicate or add the field to the source dataset's metadata_fields")
         con.register(_CANDIDATE, pa.table({name: pa.array([], kind) for name, kind in columns.items()}))
-        con.execute(statement).fetchall()
+        con.sql(statement).columns   # bound, never run (a constant in it is not even folded)
     except duckdb.Error as exc:
-        return (f"does not bind to the source dataset's columns ({known}): {str(exc).splitlines()[0]}; "
-                "fix the predicate or add the field to the source dataset's metadata_fields")
+        raise PredicateError(f"does not bind to the source dataset's columns ({known}): {str(exc).splitlines()[0]}; "
+                             "fix the predicate or add the field to the source dataset's metadata_fields") from None
+    except RecursionError:   # a tree deeper than Python reads (DuckDB's own limit is 1000 levels)
+        raise PredicateError(f"nested too deeply to check; write a flatter predicate over {known}") from None
     finally:
         con.close()
+    return expression
+
+
+def metadata_columns(metadata: Mapping[str, str | None]) -> dict[str, pa.DataType]:
+    """The columns a filter of a dataset with ``metadata`` (field -> string | int | float | bool;
+    an untyped field is a string) may name, with their Arrow types."""
+    return {**{field: METADATA_ARROW_TYPES.get(kind or "string", pa.string()) for field, kind in metadata.items()},
+            **PREDICATE_COLUMNS}
+
+
+def where_problem(where: str, metadata: Mapping[str, str | None]) -> str | None:
+    """What is wrong with ``where`` as a filter of a dataset with ``metadata`` (None: nothing):
+    :func:`check_predicate` over :func:`metadata_columns`."""
+    try:
+        check_predicate(where, metadata_columns(metadata))
+    except PredicateError as exc:
+        return str(exc)
     return None
 
 

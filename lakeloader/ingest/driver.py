@@ -23,7 +23,7 @@ from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import CatalogWriter, LiveCatalog, catalog_failure
 from lakeloader.config import Config, load_config
 from lakeloader.contracts import VERSION
-from lakeloader.contracts.errors import LakeWriteError, SourceError
+from lakeloader.contracts.errors import LakeloaderError, LakeWriteError, SourceError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
@@ -36,6 +36,9 @@ from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, 
 log = logging.getLogger(__name__)
 
 TOKENIZER_DIR = "_tokenizer"
+# The builds row of a complete build until its catalog is saved (a failed save cannot replace it).
+_UNSAVED = ("the build ended before its catalog {path} was saved (a full or read-only disk, say; the build's "
+            "error output says why): fix that and re-run `lakeloader build CONFIG` (it resumes from the committed chunks)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +98,18 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
         raise
     with writer:
         try:
-            return _build_locked(config, lake, writer, workers, scheduler, progress, repair,
-                                 dashboard_address or config.build.dashboard)
+            report = _build_locked(config, lake, writer, workers, scheduler, progress, repair,
+                                   dashboard_address or config.build.dashboard)
         except duckdb.Error as exc:  # the catalog refused a write: a full disk, say
             raise catalog_failure(writer.path, exc) or exc
+        try:
+            writer.checkpoint()
+        except (LakeloaderError, duckdb.Error) as exc:
+            # Saved already but for the last records (the build's end, the published version),
+            # which the write-ahead log keeps: the build stands as recorded and published.
+            log.warning("build %d succeeded and is published, but its last catalog records stay in the "
+                        "write-ahead log until the next build saves them: %s", report.build_id, exc)
+        return report
 
 
 def _make_lake_folder(lake: Lake) -> str | None:
@@ -206,19 +217,27 @@ def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str,
 
 
 def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> None:
-    """Record the end of the run with its totals and publish the final catalog snapshot. A
-    complete build that readers cannot see failed: a failed publish is then recorded and raised;
-    after a failure it is only logged (the build's own error stays the one raised)."""
+    """Record the end of the run with its totals, save the catalog and publish the final
+    snapshot. A complete build is recorded "succeeded" only once its catalog is saved; one whose
+    catalog cannot be saved or that readers cannot see failed: it stays recorded "failed" and the
+    error is raised, so the builds table says what the exit status says. After a failure the
+    publish is only logged (the build's own error stays the one raised)."""
     totals = run.totals
     stats = dict(chunks_built=totals.chunks, docs=totals.docs, tokens=totals.tokens,
                  source_bytes=totals.source_bytes, rejects=totals.rejects, retries=totals.retries,
                  seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0)
+    if status == "succeeded":
+        # The build's commits (in the write-ahead log) into the catalog file before its success
+        # is recorded. A disk that fills there leaves DuckDB refusing every later write, the
+        # record of the failure included: so it is recorded first, and replaced once saved.
+        _record_end(run.writer, run.build_id, "failed", _UNSAVED.format(path=run.writer.path), stats)
+        run.writer.checkpoint()
     _record_end(run.writer, run.build_id, status, error, stats)
     try:
         run.publish()
     except Exception as exc:
         if status == "succeeded":  # complete, but readers cannot see it: the build failed
-            _record_end(run.writer, run.build_id, "failed", f"{type(exc).__name__}: {exc}", stats)
+            _record_end(run.writer, run.build_id, "failed", run.config.redact(f"{type(exc).__name__}: {exc}"), stats)
             raise
         log.warning("could not publish the final catalog snapshot of failed build %d: %s", run.build_id, exc)
 

@@ -15,10 +15,10 @@ import duckdb
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.pointer import POINTER
 from lakeloader.catalog.snapshot import catalog_identity, local_snapshot, publish_snapshot, read_pointer
-from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, connect_reader
+from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, catalog_failure, connect_reader
 from lakeloader.config import Config
 from lakeloader.contracts.errors import CatalogError
-from lakeloader.storage import with_retries
+from lakeloader.storage import missing_bucket, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ def prepare_writer_catalog(lake: Lake, recover: bool) -> None:
     path = lake.writer_catalog_path
     pointer = with_retries(lambda: read_pointer(lake, sealed=False), deadline=lake.io_retry_deadline,
                            what=f"reading the published catalog of {lake.describe()}")
+    missing = missing_bucket(lake.fs, lake.root, f"lake {lake.describe()}") if pointer is None else None
+    if missing is not None:   # before anything is set aside for a lake that cannot be written
+        raise missing
     if recover:
         if pointer is None:
             raise CatalogError(
@@ -86,8 +89,9 @@ def prepare_writer_catalog(lake: Lake, recover: bool) -> None:
     try:
         lake_id, version = _catalog_identity_of(path)
     except duckdb.Error as exc:
-        raise CatalogError(f"the catalog {path} of lake {lake.url} cannot be opened ({type(exc).__name__}: "
-                           f"{exc}); {RECOVER_CATALOG_HINT}") from exc
+        raise catalog_failure(path, exc) or CatalogError(
+            f"the catalog {path} of lake {lake.url} cannot be opened ({type(exc).__name__}: {exc}); "
+            f"{RECOVER_CATALOG_HINT}") from exc
     if pointer is None:
         if lake.is_local:
             return  # the catalog lives in the lake itself: it is the lake's

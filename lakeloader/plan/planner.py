@@ -236,9 +236,14 @@ def filtered_plan(name: str, config: Config, source: DatasetPlan) -> DatasetPlan
     if problem is not None:
         raise ConfigError(f"{config.source_file or 'config'}: datasets.{name}.where: {problem} (the metadata "
                           f"types of dataset {source.name!r} as planned: {dict(source.metadata)})")
-    fingerprint = _hash({"filter_of": source.fingerprint, "where": normalized_where(where)})
-    return dataclasses.replace(source, name=name, fingerprint=fingerprint, missing=[], source=source.name,
-                               where=where)
+    return dataclasses.replace(source, name=name, fingerprint=filter_fingerprint(source.fingerprint, where),
+                               missing=[], source=source.name, where=where)
+
+
+def filter_fingerprint(source_fingerprint: str, where: str) -> str:
+    """The fingerprint of the plan selecting ``where`` from the plan ``source_fingerprint``: equal
+    for predicates DuckDB prints back alike, different for any other source or predicate."""
+    return _hash({"filter_of": source_fingerprint, "where": normalized_where(where)})
 
 
 def with_planned_metadata(config: Config, plans: list[DatasetPlan]) -> Config:

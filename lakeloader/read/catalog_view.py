@@ -352,6 +352,12 @@ class CatalogView:
         row = self.named("tokenizer_path", {"datasets": list(datasets)}, FetchOne)
         return None if row is None else row[0]
 
+    def plan_fingerprint(self, name: str) -> str | None:
+        """The fingerprint of dataset ``name``'s plan in the catalog (None: the catalog has none)."""
+        index = self.reader_index()
+        row = index.plan(name) if index is not None else self.named("reader_dataset", {"name": name}, FetchOne)
+        return None if row is None else str(row[0])
+
     def is_filtered(self, name: str) -> bool:
         """Whether dataset ``name`` is defined by a filter of another (``from``, ``where``)."""
         index = self.reader_index()
