@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import json
 import logging
 import os
 import sys
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from lakeloader.catalog.sql import ALLOWED_SQL
+from lakeloader.catalog.sql import ALLOWED_SQL, STATUS_TABLES
 from lakeloader.contracts.errors import LakeloaderError
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
+    """``frame`` on stdout as one CSV table (NULL empty), one JSON document (NULL null) or a text
+    table (NULL shown as NULL)."""
     if fmt == "csv":
         sys.stdout.write(frame.to_csv(index=False))
     elif fmt == "json":
@@ -41,7 +44,7 @@ def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
         print("(no rows)  columns: " + ", ".join(map(str, frame.columns)))
     else:
         with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-            print(frame.to_string(index=False))
+            print(frame.astype(object).where(frame.notna(), "NULL").to_string(index=False))
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -62,11 +65,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from lakeloader.catalog.lake import open_lake
 
     tables = open_lake(args.target).status()
-    if args.format != "table":
-        for name, frame in tables.items():
-            if args.format == "csv":
-                print(f"# {name}")
-            _print_frame(frame.assign(table=name) if args.format == "json" else frame, args.format)
+    if args.table is not None:
+        _print_frame(tables[args.table], args.format)
+        return 0
+    if args.format == "csv":
+        raise LakeloaderError(f"--format csv prints one table: choose it with --table {{{','.join(tables)}}}")
+    if args.format == "json":   # one document: an object of tables, each a list of rows
+        document = {name: json.loads(frame.to_json(orient="records", date_format="iso")) for name, frame in tables.items()}
+        print(json.dumps(document, indent=1))
         return 0
     for title, name in (("Datasets", "datasets"), ("Shards", "shards"), ("Recent builds", "builds")):
         print(f"== {title} ==")
@@ -263,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show each dataset's chunks, documents, tokens and rejects, each shard's "
         "progress and the recent builds. Works during a build (reads the published snapshot).")
     status.add_argument("target", metavar="CONFIG|LAKE")
-    status.add_argument("--format", choices=formats, default="table")
+    status.add_argument("--format", choices=formats, default="table",
+                        help="table (text), json (one object: each table's rows by its name) or csv (one "
+                        "table: give --table)")
+    status.add_argument("--table", choices=STATUS_TABLES, help="print only this table")
     status.set_defaults(func=_cmd_status)
 
     sql = commands.add_parser(
@@ -401,10 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # unix tools do, with the status of a process ended by SIGPIPE (128 + 13).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except KeyboardInterrupt:
-        # Ctrl-C (a query of sql or stats is interrupted first): one line and the status of a
-        # process ended by SIGINT (128 + 2), as unix tools do, never a traceback.
-        print(f"lakeloader {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        # Ctrl-C (a query of sql or stats is interrupted first, a build records itself and says
+        # what it kept): one line and the status of a process ended by SIGINT (128 + 2), as unix
+        # tools do, never a traceback.
+        print(f"lakeloader {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130
     except LakeloaderError as exc:
         print(f"lakeloader {args.command}: error: {exc}", file=sys.stderr)

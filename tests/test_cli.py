@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import subprocess
 import sys
@@ -36,6 +38,22 @@ def test_build_status_sql(tmp_path: Path, dask_scheduler: str, capsys: pytest.Ca
     assert main(["status", str(config)]) == 0
     out = capsys.readouterr().out
     assert "== Datasets ==" in out and "complete" in out and "a.jsonl" in out
+    # Machine-readable status: one JSON document of every table, one CSV table at a time; NULL
+    # as null, empty and NULL (the first build's finished_at is set, its error is NULL).
+    assert main(["status", str(config), "--format", "json"]) == 0
+    tables = json.loads(capsys.readouterr().out)
+    assert list(tables) == ["datasets", "shards", "builds", "stale_folders"]
+    assert tables["datasets"][0]["name"] == "code" and tables["builds"][0]["error"] is None
+    assert main(["status", str(config), "--format", "csv"]) == 2
+    assert "--table" in capsys.readouterr().err
+    assert main(["status", str(config), "--format", "csv", "--table", "builds"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert len(rows) == 1 and rows[0]["status"] == "succeeded" and rows[0]["error"] == ""
+    assert main(["status", str(config), "--table", "builds"]) == 0
+    out = capsys.readouterr().out
+    assert "NULL" in out and "NaN" not in out and "None" not in out
+    assert main(["sql", str(config), "SELECT NULL::VARCHAR AS a, NULL::DOUBLE AS b, 1 AS c"]) == 0
+    assert capsys.readouterr().out.split() == ["a", "b", "c", "NULL", "NULL", "1"]
 
     query = "SELECT name, num_docs FROM datasets"
     assert main(["sql", str(tmp_path / "lake"), query, "--format", "json"]) == 0

@@ -7,9 +7,11 @@ skipped without). The object store that is down is a loopback port with nothing 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.snapshot import read_pointer
 from lakeloader.config import load_config
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.ingest.driver import build
@@ -219,3 +222,41 @@ def test_object_store_down_at_start(tmp_path: Path, command: str, monkeypatch: p
                        "storage unreachable for", "Check the endpoint", "io_retry_deadline")  # retried until the deadline
     assert elapsed < 60
     assert not any(Path(os.environ["LAKELOADER_CACHE"]).rglob("catalog.duckdb"))
+
+
+@pytest.mark.parametrize("after_publishes", [1, 3])
+def test_ctrl_c_during_a_build_is_one_line_an_interrupted_run_and_a_resumable_lake(
+        tmp_path: Path, dask_scheduler: str, after_publishes: int) -> None:
+    """SIGINT to the whole process group of `lakeloader build` (a terminal's Ctrl-C reaches its Dask
+    workers too) while it commits: exit 130, one line saying what was kept, the run recorded
+    interrupted, the published snapshot whole; a re-run resumes and completes (issue 48 item 5)."""
+    texts = stdlib_texts("email") + stdlib_texts("json") + stdlib_texts("asyncio")
+    for index in range(4):
+        write_jsonl(tmp_path / "data" / f"p{index}.jsonl", texts)
+    config = write_config(tmp_path, {"d": {"sources": [str(tmp_path / "data" / "*.jsonl")]}},
+                          build={"split_size": "32KB", "workers": 2, "publish_interval": 0.2})
+    command = [sys.executable, "-m", "lakeloader.cli", "build", str(config), "--no-progress"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    pointer = tmp_path / "lake" / "_catalog" / "CURRENT"
+    deadline = time.monotonic() + 120
+    while not pointer.exists() or json.loads(pointer.read_bytes())["version"] < after_publishes:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if " INFO " not in line]
+    if process.returncode == 0:   # the build finished first: nothing to check on this machine
+        pytest.skip("the build ended before the interrupt reached it")
+    assert process.returncode == 130, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"lakeloader build: interrupted: build 1 committed \d+ chunks before it stopped; "
+                        rf"re-run `lakeloader build {re.escape(str(config))}` to resume \(committed chunks are kept\)",
+                        lines[0]), lines
+    lake = open_lake(config)
+    assert lake.sql("SELECT status FROM builds").status.tolist() == ["interrupted"]
+    read_pointer(lake)   # whole, and its snapshot reads
+    assert build(config, scheduler=dask_scheduler, progress=False).chunks_total > 0
+    statuses = lake.sql("SELECT status FROM builds ORDER BY build_id").status.tolist()
+    assert statuses == ["interrupted", "succeeded"]
+    assert lake.sql("SELECT status FROM datasets").status.tolist() == ["complete"]

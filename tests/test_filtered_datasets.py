@@ -72,6 +72,8 @@ def config_file(tmp_path: Path, filtered: dict[str, Any], **more: Any) -> Path:
     ({"from": "web", "where": "true; DROP TABLE chunks"}, "datasets.web_en.where", "not a SQL predicate"),
     ({"from": "web", "where": "length(read_text('/etc/passwd')) > 0"}, "datasets.web_en.where", "table function"),
     ({"from": "web", "where": "count(*) > 1"}, "datasets.web_en.where", "aggregates"),
+    ({"from": "web", "where": "random() < 0.1"}, "datasets.web_en.where", "calls random"),   # not the same twice
+    ({"from": "web", "where": "lang = 'en' AND now() > DATE '2026-01-01'"}, "datasets.web_en.where", "calls now"),
     ({"from": "web", "where": "  "}, "datasets.web_en.where", "empty"),
     ({"from": "news", "where": "true"}, "datasets.web_en.from", "no dataset 'news'"),
     ({"from": "web", "where": "true", "sources": ["x.jsonl"]}, "datasets.web_en.sources", "remove this key"),

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import build_parser, main
 from lakeloader.config import load_config
 from lakeloader.contracts.errors import ConfigError
@@ -197,3 +198,26 @@ def test_model_level_errors_name_the_key_and_line(tmp_path: Path) -> None:
     assert lines[2].startswith("  line 11, datasets.code.fim: section 'fim' applies to format: fim")
     assert lines[3] == "  line 14, mixture.stages.0.start_step: the first stage must have start_step: 0"
     assert "a.jsonl" not in str(info.value) and "b.jsonl" not in str(info.value)  # no mapping printed
+
+
+def test_a_build_that_cannot_start_leaves_no_lake_and_records_its_run(tmp_path: Path, dask_scheduler: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing tokenizer or source fails a build before it runs: a new lake is not left behind,
+    and in a lake that exists the run has its failed builds row (issue 48, item 6)."""
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
+    datasets = {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}}
+    config = write_config(tmp_path, datasets, tokenizer=str(tmp_path / "missing.json"))
+    assert main(["build", str(config), "--scheduler", dask_scheduler, "--no-progress"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert not (tmp_path / "lake").exists()
+    config = write_config(tmp_path, datasets)
+    build(config, scheduler=dask_scheduler, progress=False)
+    for mistake in ({"tokenizer": str(tmp_path / "missing.json")},
+                    {"datasets": {"code": {"sources": [str(tmp_path / "data" / "gone.jsonl")]}}}):
+        broken = write_config(tmp_path, mistake.get("datasets", datasets),
+                              **{k: v for k, v in mistake.items() if k != "datasets"})
+        assert main(["build", str(broken), "--scheduler", dask_scheduler, "--no-progress"]) == 2
+        capsys.readouterr()
+    builds = open_lake(config).sql("SELECT status, error FROM builds ORDER BY build_id")
+    assert builds.status.tolist() == ["succeeded", "failed", "failed"]
+    assert "missing.json" in builds.error[1] and "gone.jsonl" in builds.error[2]

@@ -22,7 +22,7 @@ from lakeloader.catalog.documents import (
 )
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.snapshot import open_snapshot
-from lakeloader.catalog.sql import ALLOWED_SQL, check_read_only, query, run_bounded
+from lakeloader.catalog.sql import ALLOWED_SQL, STATUS_TABLES, check_read_only, query, run_bounded
 from lakeloader.catalog.stale import stale_chunk_folders
 from lakeloader.catalog.store import LiveCatalog, catalog_failure, connect_reader, is_damaged_catalog
 from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, Config, SqlConfig, load_config
@@ -153,7 +153,7 @@ class Lake(LakeLocation):
         finally:
             con.close()
 
-    def status(self) -> dict[str, pd.DataFrame]:
+    def status(self) -> dict[str, pd.DataFrame]:   # keys: STATUS_TABLES
         """Per-dataset and per-shard progress, the recent builds and the stale chunk folders of
         replaced dataset plans (``stale_folders``; ``lakeloader gc`` removes them), as DataFrames."""
         con = self.connect()
@@ -161,7 +161,7 @@ class Lake(LakeLocation):
             tables = {name: con.execute(query(q)).df() for name, q in
                       (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
             tables["stale_folders"] = stale_chunk_folders(self, con)
-            return tables
+            return {name: tables[name] for name in STATUS_TABLES}
         except duckdb.Error as exc:
             raise self.catalog_damage(exc) or exc
         finally:

@@ -78,8 +78,13 @@ def _copy_catalog(con: duckdb.DuckDBPyConnection, target: str, index_target: Cal
     try:
         con.execute(f'COPY FROM DATABASE "{database}" TO {ATTACHED}')
         write_reader_index(con, index_target)
-    finally:
-        con.execute(f"DETACH {ATTACHED}")
+    except BaseException:
+        try:
+            con.execute(f"DETACH {ATTACHED}")
+        except duckdb.Error as exc:   # the copy's own error (an interrupt, a full disk) is the one raised
+            log.debug("could not detach the snapshot copy after it failed: %s", exc)
+        raise
+    con.execute(f"DETACH {ATTACHED}")
 
 
 def catalog_identity(con: duckdb.DuckDBPyConnection) -> tuple[str | None, int]:

@@ -23,6 +23,8 @@ _POLL_SECONDS = 0.1
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _EXPLAIN = re.compile(r"^\s*EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^()]*\)\s*)?", re.IGNORECASE)
 
+# The tables of Lake.status, in order (also `lakeloader status --table`'s choices).
+STATUS_TABLES = ("datasets", "shards", "builds", "stale_folders")
 # What `lakeloader sql` and Lake.sql accept (also their help text).
 ALLOWED_SQL = (
     "one read-only query: SELECT (or WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE) or EXPLAIN of "

@@ -129,6 +129,13 @@ class LiveCatalog:
         return writer.reader_source.cursor()   # under this handle's lock: one reader at a time
 
 
+def is_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ctrl-C: a KeyboardInterrupt, or how DuckDB reports one that came while
+    it ran a statement (it takes the signal and raises a plain RuntimeError "Query interrupted")."""
+    return (isinstance(exc, (KeyboardInterrupt, duckdb.InterruptException))
+            or (type(exc) is RuntimeError and str(exc) == "Query interrupted"))
+
+
 def is_lock_error(exc: BaseException) -> bool:
     """Whether DuckDB refused to open a catalog file because another process holds its lock."""
     return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
@@ -471,7 +478,10 @@ class CatalogWriter:
                 yield
                 self._run("commit_transaction")
             except BaseException:
-                self._run("rollback_transaction")
+                try:
+                    self._run("rollback_transaction")
+                except duckdb.TransactionException:
+                    pass   # DuckDB ended it already (an interrupted statement aborts its transaction)
                 raise
         finally:
             for name in frames:

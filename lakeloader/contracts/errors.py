@@ -52,6 +52,11 @@ class BucketNotFoundError(LakeloaderError):
     """The object-store bucket of a lake's URL does not exist (or the credentials cannot see it)."""
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """A build stopped by Ctrl-C (SIGINT) after recording itself interrupted: the message says
+    what it committed and that a re-run resumes. Still a KeyboardInterrupt for callers."""
+
+
 class StepRangeError(LakeloaderError, IndexError):
     """A step outside the batches the loader has: the message names the valid range."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator
 
 from distributed import Client, LocalCluster, WorkerPlugin
@@ -48,16 +50,42 @@ def _demote_input_errors(record: logging.LogRecord) -> bool:
     return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
+def _hide_cancelled_tasks(record: logging.LogRecord) -> bool:
+    """Log filter: drop a worker's warning that a task it ran was cancelled (a build stopped by
+    Ctrl-C closes its cluster mid-task; the driver says so in one line); others pass unchanged."""
+    return not str(record.getMessage()).endswith("ended with CancelledError")
+
+
 class QuietInputErrors(WorkerPlugin):
-    """Installs :func:`_demote_input_errors` on each worker's ``distributed.worker`` logger."""
+    """Installs :func:`_demote_input_errors` on each worker's ``distributed.worker`` logger, and
+    :func:`_hide_cancelled_tasks` on its state machine's."""
 
     name = "lakeloader-quiet-input-errors"
 
     def setup(self, worker: object) -> None:
-        """Add the filter once per worker process."""
-        logger = logging.getLogger("distributed.worker")
-        if _demote_input_errors not in logger.filters:
-            logger.addFilter(_demote_input_errors)
+        """Add the filters once per worker process."""
+        for name, record_filter in (("distributed.worker", _demote_input_errors),
+                                    ("distributed.worker.state_machine", _hide_cancelled_tasks)):
+            logger = logging.getLogger(name)
+            if record_filter not in logger.filters:
+                logger.addFilter(record_filter)
+
+
+@contextlib.contextmanager
+def _workers_ignore_interrupts() -> Iterator[None]:
+    """Start worker processes inside this block ignoring SIGINT (what they inherit and keep:
+    Python leaves an ignored SIGINT ignored): Ctrl-C in a terminal reaches the whole process
+    group, and the build's driver alone must handle it (it records the run as interrupted and
+    closes the cluster), not every worker with a traceback of its own. A Ctrl-C during the
+    second or two the cluster starts is lost with them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield   # signals are the main thread's: a build run in another thread gets no Ctrl-C
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 @contextlib.contextmanager
@@ -74,10 +102,10 @@ def dask_client(workers: int | None = None, scheduler: str | None = None,
             yield client
         return
     count = workers or default_workers()
-    with LocalCluster(
-        n_workers=count, threads_per_worker=1, processes=True, dashboard_address=dashboard,
-        env=WORKER_ENV,
-    ) as cluster, Client(cluster) as client:
+    with _workers_ignore_interrupts():
+        cluster = LocalCluster(n_workers=count, threads_per_worker=1, processes=True, dashboard_address=dashboard,
+                               env=WORKER_ENV)
+    with cluster, Client(cluster) as client:
         client.register_plugin(QuietInputErrors())
         log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
         yield client

@@ -20,10 +20,10 @@ from tokenizers import Tokenizer
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
-from lakeloader.catalog.store import CatalogWriter, LiveCatalog, catalog_failure
+from lakeloader.catalog.store import CatalogWriter, LiveCatalog, catalog_failure, is_interrupt
 from lakeloader.config import Config, load_config
 from lakeloader.contracts import VERSION
-from lakeloader.contracts.errors import LakeloaderError, LakeWriteError, SourceError
+from lakeloader.contracts.errors import BuildInterrupted, LakeloaderError, LakeWriteError, SourceError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
@@ -96,20 +96,28 @@ def build(config: Config | str | os.PathLike[str], *, workers: int | None = None
         if created is not None:  # a build that cannot start leaves no empty lake behind
             shutil.rmtree(created, ignore_errors=True)
         raise
-    with writer:
-        try:
-            report = _build_locked(config, lake, writer, workers, scheduler, progress, repair,
-                                   dashboard_address or config.build.dashboard)
-        except duckdb.Error as exc:  # the catalog refused a write: a full disk, say
-            raise catalog_failure(writer.path, exc) or exc
-        try:
-            writer.checkpoint()
-        except (LakeloaderError, duckdb.Error) as exc:
-            # Saved already but for the last records (the build's end, the published version),
-            # which the write-ahead log keeps: the build stands as recorded and published.
-            log.warning("build %d succeeded and is published, but its last catalog records stay in the "
-                        "write-ahead log until the next build saves them: %s", report.build_id, exc)
-        return report
+    try:
+        with writer:
+            try:
+                report = _build_locked(config, lake, writer, workers, scheduler, progress, repair,
+                                       dashboard_address or config.build.dashboard, record_unstarted=created is None)
+            except duckdb.Error as exc:  # the catalog refused a write: a full disk, say
+                raise catalog_failure(writer.path, exc) or exc
+            try:
+                writer.checkpoint()
+            except (LakeloaderError, duckdb.Error) as exc:
+                # Saved already but for the last records (the build's end, the published version),
+                # which the write-ahead log keeps: the build stands as recorded and published.
+                log.warning("build %d succeeded and is published, but its last catalog records stay in the "
+                            "write-ahead log until the next build saves them: %s", report.build_id, exc)
+            return report
+    except _Unstarted as unstarted:
+        if created is not None:   # a new lake whose build could not start: none is left behind
+            shutil.rmtree(created, ignore_errors=True)
+        error = unstarted.error
+        if isinstance(error, duckdb.Error):
+            raise catalog_failure(writer.path, error) or error from None
+        raise error from None
 
 
 def _make_lake_folder(lake: Lake) -> str | None:
@@ -130,22 +138,38 @@ def _make_lake_folder(lake: Lake) -> str | None:
     return top
 
 
+class _Unstarted(Exception):
+    """A build failed before its run was recorded (loading the tokenizer, planning, choosing its
+    tasks): ``error`` is why."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: int | None,
                   scheduler: str | None, progress: bool, repair: Collection[tuple[str, int]],
-                  dashboard: str | None) -> BuildReport:
+                  dashboard: str | None, record_unstarted: bool) -> BuildReport:
     """The steps of a build, in order: register the plans, the mixture (unless weighted in tokens)
     and the packing; choose the tasks; run them as one recorded build run; then register a mixture
-    weighted in tokens, which needs the complete lake."""
-    tokenizer = load_tokenizer(config.tokenizer)
-    text = tokenizer.to_str()   # once: the fingerprint, the self-check and the lake's copy use it
-    encoder = encoder_name(resolve_backend(tokenizer, config.tokenizer_backend, config.tokenizer, text))
-    tokenizer_path, config = _register_plans(config, lake, writer, tokenizer, encoder, text)
-    names = list(config.datasets)
-    weighs_tokens = token_weights(config)
-    if not weighs_tokens and (config.mixture is not None or len(names) == 1):
-        _register_mixture(writer, mixture_spec(config))
-    packing = _register_packing(config, writer, tokenizer)
-    batch = choose_tasks(config, lake, writer, packing, repair)
+    weighted in tokens, which needs the complete lake. A failure before the run starts is raised
+    as ``_Unstarted``, recorded as a failed run first if ``record_unstarted`` (a lake that existed
+    before: every run has a ``builds`` row; a new one is removed instead)."""
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+        text = tokenizer.to_str()   # once: the fingerprint, the self-check and the lake's copy use it
+        encoder = encoder_name(resolve_backend(tokenizer, config.tokenizer_backend, config.tokenizer, text))
+        tokenizer_path, config = _register_plans(config, lake, writer, tokenizer, encoder, text)
+        names = list(config.datasets)
+        weighs_tokens = token_weights(config)
+        if not weighs_tokens and (config.mixture is not None or len(names) == 1):
+            _register_mixture(writer, mixture_spec(config))
+        packing = _register_packing(config, writer, tokenizer)
+        batch = choose_tasks(config, lake, writer, packing, repair)
+    except BaseException as exc:
+        if record_unstarted:
+            _record_unstarted(writer, scheduler, exc, config)
+        raise _Unstarted(exc) from exc
     started = time.perf_counter()
     build_id = writer.start_build(
         workers=0, scheduler=scheduler or "local", dashboard="",
@@ -204,10 +228,10 @@ def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str,
             dashboard = run_tasks(run, batch)
         _check_documents(run.writer, batch.names)
         status = "succeeded"
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted by the user"
-        raise
     except BaseException as exc:
+        if is_interrupt(exc):
+            status, error = "interrupted", "interrupted by the user"
+            raise _interrupted(run) from None
         error = run.config.redact(f"{type(exc).__name__}: {exc}")  # the builds table is shared
         raise
     finally:
@@ -235,8 +259,12 @@ def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> No
     _record_end(run.writer, run.build_id, status, error, stats)
     try:
         run.publish()
-    except Exception as exc:
-        if status == "succeeded":  # complete, but readers cannot see it: the build failed
+    except BaseException as exc:
+        if is_interrupt(exc):
+            # The pointer is replaced last, whole: an interrupted publish leaves the previous snapshot current.
+            _record_end(run.writer, run.build_id, "interrupted", "interrupted by the user", stats)
+            raise _interrupted(run) from None
+        if status == "succeeded" or not isinstance(exc, Exception):   # complete, but readers cannot see it
             _record_end(run.writer, run.build_id, "failed", run.config.redact(f"{type(exc).__name__}: {exc}"), stats)
             raise
         log.warning("could not publish the final catalog snapshot of failed build %d: %s", run.build_id, exc)
@@ -259,6 +287,28 @@ def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
             f"`lakeloader sql CONFIG \"SELECT * FROM rejects WHERE dataset = '{row.name}'\"`, "
             f"then fix the sources or remove the dataset"
         )
+
+
+def _interrupted(run: BuildRun) -> BuildInterrupted:
+    """What Ctrl-C during build run ``run`` raises, once the run is recorded interrupted."""
+    source = run.config.source_file or "CONFIG"
+    return BuildInterrupted(f"build {run.build_id} committed {run.totals.chunks} chunks before it stopped; "
+                            f"re-run `lakeloader build {source}` to resume (committed chunks are kept)")
+
+
+def _record_unstarted(writer: CatalogWriter, scheduler: str | None, error: BaseException, config: Config) -> None:
+    """Record a build run that ended with ``error`` before it started; only logged if the catalog
+    refuses it too (the build's own error stays the one raised)."""
+    interrupted = isinstance(error, KeyboardInterrupt)
+    try:
+        build_id = writer.start_build(workers=0, scheduler=scheduler or "local", dashboard="", version=VERSION)
+    except Exception as exc:
+        log.warning("could not record the failed build in the catalog: %s", exc)
+        return
+    _record_end(writer, build_id, "interrupted" if interrupted else "failed",
+                "interrupted by the user" if interrupted else config.redact(f"{type(error).__name__}: {error}"),
+                dict(chunks_built=0, docs=0, tokens=0, source_bytes=0, rejects=0, retries=0, seconds=0.0,
+                     tokens_per_s=0.0))
 
 
 def _record_end(writer: CatalogWriter, build_id: int, status: str, error: str | None,
