@@ -438,8 +438,14 @@ INSERT OR REPLACE INTO lake_meta VALUES ($key, $value);
 INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 
 -- name: live_chunk_folders
--- The chunk folder of each dataset's plan in force (older fingerprints' folders are stale).
-SELECT name, chunk_dir FROM dataset_plans ORDER BY name;
+-- Every chunk folder the catalog reads: each plan's in force, and each folder a planned chunk's
+-- file lies in (a filtered dataset reads its source's files as they were when it was selected,
+-- which may be an older plan's of its source). Any other folder of a dataset is stale.
+SELECT DISTINCT folder FROM (
+    SELECT chunk_dir AS folder FROM dataset_plans
+    UNION ALL
+    SELECT regexp_extract(path, '^(.*)/[^/]*$', 1) AS folder FROM chunks
+) ORDER BY folder;
 
 -- name: running_builds
 SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_id;

@@ -21,6 +21,8 @@ from lakeloader.contracts.errors import LakeloaderError
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
 
+WHOLE_LAKE_HELP = ("answer for every dataset of the lake; given a CONFIG, status and stats answer for its "
+                   "datasets only (a lake is shared by several configs)")
 DESCRIPTION = """\
 lakeloader turns raw text corpora into a tokenized Parquet data lake (built on Dask,
 catalogued in DuckDB) and streams deterministic training batches from it.
@@ -64,7 +66,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from lakeloader.catalog.lake import open_lake
 
-    tables = open_lake(args.target).status()
+    tables = open_lake(args.target).status(whole_lake=args.whole_lake)
     if args.table is not None:
         _print_frame(tables[args.table], args.format)
         return 0
@@ -110,9 +112,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     lake = open_lake(args.target)
     if args.plot is None:
-        _print_frame(lake.stats(by=args.by), args.format)
+        _print_frame(lake.stats(by=args.by, whole_lake=args.whole_lake), args.format)
         return 0
-    _print_frame(lake.plot_lengths(args.plot, by=args.by), args.format)
+    _print_frame(lake.plot_lengths(args.plot, by=args.by, whole_lake=args.whole_lake), args.format)
     print(f"wrote the document-length histogram to {args.plot}", file=sys.stderr)
     return 0
 
@@ -273,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="table (text), json (one object: each table's rows by its name) or csv (one "
                         "table: give --table)")
     status.add_argument("--table", choices=STATUS_TABLES, help="print only this table")
+    status.add_argument("--whole-lake", action="store_true", help=WHOLE_LAKE_HELP)
     status.set_defaults(func=_cmd_status)
 
     sql = commands.add_parser(
@@ -307,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also draw a histogram of document lengths into a PNG: one panel per dataset, "
                        "log-scaled length axis, a curve per value with --by (matplotlib)")
     stats.add_argument("--format", choices=formats, default="table")
+    stats.add_argument("--whole-lake", action="store_true", help=WHOLE_LAKE_HELP)
     stats.set_defaults(func=_cmd_stats)
 
     verify = commands.add_parser(

@@ -78,3 +78,32 @@ def test_user_errors_exit_2_with_message(tmp_path: Path) -> None:
     (tmp_path / "lake").mkdir()
     result = run("sql", str(config), "SELECT 1")
     assert result.returncode == 2 and "no published catalog" in result.stderr and "lakeloader build" in result.stderr
+
+
+def test_status_and_stats_answer_for_the_config_given(tmp_path: Path, dask_scheduler: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Two configs sharing one lake, each with a dataset of its own: status and stats of a config
+    show its datasets; --whole-lake (or the lake's path) shows every one (issue 48, item 3)."""
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json"))
+    write_jsonl(tmp_path / "data" / "b.jsonl", stdlib_texts("email", limit=5))
+    second = write_config(tmp_path, {"mail": {"sources": [str(tmp_path / "data" / "b.jsonl")]}}).rename(
+        tmp_path / "second.yaml")
+    first = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    for config in (first, second):
+        assert main(["build", str(config), "--scheduler", dask_scheduler, "--no-progress"]) == 0
+    capsys.readouterr()
+
+    def shown(*args: str) -> dict[str, list[str]]:
+        assert main([*args, "--format", "json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        if args[0] == "stats":
+            return {"datasets": [row["dataset"] for row in document]}
+        return {"datasets": [row["name"] for row in document["datasets"]],
+                "shards": sorted({row["dataset"] for row in document["shards"]})}
+
+    assert shown("status", str(first)) == {"datasets": ["code"], "shards": ["code"]}
+    assert shown("status", str(second)) == {"datasets": ["mail"], "shards": ["mail"]}
+    assert shown("status", str(first), "--whole-lake") == shown("status", str(tmp_path / "lake")) == \
+        {"datasets": ["code", "mail"], "shards": ["code", "mail"]}
+    assert shown("stats", str(second)) == {"datasets": ["mail"]}
+    assert shown("stats", str(second), "--whole-lake") == {"datasets": ["code", "mail"]}

@@ -372,6 +372,35 @@ def test_two_configs_giving_one_name_other_predicates_never_read_each_others_sel
     assert eval_documents(first) == expected
 
 
+def test_gc_keeps_the_source_files_a_filtered_dataset_reads_after_its_source_is_replanned(
+        lake, tmp_path: Path, dask_scheduler: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another config rebuilds the source dataset with another split size (a new chunk folder):
+    the filtered dataset still reads the old folder's files, so status never lists it as stale
+    and gc keeps it; once the filter is re-selected from the new plan, the old folder is stale
+    (issue 48, item 2)."""
+    original, _ = lake
+    shutil.copytree(original / "lake", tmp_path / "lake")
+    both = lake_config(tmp_path, data=original / "data").rename(tmp_path / "both.yaml")
+    build(both, scheduler=dask_scheduler, progress=False)
+    old = {folder.parent.relative_to(tmp_path / "lake").as_posix() for folder in (tmp_path / "lake").glob("web/*/*")}
+    raw = yaml.safe_load(both.read_text())
+    raw["datasets"] = {"web": raw["datasets"]["web"]}
+    raw["build"]["split_size"] = "9KB"
+    raw["mixture"] = {"weights": {"web": 1}}
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(raw))
+    build(other, scheduler=dask_scheduler, progress=False)
+    assert open_lake(other).status()["stale_folders"].empty
+    assert main(["gc", str(both)]) == 0
+    capsys.readouterr()
+    assert all((tmp_path / "lake" / folder).is_dir() for folder in old)
+    files = open_lake(both).sql("SELECT path FROM chunks WHERE dataset = 'web_sel'").path
+    assert all((tmp_path / "lake" / path).is_file() for path in files)
+    build(both, scheduler=dask_scheduler, progress=False)   # both plans back: the 9KB folder is stale now
+    stale = open_lake(both).status()["stale_folders"]
+    assert len(stale) == 1 and stale.folder[0] not in old
+
+
 def test_a_filter_needs_the_planned_types_and_selects_something(tmp_path: Path, dask_scheduler: str) -> None:
     corpus(tmp_path / "data")
     # Untyped fields bind as strings when the config is read; the plan infers score: float.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import duckdb
@@ -116,13 +117,17 @@ def _stored_predicate(con: duckdb.DuckDBPyConnection, name: str, where: str, sch
             "CONFIG into a new lake) or read only lakes from people you trust") from None
 
 
-def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation) -> None:
+def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation,
+                       datasets: Sequence[str] | None = None) -> None:
     """Define the ``documents`` view on ``con`` (a catalog connection of ``lake``) over the lake's
-    committed chunk files: one row per document with ``DOCUMENT_COLUMNS``, ``tokens_<kind>`` per part
-    kind of its dataset's format and one column per metadata field (NULL where a dataset lacks it).
-    A dataset defined by a filter has the documents its predicate selects, numbered as its loader
-    numbers them. Chunks committed after the catalog ``con`` reads was published are not in it."""
+    committed chunk files (of ``datasets`` only, if given): one row per document with
+    ``DOCUMENT_COLUMNS``, ``tokens_<kind>`` per part kind of its dataset's format and one column per
+    metadata field (NULL where a dataset lacks it). A dataset defined by a filter has the documents
+    its predicate selects, numbered as its loader numbers them. Chunks committed after the catalog
+    ``con`` reads was published are not in it."""
     chunks = con.execute(query("document_chunks")).df()
+    if datasets is not None:
+        chunks = chunks[chunks.dataset.isin(datasets)]
     filesystem = _filesystem(lake)
     selects = []
     for number, (name, group) in enumerate(chunks.groupby("dataset", sort=True)):

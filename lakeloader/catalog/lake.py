@@ -45,10 +45,13 @@ class Lake(LakeLocation):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  io_retry_deadline: float = DEFAULT_IO_RETRY_DEADLINE, sql: SqlConfig | None = None,
-                 config_file: str | None = None) -> None:
+                 config_file: str | None = None, datasets: Sequence[str] | None = None) -> None:
         """``sql``: the limits of its catalog connections and queries (the config's ``sql``
-        section); ``config_file``: the config they come from, named by errors about them."""
+        section); ``config_file``: the config they come from, named by errors about them;
+        ``datasets``: the config's datasets, those ``status`` and ``stats`` answer for unless
+        asked for the whole lake (None: a lake opened by its path, every dataset)."""
         super().__init__(url, storage_options, io_retry_deadline)
+        self.datasets = None if datasets is None else tuple(datasets)
         self.sql_config = sql or SqlConfig()
         self._limits_from = (config_file if config_file else
                              "the lake's config (given a lake's path instead, lakeloader uses the defaults)")
@@ -114,16 +117,19 @@ class Lake(LakeLocation):
                 return integer_columns(result.df(), result.description)
             return self._bounded(con, run)
 
-    def stats(self, by: str | None = None) -> pd.DataFrame:
+    def stats(self, by: str | None = None, whole_lake: bool = False) -> pd.DataFrame:
         """Documents, tokens and document-length percentiles (p50, p90, p99, max) per dataset, or
-        per dataset and value of ``by`` (a column of the ``documents`` view, e.g. a metadata field)."""
-        with self._reader(documents=True) as con:
+        per dataset and value of ``by`` (a column of the ``documents`` view, e.g. a metadata field):
+        of the config's datasets, or of every dataset of the lake with ``whole_lake``."""
+        with self._reader(documents=True, whole_lake=whole_lake) as con:
             return self._bounded(con, lambda: document_stats(con, by))
 
-    def plot_lengths(self, path: str | os.PathLike[str], by: str | None = None) -> pd.DataFrame:
+    def plot_lengths(self, path: str | os.PathLike[str], by: str | None = None,
+                     whole_lake: bool = False) -> pd.DataFrame:
         """Write a PNG histogram of document lengths to ``path`` (one panel per dataset, log-scaled
-        length axis; with ``by``, a curve per value) and return the ``stats(by)`` it summarises."""
-        with self._reader(documents=True) as con:
+        length axis; with ``by``, a curve per value) and return the ``stats(by, whole_lake)`` it
+        summarises."""
+        with self._reader(documents=True, whole_lake=whole_lake) as con:
             stats, histogram = self._bounded(con, lambda: (document_stats(con, by), length_histogram(con, by)))
             plot_lengths(histogram, stats, os.fspath(path), by)
             return stats
@@ -133,14 +139,14 @@ class Lake(LakeLocation):
         return run_bounded(con, call, self.sql_config.timeout_s, self._limits_from)
 
     @contextlib.contextmanager
-    def _reader(self, *, documents: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _reader(self, *, documents: bool, whole_lake: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
         """A sandboxed catalog connection (with the ``documents`` view if asked), its DuckDB
         errors as ``CatalogError`` (chunk files that cannot be read as ``ChunkIntegrityError``, one
         that needs more than ``sql.memory_limit`` as ``QueryLimitError``)."""
         con = self.connect(sandboxed=True)
         try:
             if documents:
-                register_documents(con, self)
+                register_documents(con, self, None if whole_lake else self.datasets)
             yield con
         except duckdb.OutOfMemoryException as exc:
             raise QueryLimitError(
@@ -153,14 +159,19 @@ class Lake(LakeLocation):
         finally:
             con.close()
 
-    def status(self) -> dict[str, pd.DataFrame]:   # keys: STATUS_TABLES
+    def status(self, whole_lake: bool = False) -> dict[str, pd.DataFrame]:   # keys: STATUS_TABLES
         """Per-dataset and per-shard progress, the recent builds and the stale chunk folders of
-        replaced dataset plans (``stale_folders``; ``lakeloader gc`` removes them), as DataFrames."""
+        replaced dataset plans (``stale_folders``; ``lakeloader gc`` removes them), as DataFrames:
+        of the config's datasets, or of every dataset of the lake with ``whole_lake`` (the builds:
+        every build of the lake)."""
         con = self.connect()
         try:
             tables = {name: con.execute(query(q)).df() for name, q in
                       (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
             tables["stale_folders"] = stale_chunk_folders(self, con)
+            if self.datasets is not None and not whole_lake:
+                for name, column in (("datasets", "name"), ("shards", "dataset"), ("stale_folders", "dataset")):
+                    tables[name] = tables[name][tables[name][column].isin(self.datasets)].reset_index(drop=True)
             return {name: tables[name] for name in STATUS_TABLES}
         except duckdb.Error as exc:
             raise self.catalog_damage(exc) or exc
@@ -189,14 +200,15 @@ def integer_columns(frame: pd.DataFrame, description: Sequence[Sequence[Any]] | 
 
 def open_lake(config_or_lake: Config | str | os.PathLike[str],
               storage_options: dict[str, Any] | None = None) -> Lake:
-    """The lake of a config (object or YAML path) or a lake path/URL."""
+    """The lake of a config (object or YAML path: status and stats answer for its datasets) or a
+    lake path/URL (for every dataset)."""
+    if not isinstance(config_or_lake, Config) and os.fspath(config_or_lake).endswith((".yaml", ".yml")):
+        config_or_lake = load_config(config_or_lake)
     if isinstance(config_or_lake, Config):
-        return Lake(config_or_lake.lake, config_or_lake.storage_options, config_or_lake.io_retry_deadline,
-                    config_or_lake.sql, config_or_lake.source_file)
+        config = config_or_lake
+        return Lake(config.lake, config.storage_options, config.io_retry_deadline, config.sql, config.source_file,
+                    list(config.datasets))
     text = os.fspath(config_or_lake)
-    if text.endswith((".yaml", ".yml")):
-        config = load_config(text)
-        return Lake(config.lake, config.storage_options, config.io_retry_deadline, config.sql, config.source_file)
     lake = Lake(text, storage_options)
     if lake.is_local and not os.path.isdir(lake.root):
         raise CatalogError(f"no lake at {text}: give a config file (.yaml) or a lake folder/URL")

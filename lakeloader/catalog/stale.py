@@ -21,10 +21,12 @@ _FINGERPRINT_FOLDER = re.compile(r"^[0-9a-f]{16}$")
 
 
 def stale_chunk_folders(lake: LakeLocation, con: Any) -> pd.DataFrame:
-    """Chunk folders ``<dataset>/<16 hex digits>`` of the lake's datasets that no plan in force
-    uses (``con``: a catalog connection), with their file count and size in bytes."""
+    """Chunk folders ``<dataset>/<16 hex digits>`` of the lake's datasets whose files the catalog
+    (``con``: a connection to it) reads none of, neither as a plan in force nor as a chunk of a
+    filtered dataset, with their file count and size in bytes."""
     rows = []
-    for name, live in con.execute(query("live_chunk_folders")).fetchall():
+    live = {folder for (folder,) in con.execute(query("live_chunk_folders")).fetchall()}
+    for name in sorted({folder.split("/", 1)[0] for folder in live}):
         root = lake.path_of(name)
         try:
             entries = lake.fs.ls(root, detail=True)
@@ -32,7 +34,7 @@ def stale_chunk_folders(lake: LakeLocation, con: Any) -> pd.DataFrame:
             continue
         for entry in entries:
             folder = f"{name}/{entry['name'].rstrip('/').rsplit('/', 1)[-1]}"
-            if entry["type"] != "directory" or folder == live or not _FINGERPRINT_FOLDER.match(folder.rsplit("/", 1)[-1]):
+            if entry["type"] != "directory" or folder in live or not _FINGERPRINT_FOLDER.match(folder.rsplit("/", 1)[-1]):
                 continue
             sizes = [info["size"] for info in lake.fs.find(entry["name"], detail=True).values()]
             rows.append((name, folder, len(sizes), int(sum(sizes))))
