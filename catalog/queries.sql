@@ -207,10 +207,13 @@ SELECT path FROM duckdb_databases() WHERE database_name = 'lake';
 -- written as NULL::<type> AS <column>). Never *: a column the file has beyond those is not read.
 CREATE VIEW {table} AS SELECT {columns} FROM lake.main.{table};
 
--- name: lock_reader
--- Then no file, network or extension is reachable, and no statement can change that. No progress
--- bar either: DuckDB prints it on stdout, where `lakeloader sql` writes its result.
+-- name: hide_progress_bar
+-- DuckDB prints its progress bar on stdout, where `lakeloader sql` writes its result. (In Jupyter
+-- without ipywidgets DuckDB refuses the setting, and draws no bar there.)
 SET enable_progress_bar = false;
+
+-- name: lock_reader
+-- Then no file, network or extension is reachable, and no statement can change that.
 SET enable_external_access = false;
 SET lock_configuration = true;
 

@@ -345,6 +345,10 @@ def connect_reader(path: str, analyst_views: bool = True, sql: SqlConfig | None 
             raise catalog_failure(path, exc) or exc
         con.execute(_reader_tables(con, path, _stored_columns(con, path)))
         define_views(con, analyst=analyst_views)
+        try:
+            con.execute(query("hide_progress_bar"))
+        except duckdb.InvalidInputException as exc:   # Jupyter without ipywidgets: no bar is drawn
+            log.debug("DuckDB's progress bar setting left as it is: %s", exc)
         con.execute(query("lock_reader"))
     except BaseException:
         con.close()
