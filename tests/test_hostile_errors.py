@@ -9,22 +9,18 @@ are real tmpfs mounts (``test_faults``'s helpers: skipped without root).
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import boto3
 import duckdb
 import pytest
 import yaml
-from moto.server import ThreadedMotoServer
-from test_faults import remount, tmpfs
 
 from lakeloader.catalog.lake import open_lake
 from lakeloader.cli import main
@@ -32,35 +28,11 @@ from lakeloader.config import load_config
 from lakeloader.ingest import driver, execute
 
 from conftest import DEMO_TOKENIZER, stdlib_texts, write_config, write_jsonl
+from test_faults import remount, tmpfs
+from test_s3 import BUCKET, s3_endpoint  # noqa: F401  (s3_endpoint: a fixture)
 
-BUCKET = "hostile-errors"
 RECOVER = "recover it from the lake's newest published snapshot with `lakeloader build CONFIG --recover-catalog`"
 SECRET = f"planted-secret-{uuid.uuid4().hex}"
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a moto S3 server on loopback holding an empty bucket ``BUCKET`` (as ``test_s3``'s);
-    dummy credentials in the environment."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                                "AWS_DEFAULT_REGION": "us-east-1"}.items():
-                patch.setenv(name, value)
-            nowhere = str(tmp_path_factory.mktemp("aws") / "none")
-            patch.setenv("AWS_CONFIG_FILE", nowhere)
-            patch.setenv("AWS_SHARED_CREDENTIALS_FILE", nowhere)
-            for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-                patch.delenv(name, raising=False)
-            boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
-            yield url
-    finally:
-        server.stop()
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
