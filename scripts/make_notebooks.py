@@ -96,6 +96,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))\n"
                  "feed = JaxFeed(CONFIG, mesh, PartitionSpec('data', None))\nmesh"),
         ("code", "batch = feed.batch(0)\n{name: (a.shape, a.dtype, a.sharding.spec) for name, a in batch.items()}"),
+        ("markdown", "Each row's dataset, as its position in `loader.dataset_names` (log the loss per dataset "
+                     "with it):"),
+        ("code", "names = feed.loader.dataset_names\n"
+                 "[names[i] for i in np.asarray(batch['dataset_ids'])[:8]]"),
         ("markdown", "Decode the first row: documents come from the lake without special tokens; "
                      "EOS is added at collation."),
         ("code", "lake = feed.loader.lake\n"
