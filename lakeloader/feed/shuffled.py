@@ -78,7 +78,13 @@ class ShuffledDataset(GrowingDataset, abc.ABC):
         if windows < 1:
             return None
         starts = self._window_starts(windows * self.shuffle.window_chunks)
-        if j >= starts[-1]:
+        # ... and only up to the examples the prefix holds whole: the epoch's size N is known to
+        # be at least that many, while a window's end may lie past it (the chunks after it hold
+        # less than one example: filtered datasets' last chunks, often none). Complete, that
+        # window ends at N and position N is the next epoch's; taken as final now, position N
+        # would be the first epoch's and the window permuted at another size.
+        starts = starts[: int(np.searchsorted(starts, self._available(), side="right"))]
+        if len(starts) < 2 or j >= starts[-1]:
             return None
         return int(self._shuffled(np.array([j]), int(starts[-1]), starts[:-1])[0])
 
