@@ -433,11 +433,21 @@ class CatalogWriter:
         """Write everything committed so far from the write-ahead log into the catalog file (a
         full or read-only disk is a clear error). After a failed checkpoint DuckDB takes no more
         writes on this connection; the write-ahead log keeps every commit for the next open."""
-        try:
-            self._run("checkpoint")
-        except duckdb.Error as exc:
-            self._checkpoint_failed = True
-            raise catalog_failure(self.path, exc) or exc
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+        while True:
+            try:
+                self._run("checkpoint")
+                return
+            except duckdb.TransactionException as exc:
+                # A reader's query on a cursor of the live catalog (registering its views) is a
+                # write transaction of its own; such a query ends: wait for it.
+                if "other write transactions" not in str(exc) or time.monotonic() > deadline:
+                    self._checkpoint_failed = True
+                    raise catalog_failure(self.path, exc) or exc
+                time.sleep(0.02)
+            except duckdb.Error as exc:
+                self._checkpoint_failed = True
+                raise catalog_failure(self.path, exc) or exc
 
     def _close_connection(self) -> None:
         # DuckDB refuses to close a connection while a cursor of it is in a call: one a user took
