@@ -456,8 +456,9 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 -- name: document_chunks
 -- Committed chunks with what the documents view adds to their rows: the source file, and the
 -- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0; NULL for a
--- byte split while an earlier split of its file is not committed (its line count is unknown).
-SELECT c.dataset, c.global_index, c.path, s.source, d.fields, d.selection AS "where",
+-- byte split while an earlier split of its file is not committed (its line count is unknown);
+-- and the file's size and sha256, which it is checked against before it is read.
+SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source, d.fields, d.selection AS "where",
        CASE WHEN c.split_kind = 'row_group' THEN c.first_row
             WHEN c.committed_before = c.split_index THEN c.records_before + 1 END AS line_base
 FROM (

@@ -338,7 +338,8 @@ class LoaderConfig(_Strict):
     verify: Literal["checksum", "size"] = Field(default="checksum", description=(
         "How each chunk file is checked once before use: its size, and with checksum its sha256 (hashed "
         "once per process, and for a local lake once per machine while the file is unchanged); page "
-        "checksums are checked on every read."))
+        "checksums are checked on every read, and with size a file whose footer or page headers (which "
+        "no checksum covers) the catalog cannot vouch for is hashed before it is read."))
     fields: list[Literal["input_ids", "targets", "loss_mask", "segment_ids", "positions"]] = Field(
         default=list(ROW_FIELDS), description=(
             "The [rows, seq_len] fields each batch holds (input_ids and targets always); a field left out "

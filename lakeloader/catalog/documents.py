@@ -1,19 +1,27 @@
 """The ``documents`` view: one row per document of the lake's committed chunks, for SQL.
 
 A sandboxed catalog connection (``connect_reader``) cannot read files, so the chunk files are
-fed to it from Python: per dataset, a pyarrow Dataset over its committed chunk files (every page
-checked against its CRC-32, as ``open_chunk`` does) is registered on the connection, with each
-file's dataset, chunk, source and first line as constant columns. DuckDB pushes projections and
-filters into the scan, so a query reads only the columns it needs (never the tokens) and skips
-the files a filter on those constants rules out. The user's SQL can reach these files and no other.
+fed to it from Python: per dataset, a pyarrow Dataset over its committed chunk files (each checked
+against its size and sha256 in the catalog first, every page against its CRC-32 when read, as the
+loader reads them) is registered on the connection, with each file's dataset, chunk, source and
+first line as constant columns. DuckDB pushes projections and filters into the scan, so a query
+reads only the columns it needs (never the tokens) and skips the files a filter on those
+constants rules out. The user's SQL can reach these files and no other.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import hashlib
 import logging
+import os
 import re
+import shutil
+import tempfile
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
@@ -23,6 +31,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from lakeloader.catalog.hash_records import HashRecords
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.sql import query
 from lakeloader.contracts.chunk_file import (
@@ -30,10 +39,13 @@ from lakeloader.contracts.chunk_file import (
     PART_KINDS_COLUMN,
     PART_LENGTHS_COLUMN,
     RECORD_COLUMN,
+    altered_chunk,
+    missing_chunk,
     unreadable_chunk,
 )
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.contracts.selection import PREDICATE_COLUMNS, PredicateError, check_predicate
+from lakeloader.storage import with_retries
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +67,139 @@ def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+# Chunk files of a remote lake downloaded (and hashed) side by side, and what is read at once of one.
+_CHECKING_THREADS = 8
+_BLOCK = 8 << 20
+_COPIES = "documents"   # in the lake's cache folder: a remote lake's verified copies, per query
+
+
 def _filesystem(lake: LakeLocation) -> pafs.FileSystem:
-    if lake.is_local:
-        return pafs.LocalFileSystem()
-    return pafs.PyFileSystem(pafs.FSSpecHandler(lake.fs))
+    """What the documents view reads chunk files through: a local lake's own files, or local
+    copies of a remote lake's (checked before any is read: no Python runs in the scan, where
+    pyarrow's threads calling back into Python deadlocked against DuckDB's holding the GIL)."""
+    return pafs.LocalFileSystem()
+
+
+class _ChunkRecord(NamedTuple):
+    dataset: str
+    global_index: int
+    path: str
+    num_bytes: int
+    checksum: str
+
+
+def _where(lake: LakeLocation, row: _ChunkRecord) -> str:
+    return f"chunk {row.global_index} of dataset {row.dataset!r} ({lake.url_of(row.path)})"
+
+
+def _check_local(lake: LakeLocation, records: HashRecords, row: _ChunkRecord) -> str:
+    """The lake's file of chunk ``row`` (a row of ``document_chunks``), checked against its
+    record as the loader checks it: its size, and its sha256 (hashed once per machine while the
+    file is unchanged)."""
+    path = lake.path_of(row.path)
+    try:
+        handle = pa.OSFile(path)
+    except FileNotFoundError:
+        raise missing_chunk(_where(lake, row)) from None
+    with handle:
+        if handle.size() != row.num_bytes:
+            raise altered_chunk(_where(lake, row), f"has {handle.size()} bytes, the catalog says {row.num_bytes}")
+        digest = records.sha256(path, handle, row.checksum)
+    if digest != row.checksum:
+        raise altered_chunk(_where(lake, row), f"has sha256 {digest[:16]}…, the catalog says {row.checksum[:16]}…")
+    return path
+
+
+def _download_checked(lake: LakeLocation, folder: str, row: _ChunkRecord) -> str:
+    """A local copy (in ``folder``) of the remote lake's file of chunk ``row``, hashed as it is
+    written: what the view reads is what was hashed."""
+    local = os.path.join(folder, f"{row.global_index}-{row.path.replace('/', '__')}")
+
+    def download() -> tuple[int, str]:
+        digest, size = hashlib.sha256(), 0
+        with lake.fs.open(lake.path_of(row.path), "rb") as source, open(local, "wb") as sink:
+            while size <= row.num_bytes and (block := source.read(_BLOCK)):   # (never much past its size)
+                digest.update(block)
+                sink.write(block)
+                size += len(block)
+        return size, digest.hexdigest()
+
+    try:
+        size, digest = with_retries(download, what=f"reading {_where(lake, row)}", deadline=lake.io_retry_deadline)
+    except FileNotFoundError:
+        raise missing_chunk(_where(lake, row)) from None
+    if size != row.num_bytes:
+        raise altered_chunk(_where(lake, row), f"has {'more than ' if size > row.num_bytes else ''}{size} bytes, "
+                                               f"the catalog says {row.num_bytes}")
+    if digest != row.checksum:
+        raise altered_chunk(_where(lake, row), f"has sha256 {digest[:16]}…, the catalog says {row.checksum[:16]}…")
+    return local
+
+
+def _copies_folder(lake: LakeLocation) -> str:
+    """A new folder for one dataset's copies of a remote lake's chunk files (the folders of
+    processes that ended without removing theirs removed first)."""
+    parent = os.path.join(lake.cache_dir, _COPIES)
+    os.makedirs(parent, exist_ok=True)
+    for name in os.listdir(parent):
+        owner = name.split("-", 1)[0]
+        if owner.isdigit() and not _running(int(owner)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=parent)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # (another user's)
+        return True
+    return True
+
+
+def _checked_paths(lake: LakeLocation, chunks: pd.DataFrame) -> tuple[list[str], str | None]:
+    """The files the view reads for ``chunks`` (rows of ``document_chunks``), each checked first
+    against its catalog record as the loader checks it (ChunkIntegrityError naming the first
+    that is not as built, or gone), and the folder holding them if they are copies (a remote
+    lake's: downloaded whole, the price of checking a file read there; the loader's disk cache
+    belongs to the read layer above this one). Every file of the chunks is checked, whatever a
+    query's filter later rules out: the scan cannot check a file as it opens it."""
+    rows = [_ChunkRecord(*values) for values in zip(chunks.dataset.tolist(), chunks.global_index.tolist(),
+                                                     chunks.path.tolist(), chunks.num_bytes.tolist(),
+                                                     chunks.checksum.tolist())]
+    if lake.is_local:   # (each file vouched for by its record in microseconds, else hashed: no threads)
+        records = HashRecords(lake.cache_dir)
+        return [_check_local(lake, records, row) for row in rows], None
+    folder = _copies_folder(lake)
+    check = functools.partial(_download_checked, lake, folder)
+    pool = concurrent.futures.ThreadPoolExecutor(min(_CHECKING_THREADS, len(rows)) or 1)
+    try:
+        return list(pool.map(check, rows)), folder   # (the first failure in chunk order raises)
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        pool.shutdown()
 
 
 def _dataset_relation(lake: LakeLocation, filesystem: pafs.FileSystem, chunks: pd.DataFrame) -> ds.Dataset:
-    """A pyarrow Dataset over one dataset's committed chunk files with their per-file constants.
+    """A pyarrow Dataset over one dataset's committed chunk files with their per-file constants,
+    each file checked against its catalog record first (:func:`_checked_paths`).
 
     Its schema is that of the first file: the metadata columns and their types are the same in
     every chunk of a dataset plan (declared in the config and part of the chunk folder's name)."""
-    paths = [lake.path_of(path) for path in chunks.path]
+    paths, copies = _checked_paths(lake, chunks)
     first = chunks.iloc[0]
     try:
         with filesystem.open_input_file(paths[0]) as handle:
             file_schema = pq.read_schema(handle)
     except (OSError, pa.ArrowException) as exc:
-        raise unreadable_chunk(f"dataset {first.dataset!r}, chunk {first.global_index} ({paths[0]})", exc) from exc
+        if copies is not None:
+            shutil.rmtree(copies, ignore_errors=True)
+        raise unreadable_chunk(f"chunk {first.global_index} of dataset {first.dataset!r} "
+                               f"({lake.url_of(first.path)})", exc) from exc
     fields = [file_schema.field(name) for name in _CHUNK_COLUMNS]
     fields += [field for field in file_schema if field.name.startswith(META_PREFIX)]
     schema = pa.schema(fields + [pa.field(name, kind) for name, kind in _FILE_COLUMNS])
@@ -83,9 +210,12 @@ def _dataset_relation(lake: LakeLocation, filesystem: pafs.FileSystem, chunks: p
                           & (ds.field("source") == row.source)
                           & (ds.field("line_base") == pa.scalar(line_base, pa.int64())))
     scan = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-    return ds.FileSystemDataset.from_paths(
+    dataset = ds.FileSystemDataset.from_paths(
         paths, schema=schema, format=ds.ParquetFileFormat(default_fragment_scan_options=scan),
         filesystem=filesystem, partitions=partitions)
+    if copies is not None:   # removed once the connection the view is registered on lets go of it
+        weakref.finalize(dataset, shutil.rmtree, copies, True)
+    return dataset
 
 
 def _dataset_select(relation: str, fields: list[str], schema: pa.Schema) -> str:

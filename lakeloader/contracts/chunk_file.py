@@ -173,6 +173,26 @@ def open_chunk(source: pa.NativeFile | io.IOBase | str, metadata: pq.FileMetaDat
     return pq.ParquetFile(source, metadata=metadata, page_checksum_verification=True)
 
 
+def missing_chunk(where: str) -> ChunkIntegrityError:
+    """The error for a committed chunk file that is gone (``where`` names its dataset, global index
+    and path)."""
+    return ChunkIntegrityError(
+        f"{where} is missing. The lake is damaged: run `lakeloader build CONFIG` to rebuild the chunk files "
+        "that are missing or of the wrong size (`lakeloader verify CONFIG --repair` checks every chunk and "
+        "rebuilds the damaged ones).")
+
+
+def altered_chunk(where: str, problem: str, local_copy: str | None = None) -> ChunkIntegrityError:
+    """The error for a chunk file (``where`` names its dataset, global index and path) that does
+    not match its catalog record: ``problem`` says how ("has 12 bytes, the catalog says 14");
+    ``local_copy``: the disk-cache copy of a remote chunk that was read instead of the lake's file."""
+    todo = "run `lakeloader verify CONFIG --repair` to rebuild the damaged chunks of the lake."
+    if local_copy is not None:
+        todo = (f"it was read from its local copy {local_copy}: if `lakeloader verify CONFIG` finds the lake's "
+                f"file intact, delete that copy to download it again; otherwise {todo}")
+    return ChunkIntegrityError(f"{where} is corrupt: it {problem}. Never read as data: {todo}")
+
+
 def unreadable_chunk(where: str, exc: BaseException, local_copy: str | None = None) -> ChunkIntegrityError:
     """The error for a chunk file (``where`` names its dataset, global index and path) that failed
     its page checksums or could not be decoded: never read as data, and what to do about it

@@ -22,6 +22,8 @@ from lakeloader.contracts.chunk_file import (
     PART_REFS_COLUMN,
     TOKENS_COLUMN,
     ChunkParts,
+    altered_chunk,
+    missing_chunk,
     open_chunk,
     select_parts,
     table_parts,
@@ -32,7 +34,14 @@ from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
 from lakeloader.read.lru import LRU
-from lakeloader.read.pages import ColumnChunk, column_chunk, leaf_column, read_column_ranges
+from lakeloader.read.pages import (
+    ColumnChunk,
+    DamagedBytes,
+    footer_row_groups,
+    layout_column_chunk,
+    leaf_column,
+    read_column_ranges,
+)
 from lakeloader.storage import with_retries
 
 # Memory for the parsed footers of the chunk files read last (a few KB each; a row group read
@@ -57,12 +66,24 @@ def _footer_bytes(handle: pa.NativeFile) -> bytes | None:
 _PART_COLUMNS = (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN)
 
 
+def _serialized(metadata: pq.FileMetaData) -> bytes:
+    """The bytes of the footer ``metadata`` was parsed from (pyarrow writes them back unchanged)."""
+    sink = pa.BufferOutputStream()
+    metadata.write_metadata_file(sink)
+    return sink.getvalue().to_pybytes()[4:-8]
+
+
 class Footer:
     """A chunk file's parsed footer and what reading its row groups asks of it, taken out once
     per file (its Arrow schema's names and value types, each row group's documents and the
-    column chunks decoded by :mod:`lakeloader.read.pages`)."""
+    column chunks decoded by :mod:`lakeloader.read.pages`). The row groups and column chunks are
+    read from the footer's bytes (``serialized``; default: ``metadata`` written back) by
+    :func:`~lakeloader.read.pages.footer_row_groups`, which raises
+    :class:`~lakeloader.read.pages.DamagedBytes` for a footer that makes no sense; ``data_end``:
+    where the footer starts in its file (column chunks lie before it)."""
 
-    def __init__(self, metadata: pq.FileMetaData) -> None:
+    def __init__(self, metadata: pq.FileMetaData, serialized: bytes | None = None,
+                 data_end: int | None = None) -> None:
         self.metadata = metadata
         schema = metadata.schema.to_arrow_schema()
         self.names = frozenset(schema.names)
@@ -70,7 +91,13 @@ class Footer:
         self.value_types = {name: schema.field(name).type.value_type for name in (TOKENS_COLUMN, *_PART_COLUMNS)
                             if name in self.names and isinstance(schema.field(name).type, (pa.ListType, pa.LargeListType))}
         self.leaves = {name: leaf_column(metadata, name) for name in self.value_types}
-        self.num_rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        self.layout = footer_row_groups(_serialized(metadata) if serialized is None else serialized, data_end)
+        self.num_rows = [group.num_rows for group in self.layout]
+        if (len(self.layout) != metadata.num_row_groups or sum(self.num_rows) != metadata.num_rows
+                or any(len(group.columns) != metadata.num_columns for group in self.layout)):
+            raise DamagedBytes(f"the footer's {len(self.layout)} row groups of {sum(self.num_rows)} rows do not add "
+                               f"up to its {metadata.num_row_groups} of {metadata.num_rows} rows in "
+                               f"{metadata.num_columns} columns each")
         self._chunks: dict[tuple[int, str], ColumnChunk | None] = {}
 
     def column(self, group: int, name: str) -> ColumnChunk | None:
@@ -78,8 +105,23 @@ class Footer:
         key = (group, name)
         if key not in self._chunks:   # (threads may both fill it: the same value)
             leaf = self.leaves.get(name)
-            self._chunks[key] = None if leaf is None else column_chunk(self.metadata, group, leaf)
+            self._chunks[key] = None if leaf is None else layout_column_chunk(self.layout, self.metadata, group, leaf)
         return self._chunks[key]
+
+    def fits(self, chunks: DatasetChunks, index: int) -> bool:
+        """Whether this footer agrees with the catalog's record of chunk ``index``: the tokens'
+        type, and the documents of a chunk read whole (a filtered dataset's hold fewer)."""
+        tokens = self.value_types.get(TOKENS_COLUMN)
+        if tokens is not None and tokens != pa.from_numpy_dtype(np.dtype(chunks.token_type)):
+            return False
+        return chunks.filtered or sum(self.num_rows) == int(chunks.num_docs[index])
+
+    def one_part_each(self, group: int) -> bool:
+        """Whether the part columns of row group ``group`` hold one value per document, as plain
+        text's do (then :meth:`single_part_layout` decodes them)."""
+        docs = self.num_rows[group]
+        return PART_REFS_COLUMN not in self.names and all(
+            (chunk := self.column(group, name)) is not None and chunk.num_values == docs for name in _PART_COLUMNS)
 
     def read_values(self, handle: pa.NativeFile, group: int, name: str, count: int,
                     ranges: Sequence[tuple[int, int]]) -> list[np.ndarray] | None:
@@ -93,8 +135,7 @@ class Footer:
         exactly one part (plain text): one level entry per document in both part columns, each a
         value. None otherwise (read it with pyarrow)."""
         docs = self.num_rows[group]
-        if PART_REFS_COLUMN in self.names or any(
-                (chunk := self.column(group, name)) is None or chunk.num_values != docs for name in _PART_COLUMNS):
+        if not self.one_part_each(group):
             return None
         lengths = self.read_values(handle, group, PART_LENGTHS_COLUMN, docs, [(0, docs)])
         kinds = None if lengths is None else self.read_values(handle, group, PART_KINDS_COLUMN, docs, [(0, docs)])
@@ -160,6 +201,8 @@ class ChunkFiles:
         # disk cache touches its copies on every use: they are hashed once per process).
         self.hash_records = HashRecords(lake.cache_dir) if lake.is_local else None
         self._verified: LRU[str, bool] = LRU(sys.maxsize)   # paths checked against the catalog (never evicted)
+        self._hashed: set[str] = set()   # paths whose sha256 this process found as the catalog says
+        self._proofs: LRU[str, str] = LRU(sys.maxsize)   # path hashed by _prove -> its problem ("": none)
         self._lock = threading.Lock()
         self.files_opened: set[str] = set()   # lake-relative paths this process opened
         # Keyed by the footer's own bytes, read from the file each time: a chunk rebuilt in place
@@ -179,12 +222,7 @@ class ChunkFiles:
                                 what=f"reading chunk {index} of dataset {chunks.name!r}",
                                 deadline=self.io_retry_deadline)
         except FileNotFoundError:
-            raise ChunkIntegrityError(
-                f"chunk {index} of dataset {chunks.name!r} is missing: {self.lake.url_of(path)}. "
-                "The lake is damaged: run `lakeloader build CONFIG` to rebuild the chunk files that are "
-                "missing or of the wrong size (`lakeloader verify CONFIG --repair` checks every chunk "
-                "and rebuilds the damaged ones)."
-            ) from None
+            raise missing_chunk(self._where(chunks, index)) from None
 
     def _check(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
         """Chunk ``index`` (open as ``handle``) checked against the catalog once: threads opening
@@ -200,16 +238,67 @@ class ChunkFiles:
         if size != record.num_bytes:
             problem = f"has {size} bytes, the catalog says {record.num_bytes}"
         elif self.verify == "checksum":
-            digest = self._sha256(path, handle, record.checksum)
-            if digest != record.checksum:
-                problem = f"has sha256 {digest[:16]}…, the catalog says {record.checksum[:16]}…"
+            problem = self._hash_problem(chunks, index, handle)
         if problem:
-            raise ChunkIntegrityError(
-                f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)}) is corrupt: it "
-                f"{problem}. Never read as data: run `lakeloader verify CONFIG --repair` to rebuild the "
-                "damaged chunks of the lake."
-            )
+            raise altered_chunk(self._where(chunks, index), problem, self._local_copy(path))
         return True
+
+    def _hash_problem(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> str | None:
+        """How chunk ``index`` (open as ``handle``, left at its start) differs from its catalog
+        sha256 (None: it does not; remembered)."""
+        record = chunks.record(index)
+        digest = self._sha256(record.path, handle, record.checksum)
+        if digest != record.checksum:
+            return f"has sha256 {digest[:16]}…, the catalog says {record.checksum[:16]}…"
+        with self._lock:
+            self._hashed.add(record.path)
+        return None
+
+    def _prove(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> None:
+        """Chunk ``index`` (open as ``handle``) hashed, unless this process did already, where what
+        is read of it next cannot be proven by its page checksums (``verify: size`` checked only its
+        size): its footer disagrees with the catalog, or its pages are left to pyarrow, whose reads
+        trust the page headers and the footer. A ChunkIntegrityError if it is not as built."""
+        path = chunks.record(index).path
+        if path in self._hashed:
+            return
+        # Once per file, what it found kept (threads asking together wait for one hash).
+        problem = self._proofs.get(path, lambda: self._prove_now(chunks, index, handle))
+        if problem:
+            raise altered_chunk(self._where(chunks, index), problem, self._local_copy(path))
+
+    def _prove_now(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile) -> str:
+        position = handle.tell()
+        problem = self._hash_problem(chunks, index, handle)
+        handle.seek(position)
+        return problem or ""
+
+    def _failure(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile,
+                 exc: Exception) -> ChunkIntegrityError | None:
+        """The error for ``exc``, raised reading chunk ``index`` (open as ``handle``): the file
+        hashed again (the bytes may have changed since a hash) to tell damage from a file that is
+        as built; None (``exc`` as it is) for a file as built that failed otherwise than a reader of
+        Parquet fails."""
+        path = chunks.record(index).path
+        if "CRC checksum verification failed" in str(exc):   # proof of damage already
+            return unreadable_chunk(self._where(chunks, index), exc, self._local_copy(path))
+        try:
+            problem = self._hash_problem(chunks, index, handle)
+        except OSError:   # (unreadable: the error it was)
+            problem = None
+        if problem:
+            return altered_chunk(self._where(chunks, index), problem, self._local_copy(path))
+        if isinstance(exc, (OSError, pa.ArrowException)):
+            return unreadable_chunk(self._where(chunks, index), exc, self._local_copy(path))
+        return None
+
+    def _local_copy(self, path: str) -> str | None:
+        """The disk-cache copy read instead of remote lake file ``path`` (None: a local lake)."""
+        return None if self.disk is None else self.disk.local_path(path)
+
+    def _where(self, chunks: DatasetChunks, index: int) -> str:
+        """Chunk ``index`` named for an error: its dataset, index and file."""
+        return f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(chunks.record(index).path)})"
 
     def _sha256(self, path: str, handle: pa.NativeFile, expected: str) -> str:
         """The sha256 of lake file ``path`` open as ``handle`` (left at its start)."""
@@ -227,22 +316,22 @@ class ChunkFiles:
             with self._lock:
                 self.files_opened.add(path)
             try:
-                footer = _footer_bytes(handle)
-                if footer is None:   # (parsing raises as it would have)
-                    yield handle, Footer(open_chunk(handle).metadata)
+                serialized = _footer_bytes(handle)
+                if serialized is None:   # (parsing raises as it would have)
+                    footer = Footer(open_chunk(handle).metadata)
                 else:
-                    yield handle, self._footers.get((path, footer), lambda: Footer(open_chunk(handle).metadata))
-            except (OSError, pa.ArrowException) as exc:
-                raise unreadable_chunk(f"chunk {index} of dataset {chunks.name!r} ({self.lake.url_of(path)})",
-                                       exc, None if self.disk is None else self.disk.local_path(path)) from exc
-
-    def _read(self, chunks: DatasetChunks, index: int, groups: list[int] | None, columns: list[str]) -> pa.Table:
-        with self._opened(chunks, index) as (handle, footer):
-            present = [c for c in columns if c in footer.names]
-            parquet = open_chunk(handle, footer.metadata)
-            if groups is None:
-                return parquet.read(columns=present)
-            return parquet.read_row_groups(groups, columns=present)
+                    footer = self._footers.get((path, serialized), lambda: Footer(
+                        open_chunk(handle).metadata, serialized, handle.size() - 8 - len(serialized)))
+                if not footer.fits(chunks, index):
+                    self._prove(chunks, index, handle)
+                yield handle, footer
+            except LakeloaderError:
+                raise
+            except Exception as exc:   # a damaged file fails in many ways: hashed, to say which
+                failure = self._failure(chunks, index, handle, exc)
+                if failure is None:
+                    raise
+                raise failure from exc
 
     def row_group(self, chunks: DatasetChunks, index: int, group: int) -> RowGroup:
         """Tokens and part layout of one row group of chunk ``index`` (tokens read-only), cached."""
@@ -267,6 +356,8 @@ class ChunkFiles:
             parts = footer.single_part_layout(handle, group)
             parquet = None
             if parts is None:
+                if footer.one_part_each(group):   # decoded here, but the pages made no sense
+                    self._prove(chunks, index, handle)
                 parquet = open_chunk(handle, footer.metadata)
                 # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
                 table = parquet.read_row_groups([group], columns=[c for c in (*_PART_COLUMNS, PART_REFS_COLUMN)
@@ -274,6 +365,9 @@ class ChunkFiles:
                 parts = table_parts(table)
                 if PART_REFS_COLUMN in table.column_names:
                     refs = table.column(PART_REFS_COLUMN).combine_chunks().values.to_numpy(zero_copy_only=False)
+            if parts.num_docs != footer.num_rows[group]:
+                raise DamagedBytes(f"row group {group}: {parts.num_docs} documents read, its footer says "
+                                   f"{footer.num_rows[group]}")
             doc_ranges = [(0, parts.num_docs)] if pick is None else list(pick(parts))
             part_ranges = np.searchsorted(parts.part_doc, np.array(doc_ranges, np.int64).reshape(-1, 2))
             part_values = cumulative(parts.part_lengths)
@@ -281,13 +375,16 @@ class ChunkFiles:
             # The tokens' pages decoded here (their levels skipped), or by pyarrow when stored otherwise.
             values = footer.read_values(handle, group, TOKENS_COLUMN, int(part_values[-1]), value_ranges)
             if values is None:
+                self._prove(chunks, index, handle)
                 parquet = parquet or open_chunk(handle, footer.metadata)
                 column = parquet.read_row_groups([group], columns=[TOKENS_COLUMN]).column(TOKENS_COLUMN)
-        if values is None:
-            array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-            offsets = array.offsets.to_numpy(zero_copy_only=True)
-            whole = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
-            values = [whole[a:b] for a, b in value_ranges]
+                array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+                offsets = array.offsets.to_numpy(zero_copy_only=True)
+                whole = array.values.to_numpy(zero_copy_only=True)[offsets[0] : offsets[-1]]
+                if len(array) != parts.num_docs or len(whole) != part_values[-1]:
+                    raise DamagedBytes(f"row group {group}: {len(whole)} tokens of {len(array)} documents read, its "
+                                       f"parts say {int(part_values[-1])} of {parts.num_docs}")
+                values = [whole[a:b] for a, b in value_ranges]
         if pick is None:
             stored = RowGroup(values[0], parts, refs)
             if chunks.filtered:
@@ -303,7 +400,15 @@ class ChunkFiles:
         return self.cache.get(("parts", chunks.fingerprint, index), lambda: self._chunk_parts(chunks, index))
 
     def _chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
-        parts = table_parts(self._read(chunks, index, None, [PART_LENGTHS_COLUMN, PART_KINDS_COLUMN]))
+        with self._opened(chunks, index) as (handle, footer):
+            parts = table_parts(open_chunk(handle, footer.metadata).read(columns=list(_PART_COLUMNS)))
+            # Read by pyarrow, which trusts the page headers: the counts checked against the footer
+            # (itself against the catalog) and the catalog.
+            tokens = int(parts.part_lengths.sum())
+            if parts.num_docs != sum(footer.num_rows) or not (chunks.filtered or tokens == chunks.num_tokens[index]):
+                raise DamagedBytes(f"{parts.num_docs} documents of {tokens} tokens read, its footer says "
+                                   f"{sum(footer.num_rows)} documents, the catalog "
+                                   f"{int(chunks.num_tokens[index])} tokens")
         if chunks.filtered:
             return select_parts(parts, self._view(chunks).chunk_selection(chunks.name, int(index)))[0]
         return parts

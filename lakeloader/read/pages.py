@@ -42,6 +42,11 @@ class PageChecksumError(OSError):
         super().__init__(f"could not verify page integrity, CRC checksum verification failed for page_ordinal {ordinal}")
 
 
+class DamagedBytes(OSError):
+    """Bytes of a chunk file that make no sense where a page's CRC-32 does not reach: a footer that
+    does not decode, sizes out of range, counts that do not add up."""
+
+
 class _NotDecoded(Exception):
     """Why a column chunk is left to pyarrow (a layout not decoded here, or bytes that make no sense:
     pyarrow then reports them as it always has)."""
@@ -188,6 +193,106 @@ def read_page_header(data: bytes | memoryview, pos: int) -> tuple[PageHeader, in
     return header, end
 
 
+def _field(data: memoryview, pos: int, field_id: int) -> tuple[int, int, int]:
+    """(the Thrift type of the struct field whose header is at ``data[pos]``, 0 at the struct's
+    end; its id, the previous field's being ``field_id``; where its value starts)."""
+    head, pos = _byte(data, pos)
+    if not head:
+        return 0, field_id, pos
+    if head >> 4:
+        return head & 0x0F, field_id + (head >> 4), pos
+    number, pos = _varint(data, pos)
+    return head & 0x0F, (number >> 1) ^ -(number & 1), pos
+
+
+def _structs(data: memoryview, pos: int) -> tuple[int, int]:
+    """(the length of the list of structs whose header is at ``data[pos]``, where its first starts)."""
+    head, pos = _byte(data, pos)
+    count = head >> 4
+    if count == 15:
+        count, pos = _varint(data, pos)
+    if head & 0x0F != _STRUCT:
+        raise _NotDecoded("a footer list of other than structs")
+    return count, pos
+
+
+class RowGroupLayout(NamedTuple):
+    num_rows: int
+    columns: list[_Fields]   # each column chunk's ColumnMetaData: its integers and booleans by field id
+
+
+def _row_group(data: memoryview, pos: int) -> tuple[RowGroupLayout, int]:
+    columns: list[_Fields] | None = None
+    num_rows = None
+    field_id = 0
+    while True:
+        kind, field_id, pos = _field(data, pos, field_id)
+        if not kind:
+            break
+        if field_id == 1 and kind == _LIST:
+            count, pos = _structs(data, pos)
+            columns = []
+            for _ in range(count):
+                chunk, pos = _struct(data, pos, 2)
+                meta = chunk.get(3)
+                if not isinstance(meta, dict):
+                    raise _NotDecoded("a column chunk without its metadata")
+                columns.append(meta)
+        elif field_id == 3 and kind == _I64:
+            number, pos = _varint(data, pos)
+            num_rows = (number >> 1) ^ -(number & 1)
+        elif kind not in (_TRUE, _FALSE):
+            pos = _skip(data, pos, kind, 2)
+    if columns is None or num_rows is None or num_rows < 0:
+        raise _NotDecoded("a row group without its columns or rows")
+    return RowGroupLayout(num_rows, columns), pos
+
+
+def footer_row_groups(footer: bytes, data_end: int | None = None) -> list[RowGroupLayout]:
+    """Each row group of the file whose serialized FileMetaData is ``footer``: its rows and its
+    column chunks' metadata, read here rather than through pyarrow's metadata objects (asking one
+    for a column chunk whose codec or level histograms are damaged aborts the process: a C++
+    exception through Cython). Raises :class:`DamagedBytes` where the footer does not decode to
+    the whole of its bytes or a column chunk lies outside the file's data (``data_end``: where
+    its footer starts)."""
+    data = memoryview(footer)
+    groups: list[RowGroupLayout] | None = None
+    try:
+        pos = field_id = 0
+        while True:
+            kind, field_id, pos = _field(data, pos, field_id)
+            if not kind:
+                break
+            if field_id == 4 and kind == _LIST:
+                count, pos = _structs(data, pos)
+                groups = []
+                for _ in range(count):
+                    group, pos = _row_group(data, pos)
+                    groups.append(group)
+            elif kind not in (_TRUE, _FALSE):
+                pos = _skip(data, pos, kind, 1)
+        if pos != len(data):
+            raise _NotDecoded(f"{len(data) - pos} bytes after its end")
+        if groups is None:
+            raise _NotDecoded("no row groups")
+        for number, group in enumerate(groups):
+            for column, meta in enumerate(group.columns):
+                # type, codec, num_values, total_compressed_size, data_page_offset (and a dictionary
+                # page's offset: that page comes first)
+                values = [meta.get(field_id) for field_id in (1, 4, 5, 7, 9)]
+                start = meta.get(11, values[4])
+                if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*values, start)):
+                    raise _NotDecoded(f"row group {number}, column {column}: metadata without its sizes or types")
+                if values[3] == 0 == values[2]:   # (an empty row group's: no pages, no offsets)
+                    continue
+                if not (4 <= start <= values[4] and values[2] >= 0 and values[3] >= 0
+                        and (data_end is None or start + values[3] <= data_end)):
+                    raise _NotDecoded(f"row group {number}, column {column}: sizes or offsets out of range")
+    except _NotDecoded as exc:
+        raise DamagedBytes(f"the footer does not decode: {exc}") from None
+    return groups
+
+
 def leaf_column(metadata: pq.FileMetaData, name: str) -> int | None:
     """The index of the one leaf column under top-level column ``name`` (None: absent or nested
     into several leaves)."""
@@ -212,8 +317,28 @@ class ColumnChunk(NamedTuple):
     max_definition_level: int
 
 
+_PHYSICAL_TYPES = ("BOOLEAN", "INT32", "INT64", "INT96", "FLOAT", "DOUBLE", "BYTE_ARRAY", "FIXED_LEN_BYTE_ARRAY")
+_CODECS = ("UNCOMPRESSED", "SNAPPY", "GZIP", "LZO", "BROTLI", "LZ4", "ZSTD", "LZ4_RAW")
+
+
+def _named(names: tuple[str, ...], value: int) -> str:
+    return names[value] if 0 <= value < len(names) else f"unknown ({value})"
+
+
+def layout_column_chunk(groups: list[RowGroupLayout], metadata: pq.FileMetaData, group: int,
+                        column: int) -> ColumnChunk:
+    """:func:`column_chunk` from the row groups :func:`footer_row_groups` read of the footer
+    (``metadata``: pyarrow's parse of it, for the schema's levels)."""
+    meta = groups[group].columns[column]
+    schema = metadata.schema.column(column)
+    return ColumnChunk(group, column, meta[9], meta[7], meta[5], _named(_PHYSICAL_TYPES, meta[1]),
+                       _named(_CODECS, meta[4]), 11 in meta, schema.max_repetition_level,
+                       schema.max_definition_level)
+
+
 def column_chunk(metadata: pq.FileMetaData, group: int, column: int) -> ColumnChunk:
-    """Leaf column ``column``'s chunk in row group ``group`` of the file whose footer is ``metadata``."""
+    """Leaf column ``column``'s chunk in row group ``group`` of the file whose footer is ``metadata``
+    (an intact footer: readers of a lake's files use :func:`layout_column_chunk`)."""
     chunk = metadata.row_group(group).column(column)
     schema = metadata.schema.column(column)
     return ColumnChunk(group, column, chunk.data_page_offset, chunk.total_compressed_size, chunk.num_values,
