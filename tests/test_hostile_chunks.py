@@ -10,7 +10,6 @@ import json
 import os
 import resource
 import select
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 import lakeloader.catalog.hash_records as hashed_module
 from lakeloader.catalog.lake import open_lake
@@ -27,6 +25,7 @@ from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
 
 from conftest import Lakes, stdlib_texts
+from test_page_checksums import copy_lake
 
 SEQ_LEN = 32
 BATCH = 4
@@ -45,17 +44,6 @@ def lake_root(lakes: Lakes) -> Path:
     return lakes.shared({"d.jsonl": lines}, {"d": {"sources": ["d.jsonl"], "metadata_fields":
                                                   {"score": "float", "lang": "string"}}},
                         build={"split_size": "16KB", "row_group_tokens": 400}).parent
-
-
-def copy_lake(root: Path, out: Path, **loader: object) -> Path:
-    """A config reading a fresh copy of the lake (in ``out``) with ``loader`` settings."""
-    shutil.copytree(root / "lake", out / "lake")
-    config = yaml.safe_load((root / "config.yaml").read_text())
-    config["lake"] = str(out / "lake")
-    config["loader"] = {"seq_len": SEQ_LEN, "batch_size": BATCH, "shuffle": "none", "prefetch": 0, **loader}
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
 
 
 def last_chunk(config: Path) -> int:
