@@ -41,6 +41,8 @@ from lakeloader.contracts.chunk_file import (
     RECORD_COLUMN,
     altered_chunk,
     missing_chunk,
+    sha256_mismatch,
+    size_mismatch,
     unreadable_chunk,
 )
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
@@ -73,13 +75,6 @@ _BLOCK = 8 << 20
 _COPIES = "documents"   # in the lake's cache folder: a remote lake's verified copies, per query
 
 
-def _filesystem(lake: LakeLocation) -> pafs.FileSystem:
-    """What the documents view reads chunk files through: a local lake's own files, or local
-    copies of a remote lake's (checked before any is read: no Python runs in the scan, where
-    pyarrow's threads calling back into Python deadlocked against DuckDB's holding the GIL)."""
-    return pafs.LocalFileSystem()
-
-
 class _ChunkRecord(NamedTuple):
     dataset: str
     global_index: int
@@ -103,10 +98,10 @@ def _check_local(lake: LakeLocation, records: HashRecords, row: _ChunkRecord) ->
         raise missing_chunk(_where(lake, row)) from None
     with handle:
         if handle.size() != row.num_bytes:
-            raise altered_chunk(_where(lake, row), f"has {handle.size()} bytes, the catalog says {row.num_bytes}")
+            raise altered_chunk(_where(lake, row), f"has {size_mismatch(handle.size(), row.num_bytes)}")
         digest = records.sha256(path, handle, row.checksum)
     if digest != row.checksum:
-        raise altered_chunk(_where(lake, row), f"has sha256 {digest[:16]}…, the catalog says {row.checksum[:16]}…")
+        raise altered_chunk(_where(lake, row), f"has {sha256_mismatch(digest, row.checksum)}")
     return path
 
 
@@ -129,10 +124,10 @@ def _download_checked(lake: LakeLocation, folder: str, row: _ChunkRecord) -> str
     except FileNotFoundError:
         raise missing_chunk(_where(lake, row)) from None
     if size != row.num_bytes:
-        raise altered_chunk(_where(lake, row), f"has {'more than ' if size > row.num_bytes else ''}{size} bytes, "
-                                               f"the catalog says {row.num_bytes}")
+        more = "more than " if size > row.num_bytes else ""
+        raise altered_chunk(_where(lake, row), f"has {more}{size_mismatch(size, row.num_bytes)}")
     if digest != row.checksum:
-        raise altered_chunk(_where(lake, row), f"has sha256 {digest[:16]}…, the catalog says {row.checksum[:16]}…")
+        raise altered_chunk(_where(lake, row), f"has {sha256_mismatch(digest, row.checksum)}")
     return local
 
 
@@ -184,13 +179,17 @@ def _checked_paths(lake: LakeLocation, chunks: pd.DataFrame) -> tuple[list[str],
         pool.shutdown()
 
 
-def _dataset_relation(lake: LakeLocation, filesystem: pafs.FileSystem, chunks: pd.DataFrame) -> ds.Dataset:
+def _dataset_relation(lake: LakeLocation, chunks: pd.DataFrame) -> ds.Dataset:
     """A pyarrow Dataset over one dataset's committed chunk files with their per-file constants,
     each file checked against its catalog record first (:func:`_checked_paths`).
 
     Its schema is that of the first file: the metadata columns and their types are the same in
-    every chunk of a dataset plan (declared in the config and part of the chunk folder's name)."""
+    every chunk of a dataset plan (declared in the config and part of the chunk folder's name).
+    The files are local ones, a local lake's or copies of a remote lake's: no Python runs in the
+    scan, where pyarrow's threads calling back into Python deadlocked against DuckDB's thread
+    holding the GIL."""
     paths, copies = _checked_paths(lake, chunks)
+    filesystem = pafs.LocalFileSystem()
     first = chunks.iloc[0]
     try:
         with filesystem.open_input_file(paths[0]) as handle:
@@ -258,11 +257,10 @@ def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation,
     chunks = con.execute(query("document_chunks")).df()
     if datasets is not None:
         chunks = chunks[chunks.dataset.isin(datasets)]
-    filesystem = _filesystem(lake)
     selects = []
     for number, (name, group) in enumerate(chunks.groupby("dataset", sort=True)):
         relation = f"documents_of_dataset_{number}"
-        dataset = _dataset_relation(lake, filesystem, group)
+        dataset = _dataset_relation(lake, group)
         con.register(relation, dataset)
         select = _dataset_select(relation, list(group.fields.iloc[0]), dataset.schema)
         where = group["where"].iloc[0]

@@ -173,6 +173,16 @@ def open_chunk(source: pa.NativeFile | io.IOBase | str, metadata: pq.FileMetaDat
     return pq.ParquetFile(source, metadata=metadata, page_checksum_verification=True)
 
 
+def size_mismatch(found: int, expected: int) -> str:
+    """How a chunk file's size differs from its catalog record's, as errors and reports say it."""
+    return f"{found} bytes, the catalog says {expected}"
+
+
+def sha256_mismatch(found: str, expected: str) -> str:
+    """How a chunk file's sha256 differs from its catalog record's, as errors and reports say it."""
+    return f"sha256 {found[:16]}…, the catalog says {expected[:16]}…"
+
+
 def missing_chunk(where: str) -> ChunkIntegrityError:
     """The error for a committed chunk file that is gone (``where`` names its dataset, global index
     and path)."""

@@ -4,6 +4,7 @@ against an empty relation of those columns before any work."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -157,6 +158,7 @@ def _sandbox() -> duckdb.DuckDBPyConnection:
     return duckdb.connect(config={"enable_external_access": False, "lock_configuration": True})
 
 
+@functools.lru_cache(maxsize=256)   # pure, and asked again by each loader of a config in a process
 def normalized_where(where: str) -> str:
     """``where`` as DuckDB prints it back from its parse tree (spacing, case of keywords and
     redundant parentheses do not change it): what a filtered dataset's fingerprint hashes."""

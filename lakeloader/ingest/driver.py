@@ -25,7 +25,7 @@ from lakeloader.config import Config, load_config
 from lakeloader.contracts import VERSION
 from lakeloader.contracts.errors import BuildInterrupted, LakeloaderError, LakeWriteError, SourceError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
-from lakeloader.ingest.execute import BuildRun, run_tasks
+from lakeloader.ingest.execute import BuildRun, Totals, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
 from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
 from lakeloader.plan.planner import DatasetPlan, filtered_plan, plan_dataset, with_planned_metadata
@@ -229,10 +229,9 @@ def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str,
         _check_documents(run.writer, batch.names)
         status = "succeeded"
     except BaseException as exc:
-        if is_interrupt(exc):
-            status, error = "interrupted", "interrupted by the user"
+        status, error = _ending(exc, run.config)
+        if status == "interrupted":
             raise _interrupted(run) from None
-        error = run.config.redact(f"{type(exc).__name__}: {exc}")  # the builds table is shared
         raise
     finally:
         seconds = time.perf_counter() - started
@@ -246,10 +245,7 @@ def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> No
     catalog cannot be saved or that readers cannot see failed: it stays recorded "failed" and the
     error is raised, so the builds table says what the exit status says. After a failure the
     publish is only logged (the build's own error stays the one raised)."""
-    totals = run.totals
-    stats = dict(chunks_built=totals.chunks, docs=totals.docs, tokens=totals.tokens,
-                 source_bytes=totals.source_bytes, rejects=totals.rejects, retries=totals.retries,
-                 seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0)
+    stats = _stats(run.totals, seconds)
     if status == "succeeded":
         # The build's commits (in the write-ahead log) into the catalog file before its success
         # is recorded. A disk that fills there leaves DuckDB refusing every later write, the
@@ -260,12 +256,13 @@ def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> No
     try:
         run.publish()
     except BaseException as exc:
-        if is_interrupt(exc):
+        ending = _ending(exc, run.config)
+        if ending[0] == "interrupted":
             # The pointer is replaced last, whole: an interrupted publish leaves the previous snapshot current.
-            _record_end(run.writer, run.build_id, "interrupted", "interrupted by the user", stats)
+            _record_end(run.writer, run.build_id, *ending, stats)
             raise _interrupted(run) from None
         if status == "succeeded" or not isinstance(exc, Exception):   # complete, but readers cannot see it
-            _record_end(run.writer, run.build_id, "failed", run.config.redact(f"{type(exc).__name__}: {exc}"), stats)
+            _record_end(run.writer, run.build_id, *ending, stats)
             raise
         log.warning("could not publish the final catalog snapshot of failed build %d: %s", run.build_id, exc)
 
@@ -289,6 +286,21 @@ def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
         )
 
 
+def _ending(exc: BaseException, config: Config) -> tuple[str, str]:
+    """How a build run that ``exc`` ended is recorded: its status and error (Ctrl-C, however it
+    reached the build, is "interrupted"; the error text is redacted: the builds table is shared)."""
+    if is_interrupt(exc):
+        return "interrupted", "interrupted by the user"
+    return "failed", config.redact(f"{type(exc).__name__}: {exc}")
+
+
+def _stats(totals: Totals, seconds: float) -> dict[str, float]:
+    """A run's totals and rate as its ``builds`` row records them."""
+    return dict(chunks_built=totals.chunks, docs=totals.docs, tokens=totals.tokens,
+                source_bytes=totals.source_bytes, rejects=totals.rejects, retries=totals.retries,
+                seconds=seconds, tokens_per_s=totals.tokens / seconds if seconds else 0.0)
+
+
 def _interrupted(run: BuildRun) -> BuildInterrupted:
     """What Ctrl-C during build run ``run`` raises, once the run is recorded interrupted."""
     source = run.config.source_file or "CONFIG"
@@ -299,16 +311,12 @@ def _interrupted(run: BuildRun) -> BuildInterrupted:
 def _record_unstarted(writer: CatalogWriter, scheduler: str | None, error: BaseException, config: Config) -> None:
     """Record a build run that ended with ``error`` before it started; only logged if the catalog
     refuses it too (the build's own error stays the one raised)."""
-    interrupted = isinstance(error, KeyboardInterrupt)
     try:
         build_id = writer.start_build(workers=0, scheduler=scheduler or "local", dashboard="", version=VERSION)
     except Exception as exc:
         log.warning("could not record the failed build in the catalog: %s", exc)
         return
-    _record_end(writer, build_id, "interrupted" if interrupted else "failed",
-                "interrupted by the user" if interrupted else config.redact(f"{type(error).__name__}: {error}"),
-                dict(chunks_built=0, docs=0, tokens=0, source_bytes=0, rejects=0, retries=0, seconds=0.0,
-                     tokens_per_s=0.0))
+    _record_end(writer, build_id, *_ending(error, config), _stats(Totals(), 0.0))
 
 
 def _record_end(writer: CatalogWriter, build_id: int, status: str, error: str | None,

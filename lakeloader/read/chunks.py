@@ -26,6 +26,8 @@ from lakeloader.contracts.chunk_file import (
     missing_chunk,
     open_chunk,
     select_parts,
+    sha256_mismatch,
+    size_mismatch,
     table_parts,
     unreadable_chunk,
 )
@@ -236,7 +238,7 @@ class ChunkFiles:
         size = handle.size()
         problem = None
         if size != record.num_bytes:
-            problem = f"has {size} bytes, the catalog says {record.num_bytes}"
+            problem = f"has {size_mismatch(size, record.num_bytes)}"
         elif self.verify == "checksum":
             problem = self._hash_problem(chunks, index, handle)
         if problem:
@@ -249,7 +251,7 @@ class ChunkFiles:
         record = chunks.record(index)
         digest = self._sha256(record.path, handle, record.checksum)
         if digest != record.checksum:
-            return f"has sha256 {digest[:16]}…, the catalog says {record.checksum[:16]}…"
+            return f"has {sha256_mismatch(digest, record.checksum)}"
         with self._lock:
             self._hashed.add(record.path)
         return None

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.sql import query
 from lakeloader.config import Config
+from lakeloader.contracts.chunk_file import sha256_mismatch, size_mismatch
 from lakeloader.storage import sha256_of
 
 
@@ -21,11 +22,11 @@ def _problem(lake: Lake, path: str, num_bytes: int, checksum: str, num_docs: int
     except FileNotFoundError:
         return "missing", "the file does not exist"
     if size != num_bytes:
-        return "size", f"{size} bytes, the catalog says {num_bytes}"
+        return "size", size_mismatch(size, num_bytes)
     with lake.fs.open(full, "rb") as handle:
         digest = sha256_of(handle)
         if digest != checksum:
-            return "checksum", f"sha256 {digest[:16]}…, the catalog says {checksum[:16]}…"
+            return "checksum", sha256_mismatch(digest, checksum)
         try:
             handle.seek(0)
             rows = pq.ParquetFile(handle).metadata.num_rows
