@@ -1,7 +1,9 @@
 """lakeloader: tokenized Parquet lakes built on Dask, catalogued in DuckDB, streamed into JAX.
 
-The heavy parts (Dask, DuckDB, pyarrow) are imported when first used, so ``import lakeloader``
-stays fast for command-line help and config validation.
+The public door: everything a user needs is importable from here (``from lakeloader import
+Loader, JaxFeed, build_lake, open_lake, load_config``). The heavy parts (Dask, DuckDB, pyarrow,
+JAX) are imported when a name that needs them is first used, so ``import lakeloader`` stays fast
+for command-line help and config validation.
 """
 
 from __future__ import annotations
@@ -25,21 +27,41 @@ from lakeloader.contracts.errors import (
 if TYPE_CHECKING:
     from lakeloader.catalog.lake import Lake
     from lakeloader.catalog.store import LiveCatalog
-    from lakeloader.feed.loader import Loader
+    from lakeloader.feed.jax import JaxFeed
+    from lakeloader.feed.loader import Loader, LoaderState
     from lakeloader.ingest.driver import BuildReport
+    from lakeloader.specs import dataset_names
+
+# Names served on first use (module, attribute): importing them here would load JAX or DuckDB.
+_ON_FIRST_USE = {
+    "BuildReport": ("lakeloader.ingest.driver", "BuildReport"),
+    "JaxFeed": ("lakeloader.feed.jax", "JaxFeed"),
+    "Lake": ("lakeloader.catalog.lake", "Lake"),
+    "LiveCatalog": ("lakeloader.catalog.store", "LiveCatalog"),
+    "Loader": ("lakeloader.feed.loader", "Loader"),
+    "LoaderState": ("lakeloader.feed.loader", "LoaderState"),
+    "dataset_names": ("lakeloader.specs", "dataset_names"),
+}
 
 __version__ = VERSION
 
 __all__ = [
+    "BuildReport",
     "CatalogError",
     "CatalogLockedError",
     "ChunkIntegrityError",
     "Config",
     "ConfigError",
     "InputError",
+    "JaxFeed",
+    "Lake",
     "LakeloaderError",
+    "LiveCatalog",
+    "Loader",
+    "LoaderState",
     "SourceError",
     "build_lake",
+    "dataset_names",
     "load_config",
     "open_lake",
     "open_loader",
@@ -76,3 +98,19 @@ def open_loader(config: Config | str | os.PathLike[str], *, process_index: int =
 
     return Loader(config, process_index=process_index, process_count=process_count, mode=mode, rows=rows,
                   catalog=catalog)
+
+
+def __getattr__(name: str) -> Any:
+    """The names of ``_ON_FIRST_USE``, imported when first asked for."""
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module 'lakeloader' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _ON_FIRST_USE[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ON_FIRST_USE))
