@@ -108,8 +108,8 @@ def open_and_seek(config: Path, step: int) -> tuple[float, float]:
     opened = time.perf_counter()
     examples = loader.datasets[0]
     positions = step * 64 + np.arange(64)
-    starts = np.array([examples.train_example(j)[1] * 2048 for j in positions.tolist()])
-    chunks = np.unique(locate(examples.stream_offsets, starts))
+    starts = np.array([examples.order.train_example(j)[1] * 2048 for j in positions.tolist()])
+    chunks = np.unique(locate(examples.locator.stream_offsets(), starts))
     loader.view.row_groups_of("d", chunks.tolist())   # one lookup per batch, as the loader does
     resolved = time.perf_counter()
     loader.close()
@@ -163,7 +163,7 @@ def s3_loader_rates() -> tuple[float, float]:
             rates = []
             for _ in ("cold", "warm"):
                 loader = Loader(config)
-                steps = max(1, int(loader.datasets[0].stream_offsets[-1]) // (64 * 2048))
+                steps = max(1, int(loader.datasets[0].locator.stream_offsets()[-1]) // (64 * 2048))
                 started = time.perf_counter()
                 for _, _batch in zip(range(steps), loader.iter_from(0)):
                     pass

@@ -112,7 +112,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "ax[1].imshow(np.asarray(batch['positions']), aspect='auto', interpolation='nearest')\n"
                  "ax[1].set_title('positions (restart at each document)'); fig.tight_layout()"),
         ("markdown", "## Where did a row come from?"),
-        ("code", "feed.loader.explain(0).query('row == 0')[['dataset', 'epoch', 'chunk', 'source', 'location', 'window_start', 'window_stop']]"),
+        ("code", "feed.loader.explain(0).query('row == 0')[['dataset', 'epoch', 'chunk', 'source', 'location', 'example_start', 'example_stop']]"),
         ("markdown", "## Throughput, and an instant seek"),
         ("code", "steps, started = 50, time.perf_counter()\n"
                  "for _, b in zip(range(steps), feed.iter_from(0)):\n"

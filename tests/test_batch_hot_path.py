@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lakeloader.feed.concat_examples import DatasetExamples, Window
+from lakeloader.feed.locate_spans import SpanLocator
+from lakeloader.feed.spans import Span
 from lakeloader.feed.loader import Loader
-from lakeloader.feed.packed_examples import PackedExamples
+from lakeloader.feed.locate_packed import PackedLocator
 from lakeloader.feed.rows import ROW_FIELDS
 from lakeloader.ingest.driver import build
 from lakeloader.read.chunks import RowGroup
@@ -65,7 +66,7 @@ def test_packed_examples_with_parts_decode_each_row_group_once(formats: tuple[Pa
         batches = [loader.batch(step) for step in range(loader.num_batches() or 0)]
         assert reads and max(reads.values()) == 1, "a row group was decoded more than once"
         assert not any(isinstance(value, RowGroup) for value, _ in files.cache._items.values())
-    assert isinstance(loader.datasets[0], PackedExamples)
+    assert isinstance(loader.datasets[0].locator, PackedLocator)
     if name == "pages":   # the image references travel with the batches
         assert any(ref for batch in batches for ref in batch["image_refs"].ravel())
     else:                 # the prompt side is filled
@@ -80,14 +81,14 @@ def test_offset_tables_are_named_for_what_they_count(formats: tuple[Path, dict[s
     build(concat, scheduler=dask_scheduler, progress=False)
     with Loader(packed) as loader:
         examples = loader.datasets[0]
-        assert isinstance(examples, PackedExamples)
-        assert not hasattr(examples, "stream_offsets") and not hasattr(examples, "offsets")
-        assert int(examples.example_offsets[-1]) == examples.train_count()
+        assert isinstance(examples.locator, PackedLocator)
+        assert not hasattr(examples.locator, "stream_offsets") and not hasattr(examples.locator, "offsets")
+        assert int(examples.locator.example_offsets()[-1]) == examples.train_count()
     with Loader(concat) as loader:
-        windows = loader.datasets[0]
-        assert type(windows) is DatasetExamples
-        assert not hasattr(windows, "example_offsets") and not hasattr(windows, "offsets")
-        assert (int(windows.stream_offsets[-1]) - 1) // SEQ_LEN == windows.train_count()
+        spans = loader.datasets[0]
+        assert type(spans.locator) is SpanLocator
+        assert not hasattr(spans.locator, "example_offsets") and not hasattr(spans.locator, "offsets")
+        assert (int(spans.locator.stream_offsets()[-1]) - 1) // SEQ_LEN == spans.train_count()
 
 
 def test_windows_located_together_fill_rows_as_one_at_a_time(formats: tuple[Path, dict[str, Any]],
@@ -106,10 +107,10 @@ def test_windows_located_together_fill_rows_as_one_at_a_time(formats: tuple[Path
             windows = loader.examples(step).examples
             kinds |= {w.located is not None and int(w.located.group[w.index]) >= 0 for w in windows}  # type: ignore[union-attr]
             for row, window in enumerate(windows):
-                assert isinstance(window, Window)
-                alone = Window(window.dataset, window.epoch, window.example, list(window.pieces))
+                assert isinstance(window, Span)
+                alone = Span(window.dataset, window.epoch, window.example, list(window.pieces))
                 arrays = {name: np.full((1, SEQ_LEN), -7, batch[name].dtype) for name in ROW_FIELDS}
-                Window.fill_rows(arrays, [0], [alone])
+                Span.fill_rows(arrays, [0], [alone])
                 for name in ROW_FIELDS:
                     assert np.array_equal(arrays[name][0], batch[name][row]), (step, row, name)
         assert kinds == {True, False}, "the lake should give windows of both kinds"

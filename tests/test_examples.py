@@ -1,9 +1,10 @@
-"""Unit tests of one dataset's example index maps (``DatasetExamples``, ``PackedExamples``).
+"""Unit tests of one dataset's example stream on a real lake (its order and its locators).
 
-The vectorized ``train_examples(js)`` equals ``train_example(j)`` one position at a time under
-every shuffle kind (and ``train_windows`` equals ``train_window`` under both orderings), on a
-complete lake and on a catalog that grows while a build runs; an evaluation pass covers every
-example (concat: every stream target; pack: every stored document token) exactly once.
+The order's vectorized ``train_examples(js)`` equals ``train_example(j)`` one position at a time
+under every shuffle kind (and the stream's examples located together equal those located one
+at a time, under both orderings), on a complete lake and on a catalog that grows while a build
+runs; an evaluation pass covers every example (concat: every stream target; pack: every stored
+document token) exactly once.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import numpy as np
 import pytest
 import yaml
 
-# The classes under test.
-from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.loader import Loader
-from lakeloader.feed.packed_examples import PackedExamples
+from lakeloader.feed.locate_packed import PackedLocator
+from lakeloader.feed.stream import DatasetStream, ExampleStream
 
 from conftest import Lakes, small_lake_request, start_build_thread, stdlib_texts, write_config, write_jsonl
 
@@ -50,9 +50,16 @@ def reader_config(lake_config: Path, tmp_path: Path, **loader: Any) -> Path:
     return path
 
 
-def examples_of(config: Path, mode: str = "train") -> DatasetExamples:
+def examples_of(config: Path, mode: str = "train") -> ExampleStream:
     loader = Loader(config, mode=mode)
     (examples,) = loader.datasets
+    return examples
+
+
+def stream_of(config: Path, mode: str = "train") -> DatasetStream:
+    """The example stream of the config's one dataset, in the global ordering."""
+    examples = examples_of(config, mode)
+    assert isinstance(examples, DatasetStream)
     return examples
 
 
@@ -62,71 +69,71 @@ def random_positions(per_epoch: int, seed: int) -> np.ndarray:
     return np.concatenate([rng.integers(0, 3 * per_epoch, 150), rng.integers(0, 10**9, 20), [0, 0, per_epoch - 1]])
 
 
-def window_content(window: Any) -> tuple[Any, ...]:
-    """What a window or packed example holds: provenance and every token."""
-    if hasattr(window, "pieces"):
-        parts = [(p.chunk, p.start, p.tokens.tolist(), p.docs.tolist()) for p in window.pieces]
+def example_content(span: Any) -> tuple[Any, ...]:
+    """What a span or packed example holds: provenance and every token."""
+    if hasattr(span, "pieces"):
+        parts = [(p.chunk, p.start, p.tokens.tolist(), p.docs.tolist()) for p in span.pieces]
     else:
-        parts = [(i.chunk, i.doc, i.start, i.stop, i.tokens.tolist()) for i in window.items]
-    return window.dataset, window.epoch, window.example, parts
+        parts = [(i.chunk, i.doc, i.start, i.stop, i.tokens.tolist()) for i in span.items]
+    return span.dataset, span.epoch, span.example, parts
 
 
 @pytest.mark.parametrize("packing", ["concat", "pack"])
 @pytest.mark.parametrize("shuffle", list(SHUFFLES))
 def test_train_examples_equal_one_at_a_time(lake_config: Path, tmp_path: Path, packing: str, shuffle: str) -> None:
-    examples = examples_of(reader_config(lake_config, tmp_path, packing=packing, shuffle=SHUFFLES[shuffle]))
-    assert isinstance(examples, PackedExamples) == (packing == "pack")
+    examples = stream_of(reader_config(lake_config, tmp_path, packing=packing, shuffle=SHUFFLES[shuffle]))
+    assert isinstance(examples.locator, PackedLocator) == (packing == "pack")
     per_epoch = examples.train_count()
     assert per_epoch > 20
     js = random_positions(per_epoch, seed=len(shuffle))
-    epochs, ks = examples.train_examples(js)
+    epochs, ks = examples.order.train_examples(js)
     assert epochs.dtype == ks.dtype == np.int64
-    assert list(zip(epochs.tolist(), ks.tolist())) == [examples.train_example(int(j)) for j in js]
+    assert list(zip(epochs.tolist(), ks.tolist())) == [examples.order.train_example(int(j)) for j in js]
     assert np.array_equal(epochs, js // per_epoch)
     # Each epoch is a permutation of the dataset's examples.
     whole = np.arange(2 * per_epoch)
-    epochs, ks = examples.train_examples(whole)
+    epochs, ks = examples.order.train_examples(whole)
     for epoch in (0, 1):
         assert sorted(ks[epochs == epoch].tolist()) == list(range(per_epoch))
     if shuffle == "none":
         assert np.array_equal(ks, whole % per_epoch)
     some = js[:12]
-    assert [window_content(w) for w in examples.train_windows(some)] == \
-        [window_content(examples.train_window(int(j))) for j in some]
+    assert [example_content(w) for w in examples.train(some)] == \
+        [example_content(examples.train(np.array([int(j)]))[0]) for j in some]
 
 
-def test_strided_windows_equal_one_at_a_time(lake_config: Path, tmp_path: Path) -> None:
+def test_strided_spans_equal_one_at_a_time(lake_config: Path, tmp_path: Path) -> None:
     examples = examples_of(reader_config(lake_config, tmp_path, ordering="strided", ideal_readers=3))
     js = random_positions(examples.train_count(), seed=1)[:60]
-    assert [window_content(w) for w in examples.train_windows(js)] == \
-        [window_content(examples.train_window(int(j))) for j in js]
+    assert [example_content(w) for w in examples.train(js)] == \
+        [example_content(examples.train(np.array([int(j)]))[0]) for j in js]
 
 
 def test_concat_eval_pass_covers_every_target_once(lake_config: Path, tmp_path: Path) -> None:
-    examples = examples_of(reader_config(lake_config, tmp_path, shuffle=SHUFFLES["full"]), mode="eval")
+    examples = stream_of(reader_config(lake_config, tmp_path, shuffle=SHUFFLES["full"]), mode="eval")
     count = examples.eval_count()
-    total = int(examples.stream_offsets[-1])
-    stream = np.concatenate([p.tokens for p in examples.reader.window(examples.chunks, examples.sequence,
-                                                                      examples.stream_offsets, 0, total)])
+    total = int(examples.locator.stream_offsets()[-1])
+    stream = np.concatenate([p.tokens for p in examples.reader.window(examples.chunks, np.arange(examples.chunks.committed),
+                                                                      examples.locator.stream_offsets(), 0, total)])
     assert len(stream) == total
-    windows = [examples.eval_window(j) for j in range(count)]
-    # Window j holds stream tokens [jL, jL+L] (clipped): every target 1..total-1 exactly once.
-    targets = np.concatenate([np.concatenate([p.tokens for p in w.pieces])[1:] for w in windows])
+    spans = [examples.eval(np.array([j]))[0] for j in range(count)]
+    # Span j holds stream tokens [jL, jL+L] (clipped): every target 1..total-1 exactly once.
+    targets = np.concatenate([np.concatenate([p.tokens for p in w.pieces])[1:] for w in spans])
     assert np.array_equal(targets, stream[1:])
-    for j, window in enumerate(windows):
-        assert (window.epoch, window.example) == (0, j)
-        assert np.array_equal(np.concatenate([p.tokens for p in window.pieces]), stream[j * SEQ_LEN : (j + 1) * SEQ_LEN + 1])
+    for j, span in enumerate(spans):
+        assert (span.epoch, span.example) == (0, j)
+        assert np.array_equal(np.concatenate([p.tokens for p in span.pieces]), stream[j * SEQ_LEN : (j + 1) * SEQ_LEN + 1])
     assert count == -(-(total - 1) // SEQ_LEN)
 
 
 def test_packed_eval_pass_covers_every_document_once(lake_config: Path, tmp_path: Path) -> None:
-    examples = examples_of(reader_config(lake_config, tmp_path, packing="pack"), mode="eval")
-    assert isinstance(examples, PackedExamples)
+    examples = stream_of(reader_config(lake_config, tmp_path, packing="pack"), mode="eval")
+    assert isinstance(examples.locator, PackedLocator)
     count = examples.eval_count()
     assert count == examples.train_count()
     pieces: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for j in range(count):
-        example = examples.eval_window(j)
+        example = examples.eval(np.array([j]))[0]
         assert (example.epoch, example.example) == (0, j) and example.items
         for item in example.items:
             pieces.setdefault((item.chunk, item.doc), []).append((item.start, item.stop))
@@ -151,10 +158,10 @@ def test_train_examples_while_the_catalog_grows(tmp_path: Path) -> None:
     configs = {kind: reader_config(config, tmp_path / kind, shuffle=SHUFFLES[kind], wait_timeout=120)
                for kind in ("none", "window")}
     builder, _, errors = start_build_thread(config, workers=1, progress=False)
-    during: dict[str, DatasetExamples] = {}
+    during: dict[str, DatasetStream] = {}
     while len(during) < len(configs) and builder.is_alive():
         try:
-            during = {kind: examples_of(path) for kind, path in configs.items()}
+            during = {kind: stream_of(path) for kind, path in configs.items()}
         except Exception:  # nothing committed yet
             time.sleep(0.01)
     assert during, "the build finished before a reader could start"
@@ -164,12 +171,12 @@ def test_train_examples_while_the_catalog_grows(tmp_path: Path) -> None:
         for kind, examples in during.items():
             js = rng.integers(0, 30 * (round_ + 1), 10)
             growing = not examples.chunks.complete
-            asked.append((kind, js, examples.train_examples(js), growing))
-            assert [examples.train_example(int(j)) for j in js] == list(zip(*(a.tolist() for a in asked[-1][2])))
+            asked.append((kind, js, examples.order.train_examples(js), growing))
+            assert [examples.order.train_example(int(j)) for j in js] == list(zip(*(a.tolist() for a in asked[-1][2])))
     builder.join()
     assert not errors, errors
     assert all(growing for _, _, _, growing in asked[:2]), "no position was asked while the catalog was growing"
-    after = {kind: examples_of(path) for kind, path in configs.items()}
+    after = {kind: stream_of(path) for kind, path in configs.items()}
     for kind, js, (epochs, ks), _ in asked:
-        want_epochs, want_ks = after[kind].train_examples(js)
+        want_epochs, want_ks = after[kind].order.train_examples(js)
         assert np.array_equal(epochs, want_epochs) and np.array_equal(ks, want_ks), (kind, js)

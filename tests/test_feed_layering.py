@@ -18,10 +18,10 @@ import lakeloader.feed.explain
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.store import CatalogWriter, LiveCatalog
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.feed.concat_examples import Window
+from lakeloader.feed.spans import Span
 from lakeloader.feed.explain import explain
 from lakeloader.feed.loader import Loader
-from lakeloader.feed.packed_examples import PackedExample
+from lakeloader.feed.packed import PackedExample
 from lakeloader.feed.rows import fill_batch, row_of
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.lru import LRU
@@ -47,7 +47,7 @@ def empty_like(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarra
 @pytest.mark.parametrize("packing,mode", [("concat", "train"), ("concat", "eval"), ("pack", "train"), ("pack", "eval")])
 def test_every_example_fills_its_own_row_as_the_batch_does(lake: dict[str, Path], packing: str, mode: str) -> None:
     with Loader(lake[packing], mode=mode) as loader:
-        kind = Window if packing == "concat" else PackedExample
+        kind = Span if packing == "concat" else PackedExample
         steps = [0, 1] if mode == "train" else [0, loader.num_batches() - 1]   # the last eval batch is padded
         for step in steps:
             batch = loader.batch(step)
@@ -82,8 +82,8 @@ def test_explain_reads_the_public_examples_of_a_step(lake: dict[str, Path], pack
             mine = frame[frame.row == row]
             assert mine.segment.tolist() == sorted(mine.segment.tolist()) and mine.segment.iloc[0] == 1
             assert set(mine.dataset) == {example.dataset} and set(mine.example) == {example.example}
-            assert mine.window_stop.iloc[-1] - mine.window_start.iloc[0] == sum(
-                s.window_stop - s.window_start for s in example.segments())
+            assert mine.example_stop.iloc[-1] - mine.example_start.iloc[0] == sum(
+                s.example_stop - s.example_start for s in example.segments())
 
 
 def test_explain_does_not_import_the_loader() -> None:
@@ -123,12 +123,13 @@ def test_the_lru_keeps_the_recently_used_within_its_capacity() -> None:
 def test_every_reader_cache_is_the_lru(lake: dict[str, Path]) -> None:
     with Loader(lake["pack"]) as loader:
         examples = loader.datasets[0]
-        caches = {"plans": examples._plans, "row groups": examples.reader._row_groups, "decoded": loader.files.cache}
+        caches = {"plans": examples.locator._plans, "row groups": examples.reader._row_groups,
+                  "decoded": loader.files.cache}
         assert all(isinstance(cache, LRU) for cache in caches.values()), caches
         assert (caches["plans"].capacity, caches["row groups"].capacity) == (64, 4096)
         chunks = examples.chunks.committed
-        plans = [examples.plan(c) for c in range(chunks)]
-        assert all(examples.plan(c) is plans[c] for c in range(chunks))   # cached, not recomputed
+        plans = [examples.locator.plan(c) for c in range(chunks)]
+        assert all(examples.locator.plan(c) is plans[c] for c in range(chunks))   # cached, not recomputed
 
 
 def test_the_live_catalog_reaches_only_readers_given_its_handle(lake: dict[str, Path]) -> None:

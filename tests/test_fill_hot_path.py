@@ -16,9 +16,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lakeloader.feed.concat_examples import Window, fill_windows
+from lakeloader.feed.spans import Span, fill_spans
 from lakeloader.feed.loader import LOCATE_AHEAD, Loader
-from lakeloader.feed.packed_examples import Item, LazyItems, PackedExample, PackedExamples, fill_packed
+from lakeloader.feed.locate_packed import PackedLocator
+from lakeloader.feed.packed import Item, LazyItems, PackedExample, fill_packed
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, row_of
 from lakeloader.index.chunk_packing import ITEM_FIELDS
 from lakeloader.index.ranges import spans
@@ -144,17 +145,18 @@ def test_steps_located_together_equal_each_step_sought(lake: Path, packing: str,
                     assert np.array_equal(batch[name], in_order[step][name]), (datasets, step, name)
 
 
-def _items_one_by_one(dataset: PackedExamples, k: int) -> list[Item]:
+def _items_one_by_one(locator: PackedLocator, k: int) -> list[Item]:
     """Example ``k``'s items the straightforward way: its chunk's plan, item by item."""
-    chunk = int(np.searchsorted(dataset.example_offsets, k, side="right")) - 1
-    plan = dataset.plan(chunk)
-    _, first_docs = dataset.reader.groups(dataset.chunks, chunk)
+    offsets = locator.example_offsets()
+    chunk = int(np.searchsorted(offsets, k, side="right")) - 1
+    plan = locator.plan(chunk)
+    _, first_docs = locator.reader.groups(locator.growing.chunks, chunk)
     found = []
-    for i in range(plan.example_items(k - int(dataset.example_offsets[chunk])).start,
-                   plan.example_items(k - int(dataset.example_offsets[chunk])).stop):
+    items = plan.example_items(k - int(offsets[chunk]))
+    for i in range(items.start, items.stop):
         doc = int(plan.item_doc[i])
         group = int(np.searchsorted(first_docs, doc, side="right")) - 1
-        found.append(dataset._item(chunk, group, doc - int(first_docs[group]), doc, int(plan.item_start[i]),
+        found.append(locator._item(chunk, group, doc - int(first_docs[group]), doc, int(plan.item_start[i]),
                                    int(plan.item_stop[i])))
     return found
 
@@ -164,13 +166,13 @@ def test_located_items_are_each_examples_items_from_its_plan(lake: Path) -> None
     read one by one from each example's chunk plan and row group."""
     with Loader(lake) as loader:
         for dataset in loader.datasets:
-            assert isinstance(dataset, PackedExamples)
+            assert isinstance(dataset.locator, PackedLocator)
             js = np.arange(0, 5 * BATCH, 3)
-            epochs, ks = dataset.train_examples(js)
-            together = dataset.train_windows(js)
+            epochs, ks = dataset.order.train_examples(js)
+            together = dataset.train(js)
             for example, epoch, k in zip(together, epochs.tolist(), ks.tolist()):
                 assert (example.epoch, example.example) == (epoch, k)
-                alone = _items_one_by_one(dataset, k)
+                alone = _items_one_by_one(dataset.locator, k)
                 assert len(example.items) == len(alone) > 0   # type: ignore[attr-defined]
                 for a, b in zip(example.items, alone):   # type: ignore[attr-defined]
                     assert (a.chunk, a.doc, a.start, a.stop, a.split, a.images) == \
@@ -196,9 +198,9 @@ def test_windows_of_one_located_set_fill_as_the_general_path(lake: Path, shuffle
             direct += all(w.located is one and int(one.group[w.index]) >= 0 for w in windows)  # type: ignore[union-attr]
             which = [w.index for w in windows]   # type: ignore[union-attr]
             consecutive += len(set(one.group[which].tolist())) == 1 and bool((np.diff(one.at[which]) == SEQ_LEN).all())
-            pieces = [Window(w.dataset, w.epoch, w.example, list(w.pieces)) for w in windows]  # type: ignore[union-attr]
+            pieces = [Span(w.dataset, w.epoch, w.example, list(w.pieces)) for w in windows]  # type: ignore[union-attr]
             general = _blank(batch, BATCH, loader.pad_id)
-            fill_windows(general, list(range(BATCH)), pieces)
+            fill_spans(general, list(range(BATCH)), pieces)
             for name in ROW_FIELDS:
                 assert np.array_equal(general[name], batch[name]), (step, name)
     assert direct >= 3, "some batches should take the direct path"
@@ -253,7 +255,7 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
         for step in range(dataset.train_count() // 4 + 1):   # every row group read, cached and indexed
             loader.batch(step)
         reader, index = dataset.reader, dataset.reader._index
-        assert index is not None and index.offsets is dataset.stream_offsets
+        assert index is not None and index.offsets is dataset.locator.stream_offsets()
         checked = 0
         for g in range(len(index.start)):
             lo, hi = int(index.start[g]), int(index.stop[g])
@@ -261,7 +263,7 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
                 continue
             for starts, inside in (([lo, hi - length], True), ([lo + 1, hi - length + 1], False),
                                    ([lo - 1, lo + 1], False)):
-                found = reader._inside_one_group(dataset.chunks, dataset.sequence, dataset.stream_offsets,
+                found = reader._inside_one_group(dataset.chunks, np.arange(dataset.chunks.committed), dataset.locator.stream_offsets(),
                                                  np.array(starts, np.int64), length, max(starts) + length)
                 if not inside:
                     assert found is None, (g, starts)
@@ -352,9 +354,9 @@ def test_pool_fields_of_a_batch_share_memory_reused_once_none_is_held() -> None:
     assert [a.ctypes.data for a in pool.empty_fields((64, 2048), dtypes)] == addresses   # reused
 
 
-def _content(example: Window | PackedExample) -> tuple[object, ...]:
+def _content(example: Span | PackedExample) -> tuple[object, ...]:
     """What an example holds: provenance and every token."""
-    if isinstance(example, Window):
+    if isinstance(example, Span):
         parts = [(p.chunk, p.start, p.tokens.tolist(), p.docs.tolist()) for p in example.pieces]
     else:
         parts = [(i.chunk, i.doc, i.start, i.stop, i.tokens.tolist(), i.images, i.split) for i in example.items]
@@ -370,14 +372,14 @@ def test_eval_windows_located_together_equal_one_at_a_time(lake: Path, packing: 
         (dataset,) = loader.datasets
         count = dataset.eval_count()
         js = np.concatenate([np.arange(0, count, 7), [count - 1, count - 2, 0]])
-        assert [_content(e) for e in dataset.eval_windows(js)] == [_content(dataset.eval_window(int(j))) for j in js]
+        assert [_content(e) for e in dataset.eval(js)] == [_content(dataset.eval(np.array([int(j)]))[0]) for j in js]
         total = loader.num_batches() or 0
         for step in (0, total - 1):   # the last batch: a short window and padding rows
             batch = loader.batch(step)
             examples = loader.examples(step).examples
             alone = _blank(batch, BATCH, loader.pad_id)
             for row, j in enumerate(e.example for e in examples if e is not None):
-                one = dataset.eval_window(j)
+                one = dataset.eval(np.array([j]))[0]
                 type(one).fill_rows(alone, [row], [one])
             for name in ROW_FIELDS:
                 assert np.array_equal(alone[name], batch[name]), (step, name)

@@ -267,7 +267,7 @@ def test_pack_places_every_document_once_and_reports_padding(lake, dask_schedule
         for step in range(loader.num_batches()):
             batch = loader.batch(step)
             for row in loader.explain(step).dropna(subset=["dataset"]).itertuples():
-                r, a, b = int(row.row), int(row.window_start), int(row.window_stop)
+                r, a, b = int(row.row), int(row.example_start), int(row.example_stop)
                 placed.setdefault((int(row.chunk), int(row.document)), []).append(
                     (int(row.document_start), int(row.document_stop), batch["input_ids"][r][a:b].tolist()))
             tokens += int((batch["segment_ids"] > 0).sum())

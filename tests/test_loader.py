@@ -521,19 +521,19 @@ def check_explained_step(config: Path, step: int, capsys: pytest.CaptureFixture[
     assert sorted(set(frame.row)) == list(range(BATCH))
     for row, segments in frame.groupby("row"):
         assert list(segments.segment) == list(range(1, len(segments) + 1))
-        assert segments.window_start.iloc[0] == 0 and segments.window_stop.iloc[-1] == SEQ_LEN + 1
+        assert segments.example_start.iloc[0] == 0 and segments.example_stop.iloc[-1] == SEQ_LEN + 1
         window = [*batch["input_ids"][row].tolist(), int(batch["targets"][row][-1])]
         for entry in segments.itertuples():
             assert entry.dataset in ("d", "e") and not pd.isna(entry.chunk) and not pd.isna(entry.shard)
             text = source_document(entry.source, entry.location)
             document = [*tokenizer.encode(text, add_special_tokens=False).ids, eos_id()]
-            tokens = window[entry.window_start:entry.window_stop]
+            tokens = window[entry.example_start:entry.example_stop]
             if entry.segment == 1:
                 assert is_sublist(tokens, document), (row, entry)
             else:  # later segments start at their document's first token
                 assert tokens == document[:len(tokens)], (row, entry)
-            if entry.window_start < SEQ_LEN:
-                ids = batch["segment_ids"][row][entry.window_start:min(entry.window_stop, SEQ_LEN)]
+            if entry.example_start < SEQ_LEN:
+                ids = batch["segment_ids"][row][entry.example_start:min(entry.example_stop, SEQ_LEN)]
                 assert (ids == entry.segment).all()
     return frame
 

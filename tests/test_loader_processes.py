@@ -173,7 +173,7 @@ def test_chunk_that_never_comes_is_a_clear_error(tmp_path: Path, dask_scheduler:
     chunks = loader.datasets[0].chunks
     assert 3 <= chunks.committed < chunks.planned and not chunks.complete
     loader.batch(0)  # what is committed can be read
-    beyond = int(loader.datasets[0].stream_offsets[-1]) // SEQ_LEN // BATCH + 1
+    beyond = int(loader.datasets[0].locator.stream_offsets()[-1]) // SEQ_LEN // BATCH + 1
     started = time.monotonic()
     with pytest.raises(ChunkWaitTimeout) as error:
         loader.batch(beyond)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lakeloader.feed import shuffled as shuffled_module
+from lakeloader.feed import order as order_module
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.loader import Loader
 
@@ -75,11 +75,11 @@ def test_shuffle_changes_every_epoch(lakes: Lakes) -> None:
     config = mixed_lake(lakes, {"kind": "full"})
     examples = Loader(config).datasets[1]
     per_epoch = examples.train_count()
-    first = [examples.train_window(j).example for j in range(per_epoch)]
-    second = [examples.train_window(per_epoch + j).example for j in range(per_epoch)]
+    first = [examples.train(np.array([j]))[0].example for j in range(per_epoch)]
+    second = [examples.train(np.array([per_epoch + j]))[0].example for j in range(per_epoch)]
     assert sorted(first) == sorted(second) == list(range(per_epoch))
     assert first != second
-    assert {examples.train_window(per_epoch + j).epoch for j in range(3)} == {1}
+    assert {examples.train(np.array([per_epoch + j]))[0].epoch for j in range(3)} == {1}
 
 
 @pytest.mark.parametrize("packing", ["concat", "pack"])
@@ -168,11 +168,11 @@ def test_positions_shuffled_in_cached_blocks_equal_the_plain_shuffle(lakes: Lake
     loader = Loader(mixed_lake(lakes, {"kind": kind, "window_chunks": 2, "block_size": 8, "window_blocks": 3}))
     dataset = loader.datasets[0]
     per_epoch = dataset.train_count()
-    block = shuffled_module.SHUFFLE_BLOCK
+    block = order_module.SHUFFLE_BLOCK
     rng = np.random.default_rng(3)
     for positions in (np.arange(5 * block + 17, 5 * block + 81), np.arange(2 * block - 30, 2 * block + 34),
                       rng.integers(0, 7 * block, 300), np.array([block - 1])):
-        epochs, examples = dataset.train_examples(positions)
+        epochs, examples = dataset.order.train_examples(positions)
         np.testing.assert_array_equal(epochs, positions // per_epoch)
-        np.testing.assert_array_equal(examples, dataset._shuffled(positions, per_epoch))
+        np.testing.assert_array_equal(examples, dataset.order._shuffled(positions, per_epoch))
     loader.close()

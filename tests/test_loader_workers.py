@@ -23,7 +23,7 @@ import yaml
 
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
-from lakeloader.feed.packed_examples import LocatedPacked
+from lakeloader.feed.packed import LocatedPacked
 from lakeloader.feed.rows import ROW_FIELDS
 from lakeloader.feed import workers as workers_module
 from lakeloader.feed.slots import Layout, Slots, field_of

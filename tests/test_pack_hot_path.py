@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lakeloader.feed.loader import LOCATE_AHEAD, Loader
-from lakeloader.feed.packed_examples import LocatedPacked, PackedExample, fill_packed
+from lakeloader.feed.packed import LocatedPacked, PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
 from lakeloader.read import windows as windows_module
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.chunk_file import table_parts
-from lakeloader.feed.concat_examples import Window
+from lakeloader.feed.spans import Span
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import ArrayPool
 from lakeloader.index.ranges import cut_segments
@@ -153,7 +153,7 @@ def test_global_ordering_batches_equal_the_numpy_reference(lake: Path, shuffle: 
         loaders = [Loader(config, process_index=p, process_count=count) for p in range(count)]
         for step in steps:
             examples = one.examples(step).examples
-            assert all(isinstance(e, Window) for e in examples)
+            assert all(isinstance(e, Span) for e in examples)
             expected = [reference_row(*streams[e.dataset], e.example * SEQ_LEN) for e in examples]
             ids = [one.mixer.names.index(e.dataset) for e in examples]
             assert_rows_equal(global_batch(loaders, step), expected, ids, f"{count} processes, step {step}")
@@ -178,7 +178,7 @@ def reads_in_part(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def documents_of(loader: Loader, step: int) -> list[tuple[int, int, int, int]]:
     """(chunk, document, first and last offset in its window) of every segment of the windows of ``step``."""
-    return [(s.chunk, s.document, s.window_start, s.window_stop) for e in loader.examples(step).examples
+    return [(s.chunk, s.document, s.example_start, s.example_stop) for e in loader.examples(step).examples
                     for s in e.segments()]  # type: ignore[attr-defined]
 
 
@@ -347,7 +347,7 @@ def test_cached_row_groups_cost_about_two_bytes_per_token(lake: Path) -> None:
     keys and flags) plus the stored row group."""
     loader = Loader(loader_config(lake, "memory", ("t",), cache_bytes="64MB"))
     dataset = loader.datasets[0]
-    stream_tokens = int(dataset.stream_offsets[-1])
+    stream_tokens = int(dataset.locator.stream_offsets()[-1])
     for step in range(dataset.train_count() // BATCH + 1):   # a whole epoch: every row group once
         loader.batch(step)
     cache = loader.files.cache

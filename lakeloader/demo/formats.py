@@ -192,7 +192,7 @@ def summarize(config: Any, *, batches: int = 20, audit_steps: int = 100) -> Summ
         for step, batch in enumerate(seen):
             where = loader.explain(step)
             for row in where[where["dataset"].isin(shown) & (where["document_start"] == 0)].itertuples():
-                a, b, r = int(row.window_start), int(row.window_stop), int(row.row)
+                a, b, r = int(row.example_start), int(row.example_stop), int(row.row)
                 ids, fim = batch["input_ids"][r][a:b], config.datasets[row.dataset].format == "fim"
                 if fim and not (ids[0] == prefix and middle in ids):
                     continue                                   # a document not cut for FIM

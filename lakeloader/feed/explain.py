@@ -75,6 +75,6 @@ def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
                 else int(source["documents"][segment.document]),   # type: ignore[index]
                 "source": source["source"],
                 "location": _location(source, records, segment.document),
-                "window_start": segment.window_start, "window_stop": segment.window_stop, **segment.span,
+                "example_start": segment.example_start, "example_stop": segment.example_stop, **segment.span,
             })
     return pd.DataFrame(rows)

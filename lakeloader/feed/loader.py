@@ -23,26 +23,19 @@ import pandas as pd
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import LiveCatalog
-from lakeloader.config import Config, ShuffleConfig, load_config
-from lakeloader.contracts.errors import (
-    CatalogError,
-    CatalogNotPublishedError,
-    ConfigError,
-    LakeloaderError,
-    StepRangeError,
-)
-from lakeloader.feed.concat_examples import DatasetExamples
+from lakeloader.config import Config, load_config
+from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError, LakeloaderError, StepRangeError
 from lakeloader.feed.explain import explain
-from lakeloader.feed.packed_examples import PackedExamples
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
+from lakeloader.feed.settings import loader_settings
+from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
 from lakeloader.plan.planner import filter_fingerprint
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.read.windows import StreamReader
-from lakeloader.specs import dataset_names, mixture_spec, packing_spec, template_for, token_id, token_weights
+from lakeloader.specs import mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
 
@@ -87,34 +80,6 @@ class LoaderState:
         return cls(int(state["step"]), str(state["fingerprint"]))
 
 
-def check_combination(config: Config, mode: str) -> None:
-    """Raise a ConfigError for formats and packing modes that cannot work together."""
-    loader = config.loader
-    used = {name: config.datasets[name] for name in dataset_names(config)}
-    seq2seq = [n for n, d in used.items() if d.seq2seq]
-    for name, dataset in used.items():
-        if loader.packing == "concat" and dataset.format == "interleaved":
-            raise ConfigError(
-                f"datasets.{name}.format = 'interleaved' needs loader.packing: pack or pad: concat windows "
-                "cut anywhere and would split an image's tokens")
-        if loader.packing == "concat" and name in seq2seq:
-            raise ConfigError(
-                f"datasets.{name}.supervised.output = 'seq2seq' needs loader.packing: pack or pad (a "
-                "window of a stream has no prompt/response sides)")
-    if seq2seq and len(seq2seq) != len(used):
-        raise ConfigError(
-            f"datasets {seq2seq} have supervised.output: seq2seq but others do not: a batch is either "
-            "seq2seq (inputs and targets) or causal; mix them in separate loaders")
-    if seq2seq and loader.pack.long_documents == "split":
-        raise ConfigError(
-            "loader.pack.long_documents = 'split' cannot cut seq2seq examples (a piece would lose its "
-            "prompt); set it to truncate or error")
-    if loader.packing != "concat" and mode == "train" and loader.ordering == "strided":
-        raise ConfigError(
-            f"loader.ordering = 'strided' needs loader.packing: concat (got {loader.packing!r}); use "
-            "ordering: global")
-
-
 class Loader:
     """Deterministic global batches of a lake for process ``process_index`` of ``process_count``.
 
@@ -134,47 +99,24 @@ class Loader:
         loader reads the published snapshot, as in any other process."""
         self.config = config = load_config(config)
         loader = config.loader
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise LakeloaderError(
-                f"process_index {process_index} must be in [0, process_count={process_count})")
-        if rows is not None:
-            self.row_indices = np.asarray(rows, dtype=np.int64)
-            if not len(self.row_indices) or self.row_indices.min() < 0 or self.row_indices.max() >= loader.batch_size:
-                raise LakeloaderError(f"rows must be a non-empty subset of [0, batch_size={loader.batch_size})")
-        elif loader.batch_size % process_count:
-            raise LakeloaderError(
-                f"loader.batch_size {loader.batch_size} is not divisible by the process count "
-                f"{process_count}: every process must get the same number of rows; choose a batch "
-                "size that is a multiple of the process count")
-        else:
-            per_process = loader.batch_size // process_count
-            self.row_indices = np.arange(process_index * per_process, (process_index + 1) * per_process)
-        self.rows = len(self.row_indices)
-        if mode not in ("train", "eval"):
-            raise LakeloaderError(f"mode must be 'train' or 'eval', got {mode!r}")
-        check_combination(config, mode)
-        self.mode = mode
+        self.settings = settings = loader_settings(config, mode=mode, process_index=process_index,
+                                                   process_count=process_count, rows=rows)
+        self.mode, self.row_indices, self.rows = mode, settings.row_indices, len(settings.row_indices)
         self.process_index, self.process_count = process_index, process_count
         self.lake = Lake(config.lake, config.storage_options)
         self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
-        self.dataset_names = names = dataset_names(config)
+        self.dataset_names = names = settings.names
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
-        ordering = loader.ordering if mode == "train" else "global"
-        shuffle = loader.shuffle if mode == "train" else ShuffleConfig()
-        if ordering == "strided" and shuffle.kind != "none":
-            raise ConfigError(
-                f"loader.shuffle.kind = {shuffle.kind!r} needs loader.ordering: global (the strided "
-                "ordering fixes its own order); set shuffle to none or ordering to global")
-        self.datasets = [self._examples(name, ordering, shuffle) for name in names]
+        self.datasets: list[ExampleStream] = [self._stream(name) for name in names]
         self._check_selections()
         means = None
         if token_weights(config):
-            for examples in self.datasets:   # the weights need every dataset's mean example size
-                examples.complete_chunks()
+            for stream in self.datasets:   # (waits for each dataset: the weights need its mean example size)
+                stream.train_count()
             with self.view.reading() as cursor:
                 means = example_token_means(cursor, {d.name: d.plan_key for d in self.datasets}, loader.seq_len)
         self.mixer = Mixer.of(mixture_spec(config, means))
@@ -183,7 +125,7 @@ class Loader:
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
         self._arrays = ArrayPool()
         self._located: LocatedSteps | None = None   # the training steps last located together
-        # Training rows are written whole (concat windows; packed examples with their padding).
+        # Training rows are written whole (concat spans; packed examples with their padding).
         self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
         # The fields beyond the row fields that every batch has (the mixture's datasets say which).
         mixed = [config.datasets[name] for name in self.mixer.names]
@@ -192,42 +134,39 @@ class Loader:
 
     def _warn_if_beyond_the_cache(self) -> None:
         """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
-        every example then reads a row group no longer cached (from the pages its window needs)."""
+        every example then reads a row group no longer cached (from the pages its example needs)."""
         stored = sum(d.chunks.stored_bytes for d in self.datasets)
         cache = self.config.loader.cache_bytes
         if stored > 2 * cache:
             log.warning(
                 "loader.shuffle.kind: full over %.1f GB of stored tokens with loader.cache_bytes %.2f GB: most "
                 "examples land in a row group no longer cached (build.row_group_tokens: %d tokens) and read it "
-                "again, from the pages their window needs, a few M tokens/s. For a lake much larger than the "
+                "again, from the pages each example needs, a few M tokens/s. For a lake much larger than the "
                 "cache use loader.shuffle.kind block or window, or raise loader.cache_bytes towards the lake's size",
                 stored / 1e9, cache / 1e9, self.config.build.row_group_tokens)
 
-    def _examples(self, name: str, ordering: str, shuffle: ShuffleConfig) -> DatasetExamples:
-        loader, dataset = self.config.loader, self.config.datasets[name]
-        reader = StreamReader(self.view, self.files, self.templates[name], scattered=shuffle.kind == "full",
-                              sequential=shuffle.kind == "none" and ordering == "global")
-        common: dict[str, Any] = dict(seq_len=loader.seq_len, ordering=ordering, ideal_readers=loader.ideal_readers,
-                                      wait_timeout=loader.wait_timeout, shuffle=shuffle, seed=loader.seed)
-        spec = packing_spec(name, self.config, self.templates[name])
-        if spec is None:
-            return DatasetExamples(name, self.view, reader, **common)
-        return PackedExamples(name, self.view, reader, spec, seq2seq=dataset.seq2seq, pad_id=self.pad_id,
-                              **common)
+    def _stream(self, name: str) -> ExampleStream:
+        """Dataset ``name``'s example stream under this loader's settings."""
+        loader, settings = self.config.loader, self.settings
+        template = self.templates[name]
+        return dataset_stream(name, self.view, self.files, template, packing_spec(name, self.config, template),
+                              seq_len=loader.seq_len, ordering=settings.ordering, ideal_readers=loader.ideal_readers,
+                              shuffle=settings.shuffle, seed=loader.seed, wait_timeout=loader.wait_timeout,
+                              seq2seq=self.config.datasets[name].seq2seq, pad_id=self.pad_id)
 
     def _check_selections(self) -> None:
         """A CatalogError unless each dataset of this config defined by a filter is, in the lake,
         the selection of this config's predicate from its source's plan there: a name holds one
         definition at a time, and another config's predicate must never be served as this one's."""
-        for examples in self.datasets:
-            dataset = self.config.datasets[examples.name]
+        for stream in self.datasets:
+            dataset = self.config.datasets[stream.name]
             if dataset.from_ is None:
                 continue
             source = self.view.plan_fingerprint(dataset.from_)
-            if source is None or filter_fingerprint(source, dataset.where or "") != examples.fingerprint:
+            if source is None or filter_fingerprint(source, dataset.where or "") != stream.fingerprint:
                 where = self.config.source_file or "this config"
                 raise CatalogError(
-                    f"dataset {examples.name!r} of lake {self.lake.url} is not the selection {where} defines "
+                    f"dataset {stream.name!r} of lake {self.lake.url} is not the selection {where} defines "
                     f"(from: {dataset.from_}, where: {dataset.where}): it was built by a config with another "
                     f"predicate or source. Build this config's (lakeloader build {where}; it tokenizes nothing), "
                     "or give the dataset a name of its own")
@@ -268,7 +207,7 @@ class Loader:
 
     # -- batches ---------------------------------------------------------------------------------
 
-    def _windows(self, step: int) -> tuple[np.ndarray, Sequence[Example | None]]:
+    def _row_examples(self, step: int) -> tuple[np.ndarray, Sequence[Example | None]]:
         """Each local row's dataset number (-1: past an eval pass) and example of batch ``step``
         (a dataset's :class:`~lakeloader.feed.rows.ExampleRun` as it is when it has every row)."""
         if self.mode == "eval":
@@ -286,7 +225,7 @@ class Loader:
             indices = located.indices[a : a + self.rows]
         sole = _sole_owner(owners)
         if sole is not None:
-            return owners, self.datasets[sole].train_windows(indices)
+            return owners, self.datasets[sole].train(indices)
         return owners, self._examples_of(owners, indices)
 
     @property
@@ -321,17 +260,14 @@ class Loader:
 
     def _examples_of(self, owners: np.ndarray, indices: np.ndarray) -> list[Example | None]:
         """The example of each row: example ``indices[i]`` of dataset ``owners[i]`` (-1: None)."""
-        windows: list[Example | None] = [None] * len(owners)   # None: past an eval pass
+        examples: list[Example | None] = [None] * len(owners)   # None: past an eval pass
         for owner in np.unique(owners[owners >= 0]).tolist():
             rows = np.flatnonzero(owners == owner)
-            examples = self.datasets[owner]
-            if self.mode == "eval":
-                found = examples.eval_windows(indices[rows])
-            else:
-                found = examples.train_windows(indices[rows])
-            for row, window in zip(rows.tolist(), found):
-                windows[row] = window
-        return windows
+            stream = self.datasets[owner]
+            found = stream.eval(indices[rows]) if self.mode == "eval" else stream.train(indices[rows])
+            for row, example in zip(rows.tolist(), found):
+                examples[row] = example
+        return examples
 
     def check_step(self, step: int) -> None:
         """Raise :class:`StepRangeError` naming the valid steps unless batch ``step`` exists."""
@@ -354,7 +290,7 @@ class Loader:
         (:class:`~lakeloader.feed.rows.ArrayPool`). ``pool``: where the row fields' memory comes
         from instead (a worker's shared-memory slot)."""
         self.check_step(step)
-        owners, examples = self._windows(step)
+        owners, examples = self._row_examples(step)
         arrays = self._empty_batch(self._arrays if pool is None else pool, whole=self._whole_rows)
         fill_batch(arrays, examples)
         arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
@@ -364,7 +300,7 @@ class Loader:
 
     def _empty_batch(self, pool: ArraySource, whole: bool = False) -> Batch:
         """The batch's arrays from ``pool``, padding in every row; ``whole``: every row field is
-        about to be written in full (concat windows in training), so those are left unset."""
+        about to be written in full (concat spans in training), so those are left unset."""
         loader = self.config.loader
         shape = (self.rows, loader.seq_len)
         padding = {"input_ids": self.pad_id, "targets": self.pad_id}   # (the other fields' padding is 0)
@@ -451,8 +387,8 @@ class Loader:
         past the end of an evaluation pass) with each row's global row number and each dataset's
         chunk-to-shard map: what :meth:`batch` writes, before it is written."""
         self.check_step(step)
-        owners, windows = self._windows(step)
-        return StepExamples(step, self.row_indices.copy(), list(windows),
+        owners, examples = self._row_examples(step)
+        return StepExamples(step, self.row_indices.copy(), list(examples),
                             {d.name: d.chunks.shard_index for d in self.datasets}, owners.astype(np.int32))
 
     def explain(self, step: int) -> pd.DataFrame:
@@ -465,8 +401,8 @@ class Loader:
         catalog connection."""
         for iterator in list(self._iterators):
             iterator.close()
-        for dataset in self.datasets:
-            dataset.reader.close()
+        for stream in self.datasets:
+            stream.close()
         self.view.close()
 
     def __enter__(self) -> Loader:

@@ -1,5 +1,5 @@
 """Batch rows and the examples that fill them: one ``fill(row)`` protocol for every kind of
-example (concat windows, packed documents), and where each row's segments came from."""
+example (concat spans, packed documents), and where each row's segments came from."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class Segment:
     number: int             # the row's segment id (1, 2, ...)
     chunk: int              # global index of the chunk
     document: int           # document index within the chunk
-    window_start: int       # token range within the example
-    window_stop: int
+    example_start: int      # token range within the example
+    example_stop: int
     span: dict[str, int]    # where the tokens lie in their chunk or document, by column name
 
 

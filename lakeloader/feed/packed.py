@@ -1,6 +1,7 @@
-"""Examples of one dataset under ``packing: pack | pad``: whole documents per each chunk's
-packing plan, with the images of interleaved documents and the prompt/response split of
-seq2seq ones."""
+"""The fill part of ``packing: pack | pad``: examples of whole documents (located by
+:mod:`lakeloader.feed.locate_packed`), with the images of interleaved documents and the
+prompt/response split of seq2seq ones, writing their batch rows one by one or all rows of a
+batch at once."""
 
 from __future__ import annotations
 
@@ -11,20 +12,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.contracts.specs import PackingSpec
-from lakeloader.feed.concat_examples import DatasetExamples
 from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment, field_dtype
-from lakeloader.index.chunk_packing import GROUP_BITS, ITEM_FIELDS, item_table, plan_chunk
-from lakeloader.index.packing import PackPlan
-from lakeloader.index.ranges import cumulative, distinct, fill_runs, locate, run_positions, spans
-from lakeloader.index.render import part_starts
+from lakeloader.index.ranges import cumulative, fill_runs, run_positions, spans
 from lakeloader.index.row_layout import RowLayout, row_layout
-from lakeloader.read.catalog_view import CatalogView, DatasetChunks
-from lakeloader.read.lru import LRU
-from lakeloader.read.table_arena import TableArena
 from lakeloader.read.window_set import RenderedGroup
-from lakeloader.read.windows import StreamReader
 
 
 @dataclasses.dataclass
@@ -43,7 +34,7 @@ class Item:
 
 @dataclasses.dataclass
 class PackedSet:
-    """The items of packed examples located together (:meth:`PackedExamples._examples`), as
+    """The items of packed examples located together (:meth:`~lakeloader.feed.locate_packed.PackedLocator.located`), as
     arrays: example ``i``'s items are ``layout.bounds[i] : layout.bounds[i + 1]``; item ``k`` is
     tokens ``[begin[k], end[k])`` of ``groups[group[k]]`` (one more than it writes when the
     document goes on). A batch is filled from these without an :class:`Item` per document."""
@@ -237,7 +228,7 @@ class FillParts(NamedTuple):
 
     def part(self, a: int, b: int) -> FillParts:
         """The parts of examples ``a`` to ``b`` alone (slices), whose first item begins a piece
-        and whose last ends one (pieces cut there: :meth:`LocatedItems.cut`)."""
+        and whose last ends one (pieces cut there: :meth:`~lakeloader.feed.locate_packed.LocatedItems.cut`)."""
         lo, hi = self.layout.bounds[[a, b]].tolist()
         p, q, first = lo, hi, self.first
         if first is not None:
@@ -333,7 +324,7 @@ class LocatedPacked(ExampleRun):
 
     def parts_of(self, size: int) -> Callable[[int, int], LocatedPacked]:
         """``part(a, b)``: examples ``a`` to ``b`` alone, ``a`` and ``b`` multiples of ``size``
-        (where the located items' pieces are cut: :meth:`LocatedItems.cut`), with their
+        (where the located items' pieces are cut: :meth:`~lakeloader.feed.locate_packed.LocatedItems.cut`), with their
         :class:`FillParts` sliced from those of every example, made here once."""
         assert self.offset == 0 and self.parts is None, "parts of a whole located set"
         parts = self.located.fill_parts(None, self.pad_id)
@@ -441,218 +432,3 @@ def _run(value: int, length: int, dtype: type) -> np.ndarray:
     found = np.full(length, value, dtype)
     found.flags.writeable = False
     return found
-
-
-_GROUP_KEY = ITEM_FIELDS.index("group_key")   # the row of LocatedItems.columns holding each item's row-group key
-
-
-@dataclasses.dataclass(frozen=True)
-class LocatedItems:
-    """The items of examples located in their chunks' packing plans, no row group read yet:
-    a row per field of ``ITEM_FIELDS``, a column per item, the items example by example as
-    ``layout`` places them."""
-
-    columns: np.ndarray     # int64 [len(ITEM_FIELDS), items]
-    layout: RowLayout
-    joined: np.ndarray      # bool per item but the last: the next item continues it, where it lies and where it goes
-    # Items in row-group order (examples read in order): the distinct row groups and each item's.
-    groups: tuple[np.ndarray, np.ndarray] | None = None
-
-    def part(self, a: int, b: int) -> LocatedItems:
-        """Examples ``a`` to ``b`` (views)."""
-        lo, hi = self.layout.bounds[[a, b]].tolist()
-        groups = None
-        if self.groups is not None:   # (the part's row groups: a run of the distinct ones)
-            used, group = self.groups
-            first, last = group[[lo, hi - 1]].tolist()
-            groups = used[first : last + 1], group[lo:hi] - first
-        return LocatedItems(self.columns[:, lo:hi], self.layout.part(a, b), self.joined[lo : hi - 1], groups)
-
-    def row_groups(self) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct row-group keys the items lie in (ascending) and each item's index into them."""
-        return distinct(self.columns[_GROUP_KEY]) if self.groups is None else self.groups
-
-    def cut(self, size: int) -> LocatedItems:
-        """These items with none continuing the one before it at every ``size``-th example: the
-        pieces filled at once (``joined``) end where the parts of ``size`` examples do."""
-        joined = self.joined.copy()
-        joined[self.layout.bounds[size:-1:size] - 1] = False
-        return dataclasses.replace(self, joined=joined)
-
-
-ITEM_COLUMNS = 1 << 18   # items (of all chunks) whose tables a packed dataset keeps: 14 MB (7 int64 each)
-_GROUP_MASK = (1 << GROUP_BITS) - 1
-
-
-def _group_pairs(keys: np.ndarray) -> list[tuple[int, int]]:
-    """``(chunk, row group)`` of each row-group key (:data:`GROUP_BITS`)."""
-    return list(zip((keys >> GROUP_BITS).tolist(), (keys & _GROUP_MASK).tolist()))
-
-
-class PackedExamples(DatasetExamples):
-    """Example ``j`` of a dataset under ``packing: pack | pad``: whole documents per the packing
-    plan of the chunk holding it. Per-chunk example counts come from the catalog, so a seek is a
-    binary search over chunks; the chunk's plan is recomputed from its part layout when read."""
-
-
-    def __init__(self, name: str, view: CatalogView, reader: StreamReader, spec: PackingSpec, *,
-                 seq2seq: bool = False, pad_id: int = 0, **kwargs: Any) -> None:
-        self.spec = spec
-        self.seq2seq = seq2seq
-        self.pad_id = pad_id
-        # Training rows of plain packed examples are written whole, padding included (fill_packed).
-        self.fills_whole_rows = not seq2seq
-        self.plan_key = spec.plan_key
-        if not view.plan_registered(name, spec.plan_key):
-            raise LakeloaderError(
-                f"dataset {name!r}: the lake keeps no example counts for this loader's packing "
-                f"(packing: {spec.mode}, seq_len: {spec.seq_len}, plan {spec.plan_key}); run "
-                "`lakeloader build CONFIG` with this config once: it computes them from the stored "
-                "documents' lengths without tokenizing again")
-        self._plans: LRU[tuple[str, int], PackPlan] = LRU(64)
-        self._items = TableArena(len(ITEM_FIELDS), ITEM_COLUMNS)   # chunks' item tables
-        super().__init__(name, view, reader, **kwargs)
-
-    def _set_offsets(self, chunks: DatasetChunks) -> None:
-        """The cumulative per-chunk counts examples are located by: here packed examples."""
-        assert chunks.num_examples is not None
-        self.example_offsets = cumulative(chunks.num_examples)
-
-    def _available(self) -> int:
-        return int(self.example_offsets[-1])
-
-    def _too_small(self) -> LakeloaderError:
-        return LakeloaderError(f"dataset {self.name!r} has no examples under packing: {self.spec.mode}")
-
-    def eval_count(self) -> int:
-        """Examples in one evaluation pass (needs the complete dataset)."""
-        self.complete_chunks()
-        return self._available()
-
-    def eval_window(self, j: int) -> PackedExample:
-        """Example ``j`` of the evaluation pass."""
-        self.complete_chunks()
-        return self._example(0, j)
-
-    def eval_windows(self, js: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
-        """:meth:`eval_window` of many examples, located together."""
-        self.complete_chunks()
-        js = np.asarray(js, np.int64)
-        return self._examples(np.zeros(len(js), np.int64), js)
-
-    def _window_starts(self, chunk_limit: int) -> np.ndarray:
-        return self.example_offsets[: chunk_limit + 1 : self.shuffle.window_chunks]
-
-    def plan(self, chunk: int) -> PackPlan:
-        """The packing plan of chunk ``chunk`` (cached)."""
-        return self._plans.get((self.chunks.fingerprint, chunk), lambda: plan_chunk(
-            self.spec, self.reader.files.chunk_parts(self.chunks, chunk), chunk, f"dataset {self.name!r}, chunk {chunk}"))
-
-    def _item_tables(self, keys: list[tuple[str, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The plans of chunks ``key[1]`` as tables of :attr:`_items` (their row-group tables
-        fetched together: one catalog query): the first item of each example then the item count
-        (``PackPlan.example_bounds``), and its items (``item_table``)."""
-        chunks = [chunk for _, chunk in keys]
-        tables = []
-        for chunk, (_, first_docs) in zip(chunks, self.reader.groups_of(self.chunks, chunks)):
-            plan = self.plan(chunk)
-            tables.append((plan.example_bounds, item_table(plan, first_docs, chunk)))
-        return tables
-
-    def train_block(self, js: np.ndarray,  # type: ignore[override]
-                    part_size: int) -> Callable[[int, int], Sequence[PackedExample]]:
-        """``part(a, b)``: :meth:`train_windows` of ``js[a:b]`` (``a`` and ``b`` multiples of
-        ``part_size``), the items of every example of ``js`` located up front, at once
-        (:meth:`_located_items`). Each part reads its row groups when asked, unless the cache
-        holds every row group of ``js``'s examples already (an epoch after the first): then they
-        are read here, and the parts' :class:`FillParts` are made together, once, and sliced."""
-        epochs, examples = self.train_examples(js)
-        items = self._located_items(examples)
-        if len(examples) > part_size and not self._items_need_parts:
-            used, group = items.row_groups()
-            cached = self.reader.cached_groups(self.chunks, _group_pairs(used))
-            if cached is not None:
-                whole = self._rendered(epochs, examples, items.cut(part_size), (used, group, cached))
-                assert isinstance(whole, LocatedPacked)
-                return whole.parts_of(part_size)
-        return lambda a, b: self._rendered(epochs[a:b], examples[a:b], items.part(a, b))
-
-    def _examples(self, epochs: np.ndarray, examples: np.ndarray) -> Sequence[PackedExample]:  # type: ignore[override]
-        """Examples ``examples`` (of epochs ``epochs``), located together (:meth:`_located_items`,
-        :meth:`_rendered`)."""
-        if not len(examples):
-            return []
-        return self._rendered(epochs, examples, self._located_items(examples))
-
-    def _located_items(self, examples: np.ndarray) -> LocatedItems:
-        """The items of examples ``examples`` (non-empty), gathered from their chunks' item
-        tables at once, without reading a row group."""
-        chunks = locate(self.example_offsets, examples)
-        used_chunks, chunk_of = distinct(chunks)
-        columns, counts = self._items.gather([(self.chunks.fingerprint, c) for c in used_chunks.tolist()], chunk_of,
-                                             examples - self.example_offsets[chunks], self._item_tables)
-        _, starts, stops, begin, _, group_keys, _ = columns
-        layout = row_layout(counts, stops - starts, self.spec.seq_len)
-        # Items that continue each other in a row group and in the rows (a long document's rows, in
-        # order) are filled as one piece.
-        joined = (group_keys[1:] == group_keys[:-1]) & (begin[1:] == begin[:-1] + layout.sizes[:-1]) & (
-            layout.starts[1:] == layout.starts[:-1] + layout.sizes[:-1])
-        in_order = bool((group_keys[1:] >= group_keys[:-1]).all())
-        return LocatedItems(columns, layout, joined, distinct(group_keys) if in_order else None)
-
-    @property
-    def _items_need_parts(self) -> bool:
-        """Whether items are made with their documents' parts (images, a seq2seq split), one by one."""
-        return self.reader.template.image_kind is not None or self.seq2seq
-
-    def _rendered(self, epochs: np.ndarray, examples: np.ndarray, items: LocatedItems,
-                  groups: tuple[np.ndarray, np.ndarray, list[RenderedGroup]] | None = None) -> Sequence[PackedExample]:
-        """Examples ``examples`` (of epochs ``epochs``) of located ``items``: every row group
-        they lie in looked up once, up front (those not cached decode concurrently), unless
-        ``groups`` gives them already (the distinct row-group keys, each item's, their renderings)."""
-        docs, starts, stops, begin, end, group_keys, group_docs = items.columns
-        if groups is None:
-            used, group = items.row_groups()
-            rendered = self.reader.rendered_groups(self.chunks, _group_pairs(used))
-        else:
-            used, group, rendered = groups
-        last = int(used[-1])
-        self.reader.look_ahead_after(self.chunks, last >> GROUP_BITS, last & _GROUP_MASK)
-        item_chunk = group_keys >> GROUP_BITS
-        located = PackedSet(rendered, items.layout, item_chunk, docs, starts, stops, group, begin, end, items.joined)
-        if self._items_need_parts:
-            # (made one by one: their row groups are cached now, each was looked up above)
-            made = [self._item(chunk, group, doc_local, doc, start, stop) for chunk, group, doc_local, doc, start, stop
-                    in zip(item_chunk.tolist(), (group_keys & _GROUP_MASK).tolist(), group_docs.tolist(), docs.tolist(),
-                           starts.tolist(), stops.tolist())]
-            return [PackedExample(self.name, e, k, made[a : a + n], self.pad_id) for e, k, a, n in zip(
-                epochs.tolist(), examples.tolist(), items.layout.bounds[:-1].tolist(), items.layout.counts.tolist())]
-        return LocatedPacked(self.name, epochs, examples, located, self.pad_id)
-
-    def _example(self, epoch: int, k: int) -> PackedExample:
-        return self._examples(np.array([epoch], np.int64), np.array([k], np.int64))[0]
-
-    def _item(self, chunk: int, group: int, local: int, doc: int, start: int, stop: int) -> Item:
-        """Item of document ``doc`` of the chunk (``local`` within its row group ``group``)."""
-        rendered = self.reader.rendered_group(self.chunks, chunk, group)
-        begin, end = int(rendered.doc_starts[local]), int(rendered.doc_starts[local + 1])
-        tokens = rendered.tokens[begin + start : min(begin + stop + 1, end)]
-        trainable = None if rendered.trainable is None else rendered.trainable[begin + start : min(begin + stop + 1, end)]
-        template = self.reader.template
-        images: list[tuple[int, str]] = []
-        split = -1
-        if template.image_kind is not None or self.seq2seq:
-            parts = rendered.parts   # kept with the rendering for these templates: no second read
-            assert parts is not None
-            mine = np.arange(*np.searchsorted(parts.part_doc, [local, local + 1]))
-            starts = part_starts(template, parts.part_lengths[mine], parts.part_kinds[mine],
-                                 np.zeros(len(mine), np.int64))
-            kinds = parts.part_kinds[mine]
-            if template.image_kind is not None and rendered.refs is not None:
-                for part, offset in zip(mine[kinds == template.image_kind], starts[kinds == template.image_kind]):
-                    if start <= offset < stop:
-                        images.append((int(offset) - start, str(rendered.refs[part])))
-            if self.seq2seq:
-                responses = starts[kinds == template.kind_names.index("response")]
-                split = int(responses[0]) if len(responses) else end - begin
-        return Item(chunk, doc, start, stop, tokens, trainable, images, split)
