@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
-import json
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ import pandas as pd
 
 from lakeloader.catalog.sql import ALLOWED_SQL, STATUS_TABLES
 from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.report.tables import FORMATS, audit_heading, format_frame, format_status
 
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
@@ -36,17 +36,8 @@ _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 def _print_frame(frame: pd.DataFrame, fmt: str) -> None:
-    """``frame`` on stdout as one CSV table (NULL empty), one JSON document (NULL null) or a text
-    table (NULL shown as NULL)."""
-    if fmt == "csv":
-        sys.stdout.write(frame.to_csv(index=False))
-    elif fmt == "json":
-        sys.stdout.write(frame.to_json(orient="records", date_format="iso", indent=1) + "\n")
-    elif frame.empty:
-        print("(no rows)  columns: " + ", ".join(map(str, frame.columns)))
-    else:
-        with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-            print(frame.astype(object).where(frame.notna(), "NULL").to_string(index=False))
+    """``frame`` on stdout as :func:`lakeloader.report.tables.format_frame` formats it."""
+    sys.stdout.write(format_frame(frame, fmt))
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -72,19 +63,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     if args.format == "csv":
         raise LakeloaderError(f"--format csv prints one table: choose it with --table {{{','.join(tables)}}}")
-    if args.format == "json":   # one document: an object of tables, each a list of rows
-        document = {name: json.loads(frame.to_json(orient="records", date_format="iso")) for name, frame in tables.items()}
-        print(json.dumps(document, indent=1))
-        return 0
-    for title, name in (("Datasets", "datasets"), ("Shards", "shards"), ("Recent builds", "builds")):
-        print(f"== {title} ==")
-        _print_frame(tables[name], "table")
-        print()
-    stale = tables["stale_folders"]
-    if len(stale):
-        print("== Stale chunk folders (replaced dataset plans; `lakeloader gc` removes them) ==")
-        _print_frame(stale, "table")
-        print()
+    sys.stdout.write(format_status(tables, args.format))
     return 0
 
 
@@ -109,12 +88,12 @@ def _cmd_sql(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from lakeloader.catalog.lake import open_lake
+    from lakeloader.report.lengths_plot import plot_lengths
 
-    lake = open_lake(args.target)
     if args.plot is None:
-        _print_frame(lake.stats(by=args.by, whole_lake=args.whole_lake), args.format)
+        _print_frame(open_lake(args.target).stats(by=args.by, whole_lake=args.whole_lake), args.format)
         return 0
-    _print_frame(lake.plot_lengths(args.plot, by=args.by, whole_lake=args.whole_lake), args.format)
+    _print_frame(plot_lengths(args.target, args.plot, by=args.by, whole_lake=args.whole_lake), args.format)
     print(f"wrote the document-length histogram to {args.plot}", file=sys.stderr)
     return 0
 
@@ -203,15 +182,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from lakeloader.catalog.audit import audit, plot_audit
+    from lakeloader.catalog.audit import audit
+    from lakeloader.report.audit_plot import plot_audit
 
     first, stop = args.steps
     frame = audit(args.config, first, stop)
     if args.format == "table":
-        info = frame.attrs
-        print(f"mixture {info['mixture_id']}, steps [{first}, {stop}) "
-              f"({(stop - first) * info['batch_size']:,} examples of batch {info['batch_size']}), "
-              f"from the {info['source']}")
+        sys.stdout.write(audit_heading(frame))
     _print_frame(frame, args.format)
     if args.plot:
         plot_audit(args.config, first, stop, args.plot)
@@ -265,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "from the lake's newest published snapshot; chunks committed after it are rebuilt")
     build.set_defaults(func=_cmd_build)
 
-    formats = ("table", "csv", "json")
+    formats = FORMATS
     status = commands.add_parser(
         "status", help="per-dataset and per-shard progress",
         description="Show each dataset's chunks, documents, tokens and rejects, each shard's "

@@ -134,7 +134,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                      "mixture in the catalog, so the plan is also plain SQL."),
         ("code", SETUP),
         ("code", "import tempfile\nfrom IPython.display import Image\nimport lakeloader\n"
-                 "from lakeloader.catalog.audit import audit, mixture_plan, plot_audit\n"
+                 "from lakeloader.catalog.audit import audit, mixture_plan\nfrom lakeloader.report.audit_plot import plot_audit\n"
                  "from lakeloader.specs import mixture_spec\n\n"
                  "config = lakeloader.load_config(CONFIG)\nconfig.mixture"),
         ("markdown", "## Target vs realized over steps 0..999\n\nStep ranges are half-open everywhere: "

@@ -1,5 +1,6 @@
 """Mixture audit: the catalog's SQL plan equals the closed form bit for bit, matches the loader's
-batches, registers once per mixture, and `lakeloader audit` reports it as a table, JSON or plot."""
+batches, registers once per mixture, and `lakeloader audit` reports it as a table, JSON or plot
+(the plot draws the share curves the catalog computes)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lakeloader.catalog.audit import audit, closed_form_plan, closed_form_proportions, mixture_plan
+from lakeloader.catalog.audit import audit, closed_form_plan, closed_form_proportions, mixture_plan, share_curves
 from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.cli import main
@@ -238,6 +239,29 @@ def test_audit_cli_table_json_and_plot(lake: Path, tmp_path: Path, capsys: pytes
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     with pytest.raises(SystemExit):
         main(["audit", str(lake), "--steps", "5:3"])
+
+
+def test_share_curves_end_on_the_audit(lake: Path) -> None:
+    """What the audit plot draws: the curves of steps [2, 25) end on the audit of that range,
+    and a long range sampled at a few steps gives those steps' exact values."""
+    curves = share_curves(lake, 2, 25)
+    assert curves.attrs["source"] == "catalog" and curves.attrs["stage_starts"] == {1: 6, 2: 15}
+    assert curves["step"].tolist() == [step for step in range(2, 25) for _ in range(3)]
+    assert curves["dataset"].tolist()[:3] == ["json", "email", "http"]
+    expected = audit(lake, 2, 25).set_index("dataset")
+    last = curves[curves["step"] == 24].set_index("dataset")
+    assert last["share"].tolist() == pytest.approx(expected["share"].tolist())
+    assert last["target_share"].tolist() == pytest.approx(expected["target_weight"].tolist())
+    assert curves.groupby("dataset", sort=False)["deviation"].max().tolist() == \
+        pytest.approx(expected["max_deviation"].tolist())
+    sampled = share_curves(lake, 2, 400, max_steps=40)
+    assert sampled.attrs["source"] == "closed form at 40 evenly spaced steps"
+    steps = sampled["step"].unique()
+    assert len(steps) == 40 and steps[0] == 2 and steps[-1] == 399
+    exact = share_curves(lake, 2, 400).set_index(["step", "dataset"])
+    picked = exact.loc[sampled.set_index(["step", "dataset"]).index]
+    for column in ("share", "target_share", "deviation"):
+        assert sampled[column].tolist() == pytest.approx(picked[column].tolist())
 
 
 def test_audit_of_a_single_dataset_without_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,6 +29,7 @@ from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.ingest.driver import build
 from lakeloader.plan.planner import plan_dataset, settings_fingerprint
 from lakeloader.plan.splits import Split
+from lakeloader.report.lengths_plot import plot_lengths
 
 from conftest import DEMO_TOKENIZER, stdlib_texts, write_config
 from test_read_while_mixture_builds import workers_held
@@ -257,7 +258,7 @@ def test_stats_cli_and_plot(corpus: Corpus, tmp_path: Path, capsys: pytest.Captu
     assert printed[:7] == ["dataset", "documents", "tokens", "p50", "p90", "p99", "max"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     by_plot = tmp_path / "by-lang.png"   # the Python API: a curve per value, returns stats(by)
-    assert open_lake(corpus.config).plot_lengths(by_plot, by="lang").documents.sum() == \
+    assert plot_lengths(open_lake(corpus.config), by_plot, by="lang").documents.sum() == \
         len(corpus.expected_meta()) + 2 * len(corpus.good) + len(corpus.sft) + 3
     assert by_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # percentiles are those of the documents' token counts

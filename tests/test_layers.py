@@ -1,5 +1,6 @@
 """The package's layering (docs/design.md, "Layout"): every import points down the stack of
-stages, none runs in a circle, and the index maps import only the contracts."""
+stages, none runs in a circle, the index maps import only the contracts, and nothing below the
+report stage draws (imports matplotlib)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ LAYERS = {
     "contracts": 0,
     "config": 1, "storage": 1, "tokenizer": 1, "specs": 1,
     "index": 2, "plan": 3, "catalog": 4, "read": 5, "ingest": 6, "feed": 7,
-    "demo": 8, "cli": 9, "": 9,
+    "report": 8, "demo": 9, "cli": 10, "": 10,
 }
 INDEX_MAY_IMPORT = {"contracts"}
+DRAWS = "report"   # the stage that draws: matplotlib is imported there and above, never below
 
 
 def _module_name(path: Path) -> str:
@@ -81,6 +83,28 @@ def test_the_contracts_import_no_stage() -> None:
     wrong = sorted((m, t) for m, targets in _graph().items() if _stage(m) == "contracts" for t in targets
                    if _stage(t) != "contracts")
     assert not wrong, f"the contracts layer imports nothing of lakeloader: {wrong}"
+
+
+def _imports_matplotlib(path: Path) -> bool:
+    """Whether ``path`` imports matplotlib anywhere (functions, TYPE_CHECKING blocks)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name.split(".")[0] == "matplotlib" for name in names):
+            return True
+    return False
+
+
+def test_only_the_report_stage_and_above_draw() -> None:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    drawing = sorted(m for m, path in paths.items() if _imports_matplotlib(path))
+    below = [m for m in drawing if LAYERS[_stage(m)] < LAYERS[DRAWS]]
+    assert not below, f"modules below the {DRAWS} stage import matplotlib (they compute, {DRAWS} draws): {below}"
+    assert any(_stage(m) == DRAWS for m in drawing), "the check finds no module that draws: is it broken?"
 
 
 def test_no_import_circles() -> None:

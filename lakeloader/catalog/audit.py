@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import duckdb
 import numpy as np
@@ -30,8 +29,8 @@ from lakeloader.index.mixture import Mixer, Schedule, quantized_weights
 from lakeloader.plan.selection import SelectionTask, evaluate_selection
 from lakeloader.specs import dataset_names, mixture_spec, packing_specs, plan_keys, token_weights
 
-__all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "plot_audit",
-           "registered"]
+__all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "registered",
+           "share_curves"]
 
 AUDIT_COLUMNS = ["dataset", "target_weight", "share", "token_share", "examples", "tokens",
                  "max_deviation", "first_index", "end_index"]
@@ -246,14 +245,21 @@ def mixture_plan(config: Config | str | os.PathLike[str], first: int, stop: int)
     first, last = _check_steps(first, stop)
     with _connection(config) as con:
         mixer = _lake_means(config, con)[0]
-        if con is None or not _holds(con, mixer):
-            frame = closed_form_plan(mixer, first, last + 1)
-            frame.attrs["source"] = "closed form"
-        else:
-            frame = con.execute(query("mixture_plan_rows"),
-                                {"mixture_id": mixer.mixture_id, "first": first, "stop": last + 1}).df()
-            frame.attrs["source"] = "catalog"
+        frame = _plan_rows(con, mixer, first, last)
     frame.attrs["mixture_id"] = mixer.mixture_id
+    return frame
+
+
+def _plan_rows(con: duckdb.DuckDBPyConnection | None, mixer: Mixer, first: int, last: int) -> pd.DataFrame:
+    """The rows of ``mixture_plan`` for steps ``first..last``: from the catalog behind ``con`` when
+    it holds ``mixer`` (``attrs["source"] == "catalog"``), else from the closed form."""
+    if con is None or not _holds(con, mixer):
+        frame = closed_form_plan(mixer, first, last + 1)
+        frame.attrs["source"] = "closed form"
+    else:
+        frame = con.execute(query("mixture_plan_rows"),
+                            {"mixture_id": mixer.mixture_id, "first": first, "stop": last + 1}).df()
+        frame.attrs["source"] = "catalog"
     return frame
 
 
@@ -303,75 +309,48 @@ def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.
     return frame
 
 
-_DASHES: tuple[Any, ...] = ("-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (2, 3)))
+def share_curves(config: Config | str | os.PathLike[str], first: int, stop: int, *,
+                 max_steps: int = 20_000) -> pd.DataFrame:
+    """The realized and the target share of each dataset of the config's mixture over steps
+    ``[first, stop)``, step by step (what ``lakeloader audit --plot`` draws): one row per (step
+    ``k``, dataset) in step order, the datasets in the mixture's order, with
 
+    - ``share``: the dataset's share of the examples of steps ``first..k``;
+    - ``target_share``: its target over the same steps (the mean of the stages' weights weighted
+      by their steps among them);
+    - ``deviation``: ``|count - weight * n|`` of step ``k``, counted from the start of its stage
+      (what the schedule keeps below 2).
 
-def plot_audit(config: Config | str | os.PathLike[str], first: int, stop: int,
-               path: str | os.PathLike[str], *, max_steps: int = 20_000) -> None:
-    """Draw the realized vs target share of each dataset over steps ``[first, stop)`` (top: share
-    of the examples of steps ``first..k`` as solid lines, the target as dashed lines; bottom: the
-    deviation from the start of the stage against the bound of 2) into the PNG ``path``.
-
-    Ranges longer than ``max_steps`` are drawn at ``max_steps`` evenly spaced steps (each exact,
-    from the closed form). Needs matplotlib (drawn with its Agg backend, without pyplot).
+    Ranges longer than ``max_steps`` give ``max_steps`` evenly spaced steps (the first and the
+    last included), each exact, from the closed form. ``attrs``: ``mixture_id``, ``batch_size``,
+    ``first_step``, ``stop_step``, ``source`` (as :func:`mixture_plan`'s, or the closed form at
+    the steps picked) and ``stage_starts`` (stage number: its first step, for each stage that
+    starts inside the range after ``first``). Reads no data.
     """
-    try:  # a bare Figure on the Agg canvas: no pyplot, so no global backend switch
-        from matplotlib import colormaps
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-    except ImportError as exc:
-        raise LakeloaderError("plotting an audit needs matplotlib: pip install matplotlib") from exc
-
     config = load_config(config)
     first, last = _check_steps(first, stop)
     with _connection(config) as con:
         mixer = _lake_means(config, con)[0]
-    if last - first + 1 <= max_steps:
-        plan = mixture_plan(config, first, last + 1)
-        source = plan.attrs["source"]
-    else:  # evenly spaced steps, each exact (the closed form seeks at no cost)
-        picks = np.unique(np.linspace(first, last, max_steps).round().astype(np.int64))
-        plan = _plan_frame(mixer, mixer.schedule(picks))
-        source = f"closed form at {len(picks):,} evenly spaced steps"
-    sampled = last - first + 1 > max_steps
-    size = mixer.batch_size
-    start = plan[plan["step"] == first].set_index("dataset")["before"]
-    target = _mean_target(mixer, first, np.unique(plan["step"].to_numpy()))
-    figure = Figure(figsize=(11, 7.5))
-    FigureCanvasAgg(figure)
-    top, bottom = figure.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    colors = colormaps["tab10" if len(mixer.names) <= 10 else "tab20"]
-    for number, name in enumerate(mixer.names):
-        rows = plan[plan["dataset"] == name].sort_values("step")
-        steps = rows["step"].to_numpy()
-        done = (steps - first + 1) * size
-        color = colors(number % colors.N)
-        top.plot(steps, (rows["after"].to_numpy() - start[name]) / done, color=color, lw=3.0,
-                 alpha=0.45, label=name)
-        top.plot(steps, target[:, number], color=color, lw=1.1, ls="--", zorder=3)
-        # Deviations often coincide: a line style of its own keeps each dataset's visible.
-        bottom.plot(steps, rows["deviation"].to_numpy(), color=color, lw=1.2, alpha=0.85, label=name,
-                    **({"ls": "none", "marker": ".", "ms": 1.5} if sampled else {"ls": _DASHES[number % len(_DASHES)]}))
-    bottom.axhline(2.0, color="black", lw=1.0, ls=":", label="bound (2 examples)")
-    top.set_ylabel(f"share of the examples of steps {first}..k")
-    top.set_title(f"mixture {mixer.mixture_id}: realized vs target share\n"
-                  f"batch {size}, steps [{first:,}, {last + 1:,}), from the {source}", fontsize="medium")
-    top.grid(alpha=0.3)
-    styles = [Line2D([], [], color="grey", lw=3.0, alpha=0.45), Line2D([], [], color="grey", lw=1.1, ls="--")]
-    handles, labels = top.get_legend_handles_labels()
-    top.legend(handles + styles, labels + ["realized", "target"], loc="best", fontsize="small", framealpha=0.9,
-               ncol=1 + len(labels) // 12)
-    bottom.set_ylabel("|count - weight × n|\n(from the stage start)")
-    bottom.set_xlabel("global step k")
-    bottom.set_ylim(-0.08, 2.2)   # a dataset on zero deviation stays in view
-    bottom.grid(alpha=0.3)
-    bottom.legend(loc="upper right", fontsize="small", framealpha=0.9, ncol=min(4, len(mixer.names) + 1))
-    for number, stage in enumerate(mixer.stages):
-        if first < stage.start_step <= last:
-            for axis in (top, bottom):
-                axis.axvline(stage.start_step - 0.5, color="grey", lw=0.8, ls="-.")
-            top.annotate(f"stage {number}", (stage.start_step, 1.0), xycoords=("data", "axes fraction"),
-                         xytext=(3, -12), textcoords="offset points", fontsize="small", color="grey")
-    figure.tight_layout()
-    figure.savefig(os.fspath(path), dpi=110)
+        if last - first + 1 <= max_steps:
+            plan = _plan_rows(con, mixer, first, last)
+            source = plan.attrs["source"]
+        else:  # evenly spaced steps, each exact (the closed form seeks at no cost)
+            picks = np.unique(np.linspace(first, last, max_steps).round().astype(np.int64))
+            plan = _plan_frame(mixer, mixer.schedule(picks))
+            source = f"closed form at {len(picks):,} evenly spaced steps"
+    plan = plan.sort_values(["step", "dataset_index"], ignore_index=True)
+    steps = plan["step"].to_numpy()[:: len(mixer.names)]
+    after = plan["after"].to_numpy().reshape(len(steps), len(mixer.names))
+    start = plan["before"].to_numpy()[: len(mixer.names)]   # the stream indices at step first
+    frame = pd.DataFrame({
+        "step": plan["step"].to_numpy(),
+        "dataset": plan["dataset"].to_numpy(),
+        "share": ((after - start) / ((steps - first + 1) * mixer.batch_size)[:, None]).reshape(-1),
+        "target_share": _mean_target(mixer, first, steps).reshape(-1),
+        "deviation": plan["deviation"].to_numpy(),
+    })
+    frame.attrs.update(mixture_id=mixer.mixture_id, batch_size=mixer.batch_size, first_step=first,
+                       stop_step=last + 1, source=source,
+                       stage_starts={number: stage.start_step for number, stage in enumerate(mixer.stages)
+                                     if first < stage.start_step <= last})
+    return frame

@@ -21,10 +21,9 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import duckdb
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -318,58 +317,9 @@ def length_histogram(con: duckdb.DuckDBPyConnection, by: str | None = None) -> p
         value=value, per_octave=HISTOGRAM_BINS_PER_OCTAVE)).df()
 
 
-def plot_lengths(histogram: pd.DataFrame, stats: pd.DataFrame, path: str, by: str | None = None,
-                 max_values: int = 8) -> None:
-    """Write a PNG of document lengths to ``path``: one panel per dataset, a log-scaled length
-    axis, the count of documents per bin; with ``by``, one curve per value (the ``max_values``
-    most frequent). Needs matplotlib (drawn with its Agg backend, without pyplot)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, NullFormatter
-    except ImportError as exc:
-        raise LakeloaderError("plotting document lengths needs matplotlib: pip install matplotlib") from exc
-    datasets = sorted(histogram.dataset.unique())
-    if not datasets:
-        raise CatalogError("the lake has no committed documents to plot: build it first")
-    figure = Figure(figsize=(6.5, 2.8 * len(datasets)), layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(len(datasets), 1, squeeze=False)[:, 0]
-    for ax, name in zip(axes, datasets):
-        rows = histogram[histogram.dataset == name]
-        totals = stats[stats.dataset == name]
-        docs, tokens = int(totals.documents.sum()), int(totals.tokens.sum())
-        if by is None:
-            _bars(ax, rows.bin.to_numpy(), rows.documents.to_numpy(), None)
-            p50 = int(totals.p50.iloc[0])
-            ax.axvline(p50, color="black", linestyle="--", linewidth=1, label=f"median {p50:,}")
-            ax.legend(fontsize=8)
-        else:
-            values = rows.groupby("value", dropna=False).documents.sum().sort_values(ascending=False)
-            for value in values.index[:max_values]:
-                selected = rows[rows.value.isna()] if pd.isna(value) else rows[rows.value == value]
-                shown = f"{by} is null" if pd.isna(value) else f"{by} = {value}"
-                _bars(ax, selected.bin.to_numpy(), selected.documents.to_numpy(), shown)
-            more = len(values) - max_values
-            ax.legend(fontsize=8, title=f"{more} more values not shown" if more > 0 else None)
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"{name}: {docs:,} documents, {tokens:,} tokens", fontsize=10)
-        ax.set_xlabel("document length (tokens, log scale)")
-        ax.set_ylabel("documents")
-    figure.savefig(path, dpi=110)
+class DocumentLengths(NamedTuple):
+    """Document statistics (:func:`document_stats`) and the length histogram
+    (:func:`length_histogram`) of the same documents, grouped alike."""
 
-
-def _bars(ax: Any, bins: np.ndarray, counts: np.ndarray, label: str | None) -> None:
-    """Documents per log-spaced bin: filled bars alone, or a step curve among several."""
-    if not len(bins):
-        return
-    full = np.arange(bins.min(), bins.max() + 2)   # every bin in the range (empty ones too), then the end
-    dense = np.zeros(len(full) - 1)
-    dense[bins - bins.min()] = counts
-    edges = 2.0 ** (full / HISTOGRAM_BINS_PER_OCTAVE)
-    if label is None:
-        ax.stairs(dense, edges, fill=True, color="tab:blue", alpha=0.8)
-    else:
-        ax.stairs(dense, edges, label=label, linewidth=1.5)
+    stats: pd.DataFrame
+    histogram: pd.DataFrame

@@ -13,10 +13,10 @@ import duckdb
 import pandas as pd
 
 from lakeloader.catalog.documents import (
+    DocumentLengths,
     document_stats,
     length_histogram,
     mentions_documents,
-    plot_lengths,
     register_documents,
     scan_failure,
 )
@@ -124,15 +124,12 @@ class Lake(LakeLocation):
         with self._reader(documents=True, whole_lake=whole_lake) as con:
             return self._bounded(con, lambda: document_stats(con, by))
 
-    def plot_lengths(self, path: str | os.PathLike[str], by: str | None = None,
-                     whole_lake: bool = False) -> pd.DataFrame:
-        """Write a PNG histogram of document lengths to ``path`` (one panel per dataset, log-scaled
-        length axis; with ``by``, a curve per value) and return the ``stats(by, whole_lake)`` it
-        summarises."""
+    def document_lengths(self, by: str | None = None, whole_lake: bool = False) -> DocumentLengths:
+        """``stats(by, whole_lake)`` and the histogram of the same documents' lengths (documents
+        per quarter-octave bin, per dataset and value of ``by``), read through one connection:
+        what a length plot draws."""
         with self._reader(documents=True, whole_lake=whole_lake) as con:
-            stats, histogram = self._bounded(con, lambda: (document_stats(con, by), length_histogram(con, by)))
-            plot_lengths(histogram, stats, os.fspath(path), by)
-            return stats
+            return self._bounded(con, lambda: DocumentLengths(document_stats(con, by), length_histogram(con, by)))
 
     def _bounded(self, con: duckdb.DuckDBPyConnection, call: Callable[[], T]) -> T:
         """``call()``, queries on ``con``, stopped after ``sql.timeout_s`` or at Ctrl-C."""
