@@ -4,7 +4,7 @@ Document lengths are the bundled demo corpus (configs/demo.yaml) tokenized with 
 tokenizer, plus 1 for the EOS added at collation, cut into chunks of 2,000 consecutive documents
 per dataset. For seq_len 2048 and 8192, measures planning throughput (rendered tokens planned per
 second, best of several passes over all chunks) and padding fraction (1 - non-padding tokens /
-(examples * seq_len)) of `plan_pack` (pack mode, window 64, first_fit and best_fit), of a plain
+(examples * seq_len)) of `plan_pack` (pack mode, open_examples 64, first_fit and best_fit), of a plain
 pure-Python greedy first fit (unbounded list of bins, the first with room, long documents split
 into seq_len pieces) on the same lengths, their throughput ratio, and pad mode's padding.
 
@@ -81,7 +81,7 @@ def greedy_first_fit(lengths: list[int], seq_len: int) -> int:
 
 
 def plan_all(chunks: list[np.ndarray], seq_len: int, algorithm: str) -> int:
-    return sum(plan_pack(c, seq_len, algorithm=algorithm, window=WINDOW).num_examples for c in chunks)
+    return sum(plan_pack(c, seq_len, algorithm=algorithm, open_examples=WINDOW).num_examples for c in chunks)
 
 
 def greedy_all(chunks: list[list[int]], seq_len: int) -> int:
@@ -103,7 +103,7 @@ def main() -> None:
     chunks = demo_chunks()
     tokens = int(sum(int(c.sum()) for c in chunks))
     figures: dict[str, object] = {"chunks": len(chunks), "documents": int(sum(len(c) for c in chunks)),
-                                  "rendered_tokens": tokens, "chunk_docs": CHUNK_DOCS, "window": WINDOW}
+                                  "rendered_tokens": tokens, "chunk_docs": CHUNK_DOCS, "open_examples": WINDOW}
     as_lists = [c.tolist() for c in chunks]
     for seq_len in SEQ_LENS:
         name = f"L{seq_len}"

@@ -310,7 +310,8 @@ class PackConfig(_Strict):
 
     algorithm: Literal["first_fit", "best_fit"] = Field(
         default="first_fit", description="Which open example a document joins.")
-    window: int = Field(default=64, ge=1, description="Open examples a document may join.")
+    open_examples: int = Field(default=64, ge=1, description=(
+        "Examples still open (with room left) that a document may join; the earliest closes when one more opens."))
     long_documents: Literal["truncate", "split", "error"] = Field(
         default="split", description="What happens to documents longer than seq_len.")
 

@@ -133,7 +133,7 @@ def packing_spec(name: str, config: Config, template: Template) -> PackingSpec |
                 f"takes {run} tokens with its boundary tokens, more than loader.seq_len = {loader.seq_len}; "
                 "an image is never split, so lower image_tokens or raise seq_len")
     return PackingSpec(seq_len=loader.seq_len, mode=loader.packing, algorithm=loader.pack.algorithm,
-                       window=loader.pack.window, long_documents=loader.pack.long_documents,
+                       open_examples=loader.pack.open_examples, long_documents=loader.pack.long_documents,
                        template=template, max_images=max_images)
 
 

@@ -53,7 +53,7 @@ def reference_pieces(lengths, seq_len, policy, spans, max_images):
     return pieces
 
 
-def reference_plan(lengths, seq_len, *, mode="pack", algorithm="first_fit", window=64, long_documents="split",
+def reference_plan(lengths, seq_len, *, mode="pack", algorithm="first_fit", open_examples=64, long_documents="split",
                    spans=None, max_images=None):
     """Items as (doc, start, stop, example) in example then placement order, and the example count."""
     pieces = reference_pieces(lengths, seq_len, long_documents, spans or {}, max_images)
@@ -61,9 +61,9 @@ def reference_plan(lengths, seq_len, *, mode="pack", algorithm="first_fit", wind
         return [(d, a, b, e) for e, (d, a, b, _) in enumerate(pieces)], len(pieces)
     limit = max_images if max_images is not None else 10**9
     tokens, images, members = [], [], []     # per example
-    open_examples = []                       # in opening order
+    still_open = []                          # in opening order
     for d, a, b, n in pieces:
-        fits = [e for e in open_examples if tokens[e] + b - a <= seq_len and images[e] + n <= limit]
+        fits = [e for e in still_open if tokens[e] + b - a <= seq_len and images[e] + n <= limit]
         if fits:
             e = min(fits) if algorithm == "first_fit" else min(fits, key=lambda e: (seq_len - tokens[e], e))
         else:
@@ -75,12 +75,12 @@ def reference_plan(lengths, seq_len, *, mode="pack", algorithm="first_fit", wind
         images[e] += n
         members[e].append((d, a, b, e))
         if tokens[e] == seq_len:
-            if e in open_examples:
-                open_examples.remove(e)          # full: closed at once
-        elif e not in open_examples:
-            open_examples.append(e)
-            if len(open_examples) > window:
-                open_examples.pop(0)
+            if e in still_open:
+                still_open.remove(e)          # full: closed at once
+        elif e not in still_open:
+            still_open.append(e)
+            if len(still_open) > open_examples:
+                still_open.pop(0)
     return [item for m in members for item in m], len(tokens)
 
 
@@ -184,12 +184,12 @@ def check_plan(plan: PackPlan, lengths, seq_len, mode, policy, spans, max_images
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), images=st.booleans(), mode=st.sampled_from(["pack", "pad"]),
-       algorithm=st.sampled_from(ALGORITHMS), policy=st.sampled_from(POLICIES), window=st.integers(1, 6),
+       algorithm=st.sampled_from(ALGORITHMS), policy=st.sampled_from(POLICIES), open_examples=st.integers(1, 6),
        max_images=st.one_of(st.none(), st.integers(0, 3)))
-def test_plans_match_the_reference_and_keep_every_token_once(data, images, mode, algorithm, policy, window,
+def test_plans_match_the_reference_and_keep_every_token_once(data, images, mode, algorithm, policy, open_examples,
                                                              max_images) -> None:
     lengths, seq_len, spans = data.draw(chunks(images))
-    kwargs = {"mode": mode, "algorithm": algorithm, "window": window, "long_documents": policy}
+    kwargs = {"mode": mode, "algorithm": algorithm, "open_examples": open_examples, "long_documents": policy}
     arrays = image_arrays(spans) if images else {}
 
     def fast():
@@ -225,7 +225,7 @@ def test_matches_the_reference_on_many_random_chunks() -> None:
             if b > a and rng.random() < 0.4:
                 spans[d] = [(a, b)]
         max_images = None if rng.random() < 0.2 else int(rng.integers(1, 4))
-        kwargs = {"algorithm": str(rng.choice(ALGORITHMS)), "window": int(rng.integers(1, 6)),
+        kwargs = {"algorithm": str(rng.choice(ALGORITHMS)), "open_examples": int(rng.integers(1, 6)),
                   "long_documents": str(rng.choice(["split", "truncate"]))}
         plan = plan_pack(lengths, seq_len, **kwargs, **image_arrays(spans), max_images=max_images)
         want = reference_plan(lengths.tolist(), seq_len, **kwargs, spans=spans, max_images=max_images)
@@ -234,8 +234,8 @@ def test_matches_the_reference_on_many_random_chunks() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(lengths=st.lists(st.integers(0, 80), max_size=60), seq_len=st.integers(1, 40))
-def test_first_fit_with_window_1_is_next_fit(lengths, seq_len) -> None:
-    plan = plan_pack(np.array(lengths, np.int64), seq_len, algorithm="first_fit", window=1)
+def test_first_fit_with_one_open_example_is_next_fit(lengths, seq_len) -> None:
+    plan = plan_pack(np.array(lengths, np.int64), seq_len, algorithm="first_fit", open_examples=1)
     # Next fit: one open example, a new one when a piece misses; a full example closes at once
     # (so a piece of exactly seq_len does not close the partly filled one).
     want, current, filled, opened = [], None, 0, 0
@@ -272,12 +272,12 @@ def test_a_piece_too_large_for_every_example_does_not_hide_the_room_of_older_one
     assert plan.item_doc.tolist() == [0, 2, 1] and plan.item_example.tolist() == [0, 0, 1]
 
 
-def test_window_closes_the_earliest_opened_example_and_full_ones_take_no_place() -> None:
-    plan = plan_pack(np.array([9, 9, 9, 1]), 10, window=2)       # example 0 closed when example 2 opens
+def test_one_more_open_example_closes_the_earliest_and_full_ones_take_no_place() -> None:
+    plan = plan_pack(np.array([9, 9, 9, 1]), 10, open_examples=2)       # example 0 closed when example 2 opens
     assert plan.item_example.tolist() == [0, 1, 1, 2] and plan.item_doc.tolist() == [0, 1, 3, 2]
-    plan = plan_pack(np.array([9, 10, 1]), 10, window=1)         # the full example 1 never opens
+    plan = plan_pack(np.array([9, 10, 1]), 10, open_examples=1)         # the full example 1 never opens
     assert plan.item_doc.tolist() == [0, 2, 1]
-    plan = plan_pack(np.array([9, 10, 20, 1]), 10, window=1)     # nor do full pieces of a split document
+    plan = plan_pack(np.array([9, 10, 20, 1]), 10, open_examples=1)     # nor do full pieces of a split document
     assert plan.item_doc.tolist() == [0, 3, 1, 2, 2] and plan.num_examples == 4 and plan.split_docs == 1
 
 
@@ -320,7 +320,7 @@ def test_error_names_the_document() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"mode": "fill"}, {"algorithm": "worst_fit"}, {"long_documents": "drop"},
-                                 {"window": 0}, {"max_images": -1}, {"image_doc": np.array([0])}])
+                                 {"open_examples": 0}, {"max_images": -1}, {"image_doc": np.array([0])}])
 def test_bad_arguments(bad) -> None:
     with pytest.raises(ValueError):
         plan_pack(np.array([1, 2]), 4, **bad)

@@ -266,7 +266,7 @@ class PackingSpec:
     seq_len: int
     mode: str                   # pack | pad
     algorithm: str              # first_fit | best_fit
-    window: int
+    open_examples: int          # examples a document may join (loader.pack.open_examples)
     long_documents: str         # truncate | split | error
     template: Template
     max_images: int | None = None
@@ -274,9 +274,11 @@ class PackingSpec:
     @property
     def plan_key(self) -> str:
         """Id of this plan in the catalog."""
+        # ("window" is open_examples' name from before it was renamed: kept, so that the plans
+        # lakes hold are still found under their keys.)
         payload = {
             "seq_len": self.seq_len, "mode": self.mode, "algorithm": self.algorithm,
-            "window": self.window if self.mode == "pack" else None, "long_documents": self.long_documents,
+            "window": self.open_examples if self.mode == "pack" else None, "long_documents": self.long_documents,
             "template": self.template.fingerprint, "max_images": self.max_images,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -284,7 +286,7 @@ class PackingSpec:
     def to_json(self) -> str:
         """The spec's settings for the catalog's ``packing_plans`` table (readable, not parsed)."""
         return json.dumps({
-            "seq_len": self.seq_len, "mode": self.mode, "algorithm": self.algorithm, "window": self.window,
+            "seq_len": self.seq_len, "mode": self.mode, "algorithm": self.algorithm, "open_examples": self.open_examples,
             "long_documents": self.long_documents, "template": self.template.fingerprint,
             "max_images": self.max_images,
         }, sort_keys=True)

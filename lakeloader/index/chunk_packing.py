@@ -44,7 +44,7 @@ def plan_chunk(spec: PackingSpec, parts: ChunkParts, chunk: int, where: str = ""
         doc, start, stop = image_spans(spec.template, parts)
         images = {"image_doc": doc, "image_start": start, "image_stop": stop, "max_images": spec.max_images}
     try:
-        return plan_pack(lengths, spec.seq_len, mode=spec.mode, algorithm=spec.algorithm, window=spec.window,
+        return plan_pack(lengths, spec.seq_len, mode=spec.mode, algorithm=spec.algorithm, open_examples=spec.open_examples,
                          long_documents=spec.long_documents, **images)
     except DocumentTooLong as exc:
         raise InputError(f"{where or f'chunk {chunk}'}: {exc}") from None

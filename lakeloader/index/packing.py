@@ -179,12 +179,12 @@ def _pieces(lengths: np.ndarray, seq_len: int, policy: str, spans: tuple[np.ndar
     return doc, start, stop, len(long_docs), dropped
 
 
-def _place(sizes: list[int], images: list[int] | None, seq_len: int, max_images: int, window: int,
+def _place(sizes: list[int], images: list[int] | None, seq_len: int, max_images: int, open_examples: int,
            best: bool) -> tuple[list[int], int]:
     """(example of each piece, number of examples) of packing pieces of ``sizes`` tokens (and
     ``images`` images) in order.
 
-    At most ``window`` examples with token room left are open (``rooms``/``image_rooms``/``ids``,
+    At most ``open_examples`` examples with token room left are open (``rooms``/``image_rooms``/``ids``,
     in opening order); a full example closes at once, and opening one more pushes out the
     earliest opened.
     """
@@ -225,7 +225,7 @@ def _place(sizes: list[int], images: list[int] | None, seq_len: int, max_images:
             continue
         out[k] = opened
         if size < seq_len:                        # a full piece's example is closed at once
-            if len(ids) >= window:                # the earliest open example leaves the window
+            if len(ids) >= open_examples:                # the earliest open example closes
                 del rooms[0], image_rooms[0], ids[0]
             rooms.append(seq_len - size)
             image_rooms.append(max_images - count)
@@ -236,7 +236,7 @@ def _place(sizes: list[int], images: list[int] | None, seq_len: int, max_images:
 
 
 def plan_pack(lengths: np.ndarray, seq_len: int, *, mode: str = "pack", algorithm: str = "first_fit",
-              window: int = 64, long_documents: str = "split", image_doc: np.ndarray | None = None,
+              open_examples: int = 64, long_documents: str = "split", image_doc: np.ndarray | None = None,
               image_start: np.ndarray | None = None, image_stop: np.ndarray | None = None,
               max_images: int | None = None) -> PackPlan:
     """The packing plan of one chunk whose documents have rendered ``lengths``.
@@ -245,7 +245,7 @@ def plan_pack(lengths: np.ndarray, seq_len: int, *, mode: str = "pack", algorith
     ``"pad"``: each piece is its own example, in document order. ``"pack"``: each piece in turn
     joins an open example with room for its tokens (and images): the earliest opened
     (``first_fit``) or the one left with the least room (``best_fit``, ties to the earliest);
-    else it opens a new one, and when that makes more than ``window`` open (full ones count) the
+    else it opens a new one, and when that makes more than ``open_examples`` open (full ones count) the
     earliest opened closes for good. Examples are numbered in opening order, items within an
     example are in placement order. Image spans ``[image_start, image_stop)`` of documents
     ``image_doc`` (rendered coordinates, sorted by document then start) are never cut, and no
@@ -254,7 +254,7 @@ def plan_pack(lengths: np.ndarray, seq_len: int, *, mode: str = "pack", algorith
     lengths = _int_array(lengths, "lengths")
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"document {int(np.argmin(lengths))} has a negative length {int(lengths.min())}")
-    for name, value in (("seq_len", seq_len), ("window", window)):
+    for name, value in (("seq_len", seq_len), ("open_examples", open_examples)):
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if max_images is not None and (int(max_images) != max_images or max_images < 0):
@@ -278,7 +278,7 @@ def plan_pack(lengths: np.ndarray, seq_len: int, *, mode: str = "pack", algorith
             at = cumulative(lengths)
             image_at = at[spans[0]] + spans[1]
             images = (np.searchsorted(image_at, at[doc] + stop) - np.searchsorted(image_at, at[doc] + start)).tolist()
-        example, count = _place((stop - start).tolist(), images, seq_len, max_images or 0, int(window),
+        example, count = _place((stop - start).tolist(), images, seq_len, max_images or 0, int(open_examples),
                                 algorithm == "best_fit")
     order = np.argsort(np.asarray(example, np.int64), kind="stable")
     arrays = [np.asarray(a, np.int64)[order] for a in (doc, start, stop, example)]
