@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from lakeloader.catalog.lake import Lake
     from lakeloader.catalog.store import LiveCatalog
     from lakeloader.feed.jax import JaxFeed
-    from lakeloader.feed.loader import Loader, LoaderState
+    from lakeloader.feed.loader import Loader
+    from lakeloader.feed.run_state import LoaderState
     from lakeloader.ingest.driver import BuildReport
     from lakeloader.specs import dataset_names
 
@@ -39,7 +40,7 @@ _ON_FIRST_USE = {
     "Lake": ("lakeloader.catalog.lake", "Lake"),
     "LiveCatalog": ("lakeloader.catalog.store", "LiveCatalog"),
     "Loader": ("lakeloader.feed.loader", "Loader"),
-    "LoaderState": ("lakeloader.feed.loader", "LoaderState"),
+    "LoaderState": ("lakeloader.feed.run_state", "LoaderState"),
     "dataset_names": ("lakeloader.specs", "dataset_names"),
 }
 

@@ -309,10 +309,11 @@ def test_resume_yields_exact_suffix(lake: Path, prefetch: int, datasets: tuple[s
     assert restarted.fingerprint == run.fingerprint
     for step in range(RESUME_STEPS + 1):
         saved = run.state(step)
-        assert saved == LoaderState(step, run.fingerprint).to_dict()
+        assert saved == LoaderState(step, run.fingerprint, run.definition, run.run).to_dict()
         checkpoint = json.loads(json.dumps(saved))
-        assert checkpoint == {"step": step, "fingerprint": run.fingerprint}
-        for start in (step, saved, checkpoint, LoaderState.from_dict(checkpoint)):
+        assert checkpoint == saved and (checkpoint["step"], checkpoint["fingerprint"]) == (step, run.fingerprint)
+        legacy = {"step": step, "fingerprint": run.fingerprint}   # as saved before states held the run
+        for start in (step, saved, checkpoint, LoaderState.from_dict(checkpoint), legacy):
             resumed = list(itertools.islice(restarted.iter_from(start), RESUME_STEPS + 1 - step))
             assert len(resumed) == RESUME_STEPS + 1 - step
             for k, batch in enumerate(resumed):
@@ -373,11 +374,17 @@ def test_state_of_other_config_is_a_clear_error(lake: Path) -> None:
     other = Loader(loader_config(lake, "fp_b", seq_len=SEQ_LEN * 2))
     assert other.fingerprint != loader.fingerprint
     for state in (other.state(5), LoaderState.from_dict(other.state(5))):
-        with pytest.raises(LakeloaderError) as error:
-            next(loader.iter_from(state))
-        assert other.fingerprint in str(error.value) and loader.fingerprint in str(error.value)
+        for continue_changes in (False, True):   # a changed seq_len is never continued
+            with pytest.raises(LakeloaderError) as error:
+                next(loader.iter_from(state, continue_changes=continue_changes))
+            assert "cannot be continued" in str(error.value)
+            assert f"loader.seq_len: {SEQ_LEN * 2} -> {SEQ_LEN}" in str(error.value)
+    legacy = {"step": 5, "fingerprint": other.fingerprint}   # a state saved before states said what changed
+    with pytest.raises(LakeloaderError) as error:
+        next(loader.iter_from(legacy))
+    assert other.fingerprint in str(error.value) and loader.fingerprint in str(error.value)
     evaluation = Loader(loader_config(lake, "fp_a"), mode="eval")
-    with pytest.raises(LakeloaderError, match=evaluation.fingerprint):
+    with pytest.raises(LakeloaderError, match="mode: eval -> train"):
         next(loader.iter_from(evaluation.state(0)))
 
 

@@ -13,7 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lakeloader.config import Config, load_config
-from lakeloader.feed.loader import Batch, Loader, LoaderState
+from lakeloader.feed.loader import Batch, Loader
+from lakeloader.feed.run_state import LoaderState
 
 _DONE = object()
 
@@ -91,19 +92,21 @@ class JaxFeed:
         """JSON-serializable state that restores to ``step`` (e.g. ``orbax.checkpoint.args.JsonSave``)."""
         return self.loader.state(step)
 
-    def restore(self, state: dict[str, Any]) -> Iterator[dict[str, jax.Array]]:
-        """Batches from a saved state on (checks the fingerprint), on any number of processes."""
-        return self.iter_from(LoaderState.from_dict(state))
+    def restore(self, state: dict[str, Any], *, continue_changes: bool = False) -> Iterator[dict[str, jax.Array]]:
+        """Batches from a saved state on, on any number of processes (``continue_changes``: go on
+        under an edited config, :meth:`Loader.follow`)."""
+        return self.iter_from(LoaderState.from_dict(state), continue_changes=continue_changes)
 
     @property
     def vocab_size(self) -> int:
         """Vocabulary size of the lake's tokenizer, special tokens included."""
         return self.loader.vocab_size
 
-    def iter_from(self, start: int | LoaderState | dict[str, Any] = 0) -> Iterator[dict[str, jax.Array]]:
+    def iter_from(self, start: int | LoaderState | dict[str, Any] = 0, *,
+                  continue_changes: bool = False) -> Iterator[dict[str, jax.Array]]:
         """Device batches from ``start`` on, ``prefetch`` of them transferred ahead in a thread.
         A saved state from another config fails here, not at the first batch."""
-        return self._device_batches(self.loader.iter_from(start))
+        return self._device_batches(self.loader.iter_from(start, continue_changes=continue_changes))
 
     def _device_batches(self, host: Iterator[Batch]) -> Iterator[dict[str, jax.Array]]:
         if self.prefetch == 0:

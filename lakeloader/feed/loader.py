@@ -24,14 +24,16 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, load_config
-from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError, LakeloaderError, StepRangeError
+from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.explain import explain
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
+from lakeloader.feed.run_state import LoaderState, definition_changes
 from lakeloader.feed.settings import loader_settings
 from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
+from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.plan.planner import filter_fingerprint
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
@@ -63,23 +65,6 @@ def _sole_owner(owners: np.ndarray) -> int | None:
     return first if first >= 0 and bool((owners == first).all()) else None
 
 
-@dataclasses.dataclass(frozen=True)
-class LoaderState:
-    """Everything needed to resume: the next step and the fingerprint of what defines batches."""
-
-    step: int
-    fingerprint: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable form (for checkpoints)."""
-        return {"step": self.step, "fingerprint": self.fingerprint}
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> LoaderState:
-        """Inverse of :meth:`to_dict`."""
-        return cls(int(state["step"]), str(state["fingerprint"]))
-
-
 class Loader:
     """Deterministic global batches of a lake for process ``process_index`` of ``process_count``.
 
@@ -87,6 +72,12 @@ class Loader:
     epoch is part of every permutation's key); ``mode="eval"`` is one finite pass in order with
     the last batch padded and masked. ``dataset_names`` are the datasets a batch's
     ``dataset_ids`` number, in that order.
+
+    A training run can be continued under an edited config (its mixture reweighted or restaged,
+    datasets added or left out): :meth:`iter_from` a saved state with ``continue_changes=True``
+    starts a new revision of the run at the state's step, and the loader then follows the run's
+    mixture (:class:`~lakeloader.index.revisions.RunMixture`): every earlier step keeps its batch
+    and each dataset continues its own order where it stopped.
     """
 
     def __init__(self, config: Config | str | os.PathLike[str], *, process_index: int = 0,
@@ -112,23 +103,47 @@ class Loader:
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
         self.datasets: list[ExampleStream] = [self._stream(name) for name in names]
-        self._check_selections()
+        self._check_selections(self.datasets)
         means = None
         if token_weights(config):
             for stream in self.datasets:   # (waits for each dataset: the weights need its mean example size)
                 stream.train_count()
             with self.view.reading() as cursor:
                 means = example_token_means(cursor, {d.name: d.plan_key for d in self.datasets}, loader.seq_len)
-        self.mixer = Mixer.of(mixture_spec(config, means))
-        self.fingerprint = self._fingerprint()
+        self.own_mixture = mixture_spec(config, means)   # this config's, from step 0
+        self.definition = self._definition()
+        self.fingerprint = hashlib.sha256(json.dumps(self.definition, sort_keys=True).encode()).hexdigest()[:32]
         self._iterators: weakref.WeakSet[Iterator[Batch]] = weakref.WeakSet()
-        self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
         self._arrays = ArrayPool()
+        self._follow(RunMixture(self.own_mixture))
+
+    def _follow(self, run: RunMixture) -> None:
+        """Make batches as ``run`` mixes them (this config's mixture, or a saved run's): a stream
+        for each of its datasets, its mixer, and what follows from them."""
+        have = {stream.name: stream for stream in self.datasets}
+        missing = [name for name in run.spec.names if name not in have and name not in self.config.datasets]
+        if missing:
+            raise ConfigError(
+                f"the run draws from dataset(s) {missing} in earlier steps, which {self.config.source_file or 'this config'} "
+                "no longer defines: keep their sections under datasets: (left out of the mixture, or with weight 0) so "
+                "that those steps can still be read")
+        added = []
+        for name in run.spec.names:
+            if name not in have:
+                self.templates[name] = template_for(name, self.config, self.tokenizer)
+                added.append(self._stream(name))
+        self._check_selections(added)
+        have.update((stream.name, stream) for stream in added)
+        self.datasets = [have[name] for name in run.spec.names]
+        self.dataset_names = run.spec.names
+        self.run = run
+        self.mixer = Mixer.of(run.spec)
+        self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
         self._located: LocatedSteps | None = None   # the training steps last located together
         # Training rows are written whole (concat spans; packed examples with their padding).
-        self._whole_rows = mode == "train" and all(d.fills_whole_rows for d in self.datasets)
+        self._whole_rows = self.mode == "train" and all(d.fills_whole_rows for d in self.datasets)
         # The fields beyond the row fields that every batch has (the mixture's datasets say which).
-        mixed = [config.datasets[name] for name in self.mixer.names]
+        mixed = [self.config.datasets[name] for name in self.mixer.names]
         self._seq2seq = any(d.seq2seq for d in mixed)
         self._max_images = max((d.interleaved.max_images for d in mixed if d.format == "interleaved"), default=0)
 
@@ -154,11 +169,11 @@ class Loader:
                               shuffle=settings.shuffle, seed=loader.seed, wait_timeout=loader.wait_timeout,
                               seq2seq=self.config.datasets[name].seq2seq, pad_id=self.pad_id)
 
-    def _check_selections(self) -> None:
-        """A CatalogError unless each dataset of this config defined by a filter is, in the lake,
-        the selection of this config's predicate from its source's plan there: a name holds one
+    def _check_selections(self, streams: Sequence[ExampleStream]) -> None:
+        """A CatalogError unless each of ``streams`` defined by a filter is, in the lake, the
+        selection of this config's predicate from its source's plan there: a name holds one
         definition at a time, and another config's predicate must never be served as this one's."""
-        for stream in self.datasets:
+        for stream in streams:
             dataset = self.config.datasets[stream.name]
             if dataset.from_ is None:
                 continue
@@ -171,18 +186,23 @@ class Loader:
                     f"predicate or source. Build this config's (lakeloader build {where}; it tokenizes nothing), "
                     "or give the dataset a name of its own")
 
-    def _fingerprint(self) -> str:
-        loader = self.config.loader
-        payload = {
+    def _definition(self) -> dict[str, Any]:
+        """What defines this config's batches, as JSON: its datasets' plans and collation, its
+        mixture, the loader settings that shape examples and batches, the padding id and the
+        mode. The fingerprint hashes it; a saved state keeps it to say what changed."""
+        loader = self.config.loader.model_dump(
+            exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields"})
+        # (loader.pack.open_examples under its name from before it was renamed, so that the
+        # fingerprints of states saved then still match)
+        loader["pack"]["window"] = loader["pack"].pop("open_examples")
+        return {
             "datasets": {d.name: d.fingerprint for d in self.datasets},
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
-            "loader": loader.model_dump(
-                exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields"}),
+            "loader": loader,
             "templates": {name: t.fingerprint for name, t in self.templates.items()},
             "pad": self.pad_id,
             "mode": self.mode,
         }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -319,31 +339,70 @@ class Loader:
 
     def state(self, step: int) -> dict[str, Any]:
         """JSON-serializable state to save so that :meth:`restore` (or :meth:`iter_from`)
-        continues at ``step``: ``{"step": step, "fingerprint": ...}``, as ``JaxFeed.state``."""
-        return LoaderState(step, self.fingerprint).to_dict()
+        continues at ``step``, as ``JaxFeed.state``: the step, the fingerprint and definition of
+        this config's batches, and the mixture the run has followed (its revisions included); a
+        few KB, whatever the step."""
+        return LoaderState(step, self.fingerprint, self.definition, self.run).to_dict()
 
-    def restore(self, state: dict[str, Any] | LoaderState) -> Iterator[Batch]:
-        """Batches from a saved state on (checks the fingerprint), as ``JaxFeed.restore``."""
-        return self.iter_from(state)
+    def restore(self, state: dict[str, Any] | LoaderState, *, continue_changes: bool = False) -> Iterator[Batch]:
+        """Batches from a saved state on (see :meth:`iter_from`), as ``JaxFeed.restore``."""
+        return self.iter_from(state, continue_changes=continue_changes)
 
-    def _start(self, start: int | LoaderState | dict[str, Any]) -> int:
-        if isinstance(start, dict):
-            start = LoaderState.from_dict(start)
-        if isinstance(start, LoaderState):
-            if start.fingerprint != self.fingerprint:
-                raise LakeloaderError(
-                    f"loader state has fingerprint {start.fingerprint} but this config and lake give "
-                    f"{self.fingerprint}: the data, mixture or loader settings changed since the state "
-                    "was saved; restore with the same config and lake, or start a new run")
-            return start.step
+    def follow(self, state: dict[str, Any] | LoaderState, *, continue_changes: bool = False) -> int:
+        """Take up the run of a saved state and return its step: from then on this loader's
+        batches at every step, before and after it, are the run's. A state of this config's
+        definition is taken as it is. A state of another definition is refused, saying what
+        changed, unless ``continue_changes`` and every change can be continued exactly (the
+        mixture, datasets added or left out): the run then goes on under this config from the
+        state's step (a new revision), each dataset continuing its own order where it stopped."""
+        if isinstance(state, dict):
+            state = LoaderState.from_dict(state)
+        if state.fingerprint == self.fingerprint:
+            if state.run is not None:
+                self._follow(state.run)
+            return state.step
+        where = self.config.source_file or "this config"
+        if state.definition is None or state.run is None:
+            raise LakeloaderError(
+                f"loader state has fingerprint {state.fingerprint} but {where} and its lake give {self.fingerprint}: "
+                "the data, mixture or loader settings changed since the state was saved (a state saved before runs "
+                "could be continued does not say what); restore with the same config and lake, or start a new run")
+        continuable, fixed = definition_changes(state.definition, self.definition)
+        if fixed:
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: " + "; ".join(fixed)
+                + " (these decide a dataset's examples or a batch's shape); restore with the config the state was "
+                "saved with (its definition is in the state), or start a new run")
+        if self.mode != "train":
+            raise LakeloaderError(
+                f"an evaluation loader's state is restored only under the config it was saved with, and {where} "
+                f"changed: {'; '.join(continuable)}")
+        if not continue_changes:
+            raise LakeloaderError(
+                f"{where} changed since the state of step {state.step} was saved: {'; '.join(continuable)}. To go on "
+                "under it from that step (earlier steps keep their batches; each dataset continues where it stopped), "
+                "pass continue_changes=True (lakeloader batches --continue-changes); or restore with the config the "
+                "state was saved with")
+        try:
+            run = continued(state.run, state.step, self.own_mixture)
+        except ValueError as error:
+            raise LakeloaderError(f"the run saved at step {state.step} cannot be continued under {where}: {error}") from None
+        log.info("continuing the run at step %d under %s: %s", state.step, where, "; ".join(continuable))
+        self._follow(run)
+        return state.step
+
+    def _start(self, start: int | LoaderState | dict[str, Any], continue_changes: bool = False) -> int:
+        if isinstance(start, (dict, LoaderState)):
+            return self.follow(start, continue_changes=continue_changes)
         return int(start)
 
-    def iter_from(self, start: int | LoaderState | dict[str, Any] = 0) -> Iterator[Batch]:
-        """Batches from ``start`` (a step or a saved state) on, read ahead in a background thread,
-        or built by ``loader.workers`` worker processes (the same batches; each a fresh array
-        the caller may keep). The workers stop when the iterator is closed or collected, or
-        when :meth:`close` is called."""
-        iterator = self._iterate(self._start(start))
+    def iter_from(self, start: int | LoaderState | dict[str, Any] = 0, *,
+                  continue_changes: bool = False) -> Iterator[Batch]:
+        """Batches from ``start`` (a step or a saved state: :meth:`follow`) on, read ahead in a
+        background thread, or built by ``loader.workers`` worker processes (the same batches;
+        each a fresh array the caller may keep). The workers stop when the iterator is closed or
+        collected, or when :meth:`close` is called."""
+        iterator = self._iterate(self._start(start, continue_changes))
         if self.mode == "train" and self.config.loader.shuffle.kind == "full":
             self._warn_if_beyond_the_cache()   # here, not in workers' own loaders: said once
         self._iterators.add(iterator)
@@ -356,9 +415,9 @@ class Loader:
             # Each worker opens its own loader over the same config and rows; a build's live
             # catalog handle stays here: workers read the published snapshot, as other processes do
             # (waiting for the build's first one).
-            make_loader = functools.partial(_worker_loader, self.config, process_index=self.process_index,
-                                            process_count=self.process_count, mode=self.mode,
-                                            rows=self.row_indices.tolist())
+            make_loader = functools.partial(_worker_loader, self.config, self.state(step),
+                                            process_index=self.process_index, process_count=self.process_count,
+                                            mode=self.mode, rows=self.row_indices.tolist())
             # This process builds the first batches while the workers start, then drops the row
             # groups it decoded for them (the workers read on from their own caches).
             yield from worker_batches(make_loader, self.config.loader.workers, step, total, ahead,
@@ -412,14 +471,17 @@ class Loader:
         self.close()
 
 
-def _worker_loader(config: Config, **options: Any) -> Loader:
-    """A worker's loader (``loader.workers``) over ``config``. Workers read the published
-    snapshot: while the build their consumer follows has published none yet, this waits for its
-    first one (``loader.wait_timeout`` at most, as a reader waits for a chunk)."""
+def _worker_loader(config: Config, state: dict[str, Any], **options: Any) -> Loader:
+    """A worker's loader (``loader.workers``) over ``config``, following the run of its
+    consumer's ``state``. Workers read the published snapshot: while the build their consumer
+    follows has published none yet, this waits for its first one (``loader.wait_timeout`` at
+    most, as a reader waits for a chunk)."""
     deadline = time.monotonic() + config.loader.wait_timeout
     while True:
         try:
-            return Loader(config, **options)
+            loader = Loader(config, **options)
+            loader.follow(state)
+            return loader
         except CatalogNotPublishedError:
             if time.monotonic() >= deadline:
                 raise

@@ -1,0 +1,270 @@
+"""A run continued under an edited config (issue 50): its mixture reweighted, restaged, datasets
+added or left out mid-run.
+
+The index part alone (``index/revisions.py``) against the staged mixture it extends, then a
+model-based test on a real lake: random sequences of reading steps, saving the state, editing
+the config and resuming in fresh loaders (one or two processes), against an oracle that keeps
+every batch served and every (dataset, epoch, example) consumed: earlier steps keep their
+batches, no example repeats within its dataset's epoch and none is skipped, each revision's
+weights hold within 2 examples over its whole-batch prefixes, and the batches equal those of one
+loader that took the same edits at the same steps without restarting.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from lakeloader.contracts.errors import ConfigError, LakeloaderError
+from lakeloader.contracts.specs import MixtureSpec, Stage
+from lakeloader.feed.loader import Loader
+from lakeloader.index.mixture import staged_assignments
+from lakeloader.index.revisions import RunMixture, continued
+from lakeloader.ingest.driver import build
+
+from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+
+SEQ_LEN = 32
+BATCH = 8
+KEY = 11
+
+# -- the index part ----------------------------------------------------------------------------------
+
+
+def _spec(names: list[str], stages: list[tuple[int, list[float]]]) -> MixtureSpec:
+    return MixtureSpec(tuple(names), tuple(Stage(s, w) for s, w in stages), BATCH, "restart", 0)
+
+
+WEIGHTS = st.lists(st.integers(0, 5), min_size=3, max_size=3).filter(any).map(lambda w: [float(x) for x in w])
+
+
+@settings(max_examples=80, deadline=None)
+@given(old=WEIGHTS, new=WEIGHTS, later=WEIGHTS, at=st.integers(1, 40), stage_after=st.integers(1, 20),
+       drop=st.booleans())
+def test_a_continued_mixture_keeps_the_past_and_continues_each_dataset(old: list[float], new: list[float],
+                                                                       later: list[float], at: int,
+                                                                       stage_after: int, drop: bool) -> None:
+    before = RunMixture(_spec(["a", "b", "c"], [(0, old)]))
+    names = ["c", "b", "d"] if drop else ["c", "b", "a"]   # another order; "a" left out and "d" added
+    after = continued(before, at, _spec(names, [(0, new), (at + stage_after, later)]))
+    assert after.spec.names[:3] == ("a", "b", "c") and after.revisions == (0, at)
+    past = np.arange(at)
+    old_owners, old_indices = staged_assignments(before.spec.stages, BATCH, past, KEY)
+    new_owners, new_indices = staged_assignments(after.spec.stages, BATCH, past, KEY)
+    np.testing.assert_array_equal(new_owners, old_owners)
+    np.testing.assert_array_equal(new_indices, old_indices)
+    steps = np.arange(at + stage_after + 15)
+    owners, indices = staged_assignments(after.spec.stages, BATCH, steps, KEY)
+    for d, name in enumerate(after.spec.names):   # each dataset's indices run 0, 1, 2, ... over the steps
+        mine = indices[owners == d]
+        np.testing.assert_array_equal(mine, np.arange(len(mine)))
+        if name not in names:
+            assert not (owners[at:] == d).any()   # left out: drawn no more
+    weights = dict(zip(names, new))
+    total = sum(new)
+    for k in range(1, stage_after + 1):   # the new weights hold from the revision on
+        counts = np.array([(owners[at : at + k] == d).sum() for d in range(len(after.spec.names))])
+        target = np.array([weights.get(n, 0.0) / total * BATCH * k for n in after.spec.names])
+        assert np.abs(counts - target).max() < 2
+
+
+def test_a_state_round_trips_and_a_bad_one_is_named() -> None:
+    run = continued(RunMixture(_spec(["a", "b"], [(0, [0.1, 0.9])])), 7, _spec(["b"], [(0, [1.0])]))
+    assert RunMixture.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+    with pytest.raises(ValueError, match="batch size"):
+        continued(run, 9, MixtureSpec(("b",), (Stage(0, [1.0]),), BATCH * 2, "restart", 0))
+    with pytest.raises(ValueError, match="cannot be continued at step 3"):
+        continued(run, 3, _spec(["b"], [(0, [1.0])]))
+
+
+# -- on a lake ---------------------------------------------------------------------------------------
+
+DATASETS = {"a": "json", "b": "zoneinfo", "c": "tomllib"}
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """Three small datasets (b and c hold a few dozen examples: their epochs end within a test)."""
+    root = tmp_path_factory.mktemp("revisions")
+    for name, package in DATASETS.items():
+        texts = stdlib_texts(package)
+        write_jsonl(root / "data" / f"{name}.jsonl", texts if name == "a" else [t[:1500] for t in texts[:2]])
+    config = write_config(root, {n: {"sources": [str(root / "data" / f"{n}.jsonl")]} for n in DATASETS},
+                          build={"split_size": "16KB"}, mixture={"weights": {n: 1.0 for n in DATASETS}},
+                          loader={"seq_len": SEQ_LEN, "batch_size": BATCH, "prefetch": 0,
+                                  "shuffle": {"kind": "window", "window_chunks": 2}})
+    build(config, scheduler=dask_scheduler, progress=False)
+    return config
+
+
+def edited(base: Path, folder: Path, name: str, mixture: dict[str, Any]) -> Path:
+    """``base`` with ``mixture`` instead of its own, written to ``folder/name.yaml``."""
+    raw = yaml.safe_load(base.read_text())
+    raw["mixture"] = mixture
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+class Loaders:
+    """A run's global batches from ``count`` processes' loaders."""
+
+    def __init__(self, config: Path, count: int) -> None:
+        self.parts = [Loader(config, process_index=p, process_count=count) for p in range(count)]
+
+    def follow(self, state: dict[str, Any], continue_changes: bool) -> None:
+        for loader in self.parts:
+            loader.follow(state, continue_changes=continue_changes)
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        found = [loader.batch(step) for loader in self.parts]
+        return {k: np.concatenate([f[k] for f in found]) for k in found[0]}
+
+    def consumed(self, step: int) -> list[tuple[str, int, int]]:
+        """(dataset, epoch, example) of each row of ``step``, in row order."""
+        return [(e.dataset, e.epoch, e.example) for loader in self.parts
+                for e in loader.examples(step).examples if e is not None]
+
+    def close(self) -> None:
+        for loader in self.parts:
+            loader.close()
+
+
+class ContinuedRuns(RuleBasedStateMachine):
+    """Read, save, edit, resume against the oracle (see the module)."""
+
+    config: Path
+    folder: Path
+    epochs_crossed = False
+
+    @initialize(weights=st.sampled_from([{"a": 1.0, "b": 1.0}, {"a": 3.0, "b": 1.0}]))
+    def start(self, weights: dict[str, float]) -> None:
+        self.mixture: dict[str, Any] = {"weights": weights}
+        self.edits = 0
+        path = edited(self.config, self.folder, "run0", self.mixture)
+        self.current = Loaders(path, 1)
+        self.straight = Loader(path)   # the same edits at the same steps, in this process, one process
+        self.step = 0
+        self.served: list[dict[str, np.ndarray]] = []
+        self.rows: list[list[tuple[str, int, int]]] = []
+        self.revisions: list[tuple[int, dict[str, Any]]] = [(0, copy.deepcopy(self.mixture))]
+
+    @rule(k=st.integers(1, 8))
+    def read(self, k: int) -> None:
+        for _ in range(k):
+            batch = self.current.batch(self.step)
+            assert_batches_equal(batch, self.straight.batch(self.step), "resumed vs never restarted", [self.step])
+            self.served.append(batch)
+            self.rows.append(self.current.consumed(self.step))
+            self.step += 1
+
+    @rule(kind=st.sampled_from(["reweight", "add", "leave out", "stage"]), data=st.data())
+    def edit(self, kind: str, data: st.DataObject) -> None:
+        weights = dict(self.mixture.get("weights") or self.mixture["stages"][-1]["weights"])
+        if kind == "reweight":
+            weights = {n: float(data.draw(st.integers(1, 4))) for n in weights}
+        elif kind == "add":
+            absent = sorted(set(DATASETS) - set(weights))
+            if not absent:
+                return
+            weights[absent[0]] = float(data.draw(st.integers(1, 3)))
+        elif kind == "leave out":
+            if len(weights) < 2:
+                return
+            del weights[sorted(weights)[data.draw(st.integers(0, len(weights) - 1))]]
+        mixture: dict[str, Any] = {"weights": weights}
+        if kind == "stage":
+            later = {n: float(data.draw(st.integers(0, 3))) for n in weights}
+            later[sorted(later)[0]] = 1.0   # (never all zero)
+            mixture = {"stages": [{"start_step": 0, "weights": weights},
+                                  {"start_step": self.step + data.draw(st.integers(1, 6)), "weights": later}]}
+        if mixture == self.mixture:
+            return
+        self.edits += 1
+        path = edited(self.config, self.folder, f"run{self.edits}", mixture)
+        state = json.loads(json.dumps(self.current.parts[0].state(self.step)))   # through a checkpoint file
+        resumed = Loaders(path, data.draw(st.sampled_from([1, 2])))
+        with pytest.raises(LakeloaderError, match="continue_changes=True"):
+            resumed.parts[0].follow(state)
+        resumed.follow(state, continue_changes=True)
+        straight = Loader(path)   # in this process, from the state as it is: P = 1, no checkpoint file
+        straight.follow(self.straight.state(self.step), continue_changes=True)
+        self.straight.close()
+        self.straight = straight
+        self.current.close()
+        self.current = resumed
+        self.mixture = mixture
+        self.revisions.append((self.step, copy.deepcopy(mixture)))
+        for earlier in sorted({0, self.step // 2, max(0, self.step - 1)}):   # earlier steps keep their batches
+            if earlier < self.step:
+                assert_batches_equal(self.current.batch(earlier), self.served[earlier], "after the edit", [earlier])
+
+    @invariant()
+    def no_repeat_within_an_epoch_and_no_skip(self) -> None:
+        seen: dict[str, list[tuple[int, int]]] = {}
+        for rows in self.rows:
+            for dataset, epoch, example in rows:
+                seen.setdefault(dataset, []).append((epoch, example))
+        for dataset, taken in seen.items():
+            size = self.straight.datasets[self.straight.dataset_names.index(dataset)].train_count()
+            epochs = [e for e, _ in taken]
+            assert epochs == sorted(epochs), f"{dataset}: epochs out of order"
+            for epoch in sorted(set(epochs)):
+                examples = [k for e, k in taken if e == epoch]
+                assert len(set(examples)) == len(examples), f"{dataset} epoch {epoch}: an example repeats"
+                if epoch < epochs[-1]:
+                    assert sorted(examples) == list(range(size)), f"{dataset} epoch {epoch}: examples skipped"
+                    ContinuedRuns.epochs_crossed = True
+
+    @invariant()
+    def each_revision_holds_its_weights(self) -> None:
+        ends = [start for start, _ in self.revisions[1:]] + [self.step]
+        for (start, mixture), end in zip(self.revisions, ends):
+            stop = end
+            weights = mixture.get("weights")
+            if weights is None:   # staged: its first stage runs from the revision to the next stage
+                weights = mixture["stages"][0]["weights"]
+                stop = min(end, mixture["stages"][1]["start_step"])
+            total = sum(weights.values())
+            names = self.straight.dataset_names
+            for k in range(1, stop - start + 1):
+                ids = np.concatenate([self.served[s]["dataset_ids"] for s in range(start, start + k)])
+                for d, name in enumerate(names):
+                    assert abs(int((ids == d).sum()) - weights.get(name, 0.0) / total * BATCH * k) < 2, (name, start, k)
+
+    def teardown(self) -> None:
+        if hasattr(self, "current"):
+            self.current.close()
+            self.straight.close()
+
+
+def test_runs_continued_under_edited_configs(lake: Path, tmp_path: Path) -> None:
+    ContinuedRuns.config = lake
+    ContinuedRuns.folder = tmp_path
+    machine = ContinuedRuns.TestCase
+    machine.settings = settings(max_examples=6, stateful_step_count=8, deadline=None,
+                                suppress_health_check=list(HealthCheck))
+    machine().runTest()
+    assert ContinuedRuns.epochs_crossed, "no dataset's epoch ended: the no-skip check never ran"
+
+
+def test_a_dataset_the_run_drew_from_must_stay_defined(lake: Path, tmp_path: Path) -> None:
+    first = edited(lake, tmp_path, "first", {"weights": {"a": 1.0, "c": 1.0}})
+    with Loader(first) as loader:
+        state = loader.state(4)
+    raw = yaml.safe_load(first.read_text())
+    del raw["datasets"]["c"]
+    raw["mixture"] = {"weights": {"a": 1.0}}
+    second = tmp_path / "second.yaml"
+    second.write_text(yaml.safe_dump(raw))
+    with Loader(second) as loader, pytest.raises(ConfigError, match=r"\['c'\].*keep their sections under datasets"):
+        loader.follow(state, continue_changes=True)
