@@ -28,7 +28,7 @@ from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
 from lakeloader.feed.rows import ROW_FIELDS
 from lakeloader.ingest.driver import build
-from lakeloader.read import windows as windows_module
+from lakeloader.read import read_ahead
 from lakeloader.read.catalog_view import CatalogView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -379,4 +379,4 @@ def catalog_query_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
 def ahead_thread_caught_up() -> None:
     """Return once the readers' background thread has done all it was asked so far (row groups
     decoded ahead): that thread is one, and runs its tasks in order."""
-    windows_module._AHEAD_POOL.submit(lambda: None).result()
+    read_ahead._AHEAD_POOL.submit(lambda: None).result()

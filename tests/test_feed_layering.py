@@ -123,7 +123,7 @@ def test_the_lru_keeps_the_recently_used_within_its_capacity() -> None:
 def test_every_reader_cache_is_the_lru(lake: dict[str, Path]) -> None:
     with Loader(lake["pack"]) as loader:
         examples = loader.datasets[0]
-        caches = {"plans": examples.locator._plans, "row groups": examples.reader._row_groups,
+        caches = {"plans": examples.locator._plans, "row groups": examples.reader.tables.cache,
                   "decoded": loader.files.cache}
         assert all(isinstance(cache, LRU) for cache in caches.values()), caches
         assert (caches["plans"].capacity, caches["row groups"].capacity) == (64, 4096)

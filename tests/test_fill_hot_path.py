@@ -25,7 +25,7 @@ from lakeloader.index.chunk_packing import ITEM_FIELDS
 from lakeloader.index.ranges import spans
 from lakeloader.read.lru import LRU
 from lakeloader.read.table_arena import TableArena
-from lakeloader.read.windows import StreamReader
+from lakeloader.read.spans import SpanLocator
 
 from test_formats import build_packed_mixture
 
@@ -150,7 +150,7 @@ def _items_one_by_one(locator: PackedLocator, k: int) -> list[Item]:
     offsets = locator.example_offsets()
     chunk = int(np.searchsorted(offsets, k, side="right")) - 1
     plan = locator.plan(chunk)
-    _, first_docs = locator.reader.groups(locator.growing.chunks, chunk)
+    _, first_docs = locator.reader.tables.of(locator.growing.chunks, chunk)
     found = []
     items = plan.example_items(k - int(offsets[chunk]))
     for i in range(items.start, items.stop):
@@ -225,17 +225,17 @@ def test_unshuffled_windows_inside_one_row_group_equal_what_the_search_finds(lak
     with Loader(config) as loader:
         steps = 2 * sum(d.train_count() for d in loader.datasets) // 4 + 3
     taken = 0
-    one_group = StreamReader._inside_one_group
+    one_group = SpanLocator._inside_one_group
 
-    def counted(reader: StreamReader, *args: object) -> object:
+    def counted(locator: SpanLocator, *args: object) -> object:
         nonlocal taken
-        found = one_group(reader, *args)  # type: ignore[arg-type]
+        found = one_group(locator, *args)  # type: ignore[arg-type]
         taken += found is not None
         return found
 
-    with mock.patch.object(StreamReader, "_inside_one_group", counted):
+    with mock.patch.object(SpanLocator, "_inside_one_group", counted):
         direct = _batches_and_segments(config, steps)
-    with mock.patch.object(StreamReader, "_inside_one_group", lambda *args: None):
+    with mock.patch.object(SpanLocator, "_inside_one_group", lambda *args: None):
         searched = _batches_and_segments(config, steps)
     assert taken >= steps, "most batches (and their examples) should lie inside one row group"
     for step, ((batch, segments), (expected, expected_segments)) in enumerate(zip(direct, searched)):
@@ -254,7 +254,7 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
         dataset = loader.datasets[0]
         for step in range(dataset.train_count() // 4 + 1):   # every row group read, cached and indexed
             loader.batch(step)
-        reader, index = dataset.reader, dataset.reader._index
+        spans, index = dataset.reader.locator, dataset.reader.locator._index
         assert index is not None and index.offsets is dataset.locator.stream_offsets()
         checked = 0
         for g in range(len(index.start)):
@@ -263,8 +263,9 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
                 continue
             for starts, inside in (([lo, hi - length], True), ([lo + 1, hi - length + 1], False),
                                    ([lo - 1, lo + 1], False)):
-                found = reader._inside_one_group(dataset.chunks, np.arange(dataset.chunks.committed), dataset.locator.stream_offsets(),
-                                                 np.array(starts, np.int64), length, max(starts) + length)
+                found = spans._inside_one_group(dataset.chunks, np.arange(dataset.chunks.committed),
+                                                dataset.locator.stream_offsets(), np.array(starts, np.int64), length,
+                                                max(starts) + length)
                 if not inside:
                     assert found is None, (g, starts)
                     continue

@@ -507,7 +507,7 @@ def test_a_chunks_selections_are_fetched_once_for_all_its_row_groups(lake, monke
     with Loader(root / "main.yaml") as loader:
         examples = next(d for d in loader.datasets if d.name == "web_sel")
         chunks, files = examples.chunks, examples.reader.files
-        groups = {c: len(examples.reader.groups(chunks, c)[1]) for c in range(chunks.committed)}
+        groups = {c: len(examples.reader.tables.of(chunks, c)[1]) for c in range(chunks.committed)}
         assert max(groups.values()) > 1   # chunks of several row groups
         for chunk, count in groups.items():
             for group in range(count):

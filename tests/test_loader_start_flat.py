@@ -27,7 +27,7 @@ from lakeloader.demo.many_chunks import grow
 from lakeloader.feed.loader import Loader
 from lakeloader.catalog.reader_index import ReaderIndex
 from lakeloader.read import catalog_view as catalog_view_module
-from lakeloader.read import windows as windows_module
+from lakeloader.read import read_ahead
 from lakeloader.read.catalog_view import CatalogView
 
 from conftest import Lakes, ahead_thread_caught_up
@@ -156,7 +156,7 @@ def test_chunk_records_are_fetched_only_for_the_chunks_a_batch_reads(
                 # read, or the next) come in one query
                 sequence = list(loader.datasets[0].sequence)
                 last = max(sequence.index(c) for c in read)
-                read |= set(sequence[last + 1 : last + 1 + windows_module.TABLES_AHEAD])
+                read |= set(sequence[last + 1 : last + 1 + read_ahead.TABLES_AHEAD])
             fetched = list(record_rows(loader.view, calls))
             assert fetched or step != STEPS[0], calls   # the first batch learns its chunks' records
             for name, chunks in fetched:

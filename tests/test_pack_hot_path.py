@@ -16,7 +16,7 @@ import yaml
 from lakeloader.feed.loader import LOCATE_AHEAD, Loader
 from lakeloader.feed.packed import LocatedPacked, PackedExample, fill_packed
 from lakeloader.feed.rows import row_of
-from lakeloader.read import windows as windows_module
+from lakeloader.read import read_ahead
 
 from conftest import ahead_thread_caught_up, assert_batches_equal
 from test_formats import build_packed_mixture
@@ -102,13 +102,13 @@ def test_a_batch_decodes_its_missing_row_groups_concurrently(lake: Path, tmp_pat
     with Loader(path) as loader:
         threads: list[str] = []
         for examples in loader.datasets:
-            render = examples.reader._render_group
+            render = examples.reader.renderings.render
 
             def recorded(*args: Any, render: Any = render) -> Any:
                 threads.append(threading.current_thread().name)
                 return render(*args)
 
-            examples.reader._render_group = recorded   # type: ignore[method-assign]
+            examples.reader.renderings.render = recorded   # type: ignore[method-assign]
         together = loader.batch(0)
         # (a dataset missing a single row group decodes it in place)
         assert sum(name.startswith("lakeloader-decode") for name in threads) >= 2, threads
@@ -135,13 +135,13 @@ def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_
     step = 0
     with Loader(path) as loader:
         for examples in loader.datasets:
-            render = examples.reader._render_group
+            render = examples.reader.renderings.render
 
             def recorded(*args: Any, render: Any = render, name: str = examples.name) -> Any:
                 decoded.setdefault(name, []).append((step, threading.current_thread().name))
                 return render(*args)
 
-            examples.reader._render_group = recorded   # type: ignore[method-assign]
+            examples.reader.renderings.render = recorded   # type: ignore[method-assign]
         ahead = []
         for step in range(steps):
             ahead.append(loader.batch(step))
@@ -155,7 +155,7 @@ def test_packed_readers_in_stream_order_decode_row_groups_ahead(lake: Path, tmp_
     later = [at for found in decoded.values() for at, _ in found if at > min(a for a, _ in found)]
     assert len(later) >= 2, decoded   # row groups reached after a dataset's first batch
     assert catalog_query_threads == {threading.main_thread().name}, catalog_query_threads
-    monkeypatch.setattr(windows_module, "LOOK_AHEAD_GROUPS", 0)
+    monkeypatch.setattr(read_ahead, "LOOK_AHEAD_GROUPS", 0)
     with Loader(path) as loader:
         assert_batches_equal(ahead, [loader.batch(step) for step in range(steps)])
 

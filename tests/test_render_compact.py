@@ -151,8 +151,8 @@ def test_reader_row_groups_equal_the_general_render(built_lake: Path) -> None:
         reader = loader.datasets[0].reader
         chunks = loader.view.dataset("d")
         for chunk in range(chunks.committed):
-            for group in range(len(reader.groups(chunks, chunk)[1])):
-                got = reader._render_group(chunks, chunk, group)
+            for group in range(len(reader.tables.of(chunks, chunk)[1])):
+                got = reader.renderings.render(chunks, chunk, group)
                 stored = loader.files.read_row_group(chunks, chunk, group)
                 parts = stored.parts
                 assert_same((got.tokens, got.trainable, got.doc_starts),

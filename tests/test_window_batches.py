@@ -29,8 +29,10 @@ from lakeloader.feed.rows import ArrayPool
 from lakeloader.index.ranges import cut_segments
 from lakeloader.index.render import render
 from lakeloader.ingest.driver import build
-from lakeloader.read import windows as windows_module
+from lakeloader.read import cold_pages
+from lakeloader.read import spans as spans_module
 from lakeloader.read.chunks import ChunkFiles
+from lakeloader.read.renderings import Renderings
 
 from conftest import ahead_thread_caught_up, stdlib_texts, write_config, write_jsonl
 SEQ_LEN = 48
@@ -189,7 +191,7 @@ def test_cold_batches_read_from_pages_equal_the_numpy_reference(lake: Path, shuf
     documents the windows need; then, once that batch is out, they are decoded whole in the
     background. Cold or warm, the rows are bitwise the reference's, and so are the documents
     they come from (explain's). Windows of a row group are read as separate ranges unless they touch."""
-    monkeypatch.setattr(windows_module, "RANGE_GAP", 0)
+    monkeypatch.setattr(cold_pages, "RANGE_GAP", 0)
     config = loader_config(lake, f"cold-{shuffle['kind']}", ("t", "c"), shuffle=shuffle)
     in_part = reads_in_part(monkeypatch)
     one = Loader(config)
@@ -222,7 +224,7 @@ def test_a_first_batch_reads_windows_across_row_groups_from_pages(lake: Path, mo
     Rows bitwise the reference's."""
     general: list[int] = []
     joined: list[int] = []   # the chunks each window read from pieces reaches
-    window, join_pieces = windows_module.StreamReader.window, windows_module.StreamReader._join_pieces
+    window, join_pieces = spans_module.SpanLocator.span, spans_module._join_pieces
 
     def general_spy(self: Any, *args: Any) -> Any:
         general.append(args[3])
@@ -236,8 +238,8 @@ def test_a_first_batch_reads_windows_across_row_groups_from_pages(lake: Path, mo
     with Loader(config) as one:
         stream = Stream(one, "t").laid_out(list(range(one.datasets[0].chunks.committed)))
         examples = {step: one.examples(step).examples for step in range(40)}
-    monkeypatch.setattr(windows_module.StreamReader, "window", general_spy)
-    monkeypatch.setattr(windows_module.StreamReader, "_join_pieces", staticmethod(join_spy))
+    monkeypatch.setattr(spans_module.SpanLocator, "span", general_spy)
+    monkeypatch.setattr(spans_module, "_join_pieces", join_spy)
     for step, rows in examples.items():
         with Loader(config) as loader:
             lookups: list[list[int]] = []
@@ -287,14 +289,14 @@ def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(
     fetches what it needs, several chunks a query). Rows bitwise the reference's."""
     decoded_here: list[tuple[int, int]] = []
     decoded_ahead: list[tuple[int, int]] = []
-    render_group = windows_module.StreamReader._render_group
+    render_group = Renderings.render
 
     def spy(self: Any, chunks: Any, chunk: int, group: int) -> Any:
         on_main = threading.current_thread() is threading.main_thread()
         (decoded_here if on_main else decoded_ahead).append((chunk, group))
         return render_group(self, chunks, chunk, group)
 
-    monkeypatch.setattr(windows_module.StreamReader, "_render_group", spy)
+    monkeypatch.setattr(Renderings, "render", spy)
     config = loader_config(lake, "look-ahead", ("t",), shuffle={"kind": "none"})
     with Loader(config) as loader:
         dataset = loader.datasets[0]
@@ -306,7 +308,7 @@ def test_a_reader_in_stream_order_decodes_row_groups_ahead_of_its_batches(
             ahead_thread_caught_up()   # the ahead thread has caught up
             if step == 1:
                 cold = len(decoded_here)   # the first batch's row groups, read from pages, then whole
-        groups = sum(len(dataset.reader.groups(dataset.chunks, c)[1]) for c in range(dataset.chunks.committed))
+        groups = sum(len(dataset.reader.tables.of(dataset.chunks, c)[1]) for c in range(dataset.chunks.committed))
     assert groups > 20 and steps > 20, (groups, steps)
     assert not decoded_here[cold:], decoded_here
     assert len(decoded_ahead) > 20, decoded_ahead

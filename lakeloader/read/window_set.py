@@ -80,7 +80,7 @@ _GROUP_SHIFT = 32   # (a row group renders to fewer than 2**32 tokens)
 
 @dataclasses.dataclass
 class WindowSet:
-    """Windows of one length located together (:meth:`StreamReader.windows`). Nearly every window
+    """Windows of one length located together (:meth:`SpanLocator.spans`). Nearly every window
     lies inside one cached row group and stays a slice of it: window ``i`` is tokens
     ``[at[i], at[i] + length)`` of ``groups[group[i]]``; the others (``group[i] == -1``: across
     row groups or chunks) keep their pieces in ``others``. Batches are filled from these arrays
