@@ -1,4 +1,4 @@
-"""Index maps of concat windows: segments and positions of batches of windows."""
+"""Index maps of concat spans: segments and positions of batches of spans."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_segments_of_a_batch_equal_a_plain_loop_per_row(rows: int, n: int, data:
         expected_ids, expected_positions = _plain_segments(keys[row].tolist())
         assert segment_ids[row].tolist() == expected_ids
         assert positions[row].tolist() == expected_positions
-    if rows:   # one window alone gives what it gives inside a batch
+    if rows:   # one span alone gives what it gives inside a batch
         mine = cut_rows == 0
         one_ids, one_positions = np.zeros((1, n), np.int32), np.zeros((1, n), np.int32)
         cut_segments(cut_rows[mine], cut_at[mine] + 1, one_ids, one_positions)

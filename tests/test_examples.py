@@ -113,7 +113,7 @@ def test_concat_eval_pass_covers_every_target_once(lake_config: Path, tmp_path: 
     examples = stream_of(reader_config(lake_config, tmp_path, shuffle=SHUFFLES["full"]), mode="eval")
     count = examples.eval_count()
     total = int(examples.locator.stream_offsets()[-1])
-    stream = np.concatenate([p.tokens for p in examples.reader.window(examples.chunks, np.arange(examples.chunks.committed),
+    stream = np.concatenate([p.tokens for p in examples.reader.span(examples.chunks, np.arange(examples.chunks.committed),
                                                                       examples.locator.stream_offsets(), 0, total)])
     assert len(stream) == total
     spans = [examples.eval(np.array([j]))[0] for j in range(count)]

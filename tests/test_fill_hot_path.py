@@ -22,10 +22,10 @@ from lakeloader.feed.locate_packed import PackedLocator
 from lakeloader.feed.packed import Item, LazyItems, PackedExample, fill_packed
 from lakeloader.feed.rows import ROW_FIELDS, ArrayPool, row_of
 from lakeloader.index.chunk_packing import ITEM_FIELDS
-from lakeloader.index.ranges import spans
+from lakeloader.index.ranges import run_indices
 from lakeloader.read.lru import LRU
 from lakeloader.read.table_arena import TableArena
-from lakeloader.read.spans import SpanLocator
+from lakeloader.read.spans import SpanReader
 
 from test_formats import build_packed_mixture
 
@@ -225,17 +225,17 @@ def test_unshuffled_windows_inside_one_row_group_equal_what_the_search_finds(lak
     with Loader(config) as loader:
         steps = 2 * sum(d.train_count() for d in loader.datasets) // 4 + 3
     taken = 0
-    one_group = SpanLocator._inside_one_group
+    one_group = SpanReader._inside_one_group
 
-    def counted(locator: SpanLocator, *args: object) -> object:
+    def counted(locator: SpanReader, *args: object) -> object:
         nonlocal taken
         found = one_group(locator, *args)  # type: ignore[arg-type]
         taken += found is not None
         return found
 
-    with mock.patch.object(SpanLocator, "_inside_one_group", counted):
+    with mock.patch.object(SpanReader, "_inside_one_group", counted):
         direct = _batches_and_segments(config, steps)
-    with mock.patch.object(SpanLocator, "_inside_one_group", lambda *args: None):
+    with mock.patch.object(SpanReader, "_inside_one_group", lambda *args: None):
         searched = _batches_and_segments(config, steps)
     assert taken >= steps, "most batches (and their examples) should lie inside one row group"
     for step, ((batch, segments), (expected, expected_segments)) in enumerate(zip(direct, searched)):
@@ -254,7 +254,7 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
         dataset = loader.datasets[0]
         for step in range(dataset.train_count() // 4 + 1):   # every row group read, cached and indexed
             loader.batch(step)
-        spans, index = dataset.reader.locator, dataset.reader.locator._index
+        spans, index = dataset.reader.span_reader, dataset.reader.span_reader._index
         assert index is not None and index.offsets is dataset.locator.stream_offsets()
         checked = 0
         for g in range(len(index.start)):
@@ -279,11 +279,11 @@ def test_windows_inside_one_row_group_are_taken_up_to_its_edges(lake: Path) -> N
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 6)), max_size=20))
-def test_spans_are_concatenated_ranges(ranges: list[tuple[int, int]]) -> None:
+def test_spans_are_run_indices(ranges: list[tuple[int, int]]) -> None:
     first = np.array([f for f, _ in ranges], np.int64)
     counts = np.array([c for _, c in ranges], np.int64)
     expected = [i for f, c in ranges for i in range(f, f + c)]
-    found = spans(first, counts)
+    found = run_indices(first, counts)
     assert found.dtype == np.int64 and found.tolist() == expected
 
 

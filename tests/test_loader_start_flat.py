@@ -151,10 +151,10 @@ def test_chunk_records_are_fetched_only_for_the_chunks_a_batch_reads(
             ahead_thread_caught_up()   # (what the ahead thread did counts here)
             calls = recorder.take()
             read = {p.chunk for e in loader.examples(step).examples for p in e.pieces}
-            if kind == "none":   # the row groups after the windows' last one are decoded ahead: the
-                # row-group tables of TABLES_AHEAD chunks from the one the windows end in (the last
+            if kind == "none":   # the row groups after the spans' last one are decoded ahead: the
+                # row-group tables of TABLES_AHEAD chunks from the one the spans end in (the last
                 # read, or the next) come in one query
-                sequence = list(loader.datasets[0].sequence)
+                sequence = list(range(loader.datasets[0].chunks.committed))   # (the global order)
                 last = max(sequence.index(c) for c in read)
                 read |= set(sequence[last + 1 : last + 1 + read_ahead.TABLES_AHEAD])
             fetched = list(record_rows(loader.view, calls))

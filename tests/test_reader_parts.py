@@ -38,9 +38,9 @@ from lakeloader.read.chunks import RowGroup, RowGroupCache
 from lakeloader.read.group_tables import GroupTables
 from lakeloader.read.read_ahead import ReadAhead
 from lakeloader.read.renderings import Renderings
-from lakeloader.read.spans import SpanLocator
-from lakeloader.read.window_set import Piece
-from lakeloader.read.windows import StreamReader
+from lakeloader.read.spans import SpanReader
+from lakeloader.read.span_set import Piece
+from lakeloader.read.stream_reader import StreamReader
 
 TEMPLATES = {
     "text": make_template(("text",), bos=1, eos=2),
@@ -314,7 +314,7 @@ def test_spans_are_their_slices_of_the_stream(template: str, scattered: bool, se
     lake = make_lake(5, template, docs=(6, 14), chunks=8, cache_bytes=cache_bytes)
     tables, renderings = parts_of(lake)
     ahead = ReadAhead(tables, renderings, in_order=sequential)
-    locator = SpanLocator(tables, renderings, ahead, scattered=scattered, sequential=sequential)
+    locator = SpanReader(tables, renderings, ahead, scattered=scattered, sequential=sequential)
     chunks = lake.chunks
     sequence = [3, 0, 7, 1, 2, 5, 4, 6]
     offsets = cumulative(tables.chunk_lengths(chunks)[sequence])
@@ -340,7 +340,7 @@ def test_a_first_batch_reads_little_of_its_row_groups_from_pages_then_has_them_d
     lake = make_lake(6, "text", docs=(30, 40))
     tables, renderings = parts_of(lake)
     ahead = ReadAhead(tables, renderings)
-    locator = SpanLocator(tables, renderings, ahead)
+    locator = SpanReader(tables, renderings, ahead)
     chunks = lake.chunks
     sequence = list(range(chunks.committed))
     offsets = cumulative(tables.chunk_lengths(chunks))
@@ -420,5 +420,5 @@ def test_the_reader_keeps_every_call_feed_makes_of_it() -> None:
     reader = StreamReader(lake, lake, lake.template)  # type: ignore[arg-type]
     feed = Path(lakeloader.__file__).parent / "feed"
     called = {name for path in feed.glob("*.py") for name in re.findall(r"\breader\.(\w+)", path.read_text())}
-    assert {"window", "windows", "rendered_groups", "look_ahead_after"} <= called
+    assert {"span", "spans", "rendered_groups", "look_ahead_after"} <= called
     assert [name for name in sorted(called) if not hasattr(reader, name)] == []

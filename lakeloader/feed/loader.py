@@ -430,7 +430,7 @@ class Loader:
             return
         # From a local lake one thread builds the batches ahead, in order: batches built side by
         # side only contend for the GIL and the caches (a batch's row groups are read concurrently
-        # anyway, in the decode threads of read/windows.py). From an object store, ``prefetch``
+        # anyway, in the decode threads of read/stream_reader.py). From an object store, ``prefetch``
         # threads, so that the next batches' downloads overlap (measured: docs/performance-history.md).
         builders = 1 if self.lake.is_local else ahead
         with ReadAhead(self.batch, step, total, ahead, builders, "lakeloader-prefetch") as batches:

@@ -23,8 +23,8 @@ from lakeloader.index.row_layout import RowLayout, row_layout
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
 from lakeloader.read.table_arena import TableArena
-from lakeloader.read.window_set import RenderedGroup
-from lakeloader.read.windows import StreamReader
+from lakeloader.read.span_set import RenderedGroup
+from lakeloader.read.stream_reader import StreamReader
 
 
 def require_plan(view: CatalogView, name: str, spec: PackingSpec) -> None:

@@ -14,7 +14,7 @@ from lakeloader.feed.rows import Example
 from lakeloader.feed.spans import LocatedSpans, Span
 from lakeloader.index.ranges import cumulative, eval_examples, train_examples
 from lakeloader.read.catalog_view import DatasetChunks
-from lakeloader.read.windows import StreamReader
+from lakeloader.read.stream_reader import StreamReader
 
 
 class SpanLocator:
@@ -65,7 +65,7 @@ class SpanLocator:
     def located(self, epochs: np.ndarray, examples: np.ndarray) -> LocatedSpans:
         """Spans ``examples`` (of epochs ``epochs``), located together."""
         chunks, sequence, offsets = self._counted()
-        found = self.reader.windows(chunks, sequence, offsets, examples * self.seq_len, self.seq_len + 1)
+        found = self.reader.spans(chunks, sequence, offsets, examples * self.seq_len, self.seq_len + 1)
         return LocatedSpans(self.growing.name, epochs, examples, found)
 
     def block(self, epochs: np.ndarray, examples: np.ndarray, part_size: int
@@ -88,6 +88,6 @@ class SpanLocator:
                 found[n] = span
         for n in np.flatnonzero(~whole).tolist():
             start = int(js[n]) * self.seq_len
-            pieces = self.reader.window(chunks, sequence, offsets, start, min(self.seq_len + 1, total - start))
+            pieces = self.reader.span(chunks, sequence, offsets, start, min(self.seq_len + 1, total - start))
             found[n] = Span(self.growing.name, 0, int(js[n]), pieces)
         return found  # type: ignore[return-value]

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lakeloader.feed.rows import Batch, Example, ExampleRun, Row, Segment, field_dtype
-from lakeloader.index.ranges import cumulative, fill_runs, run_positions, spans
+from lakeloader.index.ranges import cumulative, fill_runs, run_positions, run_indices
 from lakeloader.index.row_layout import RowLayout, row_layout
-from lakeloader.read.window_set import RenderedGroup
+from lakeloader.read.span_set import RenderedGroup
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ class PackedSet:
         else:
             which_ = np.asarray(which, np.int64)
             counts = layout.counts[which_]
-            items = spans(layout.bounds[which_], counts)
+            items = run_indices(layout.bounds[which_], counts)
             layout = row_layout(counts, layout.sizes[items], layout.length)
             begin, group, end, joined = self.begin[items], self.group[items], self.end[items], None
         sizes = layout.sizes
@@ -342,7 +342,7 @@ def _merged(found: list[FillParts], positions: list[list[int]], n: int, length: 
         counts[mine] = parts.layout.counts
         first[mine] = base + parts.layout.bounds[:-1]
         base += len(parts.layout.sizes)
-    order = spans(first, counts).tolist()   # every item, example by example
+    order = run_indices(first, counts).tolist()   # every item, example by example
 
     def pick(lists: list[list[Any]]) -> list[Any]:
         every = [value for values in lists for value in values]

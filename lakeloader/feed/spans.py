@@ -13,7 +13,7 @@ import numpy as np
 
 from lakeloader.feed.rows import ROW_FIELDS, Batch, Example, ExampleRun, Row, Segment, segment_fields
 from lakeloader.index.ranges import cut_segments
-from lakeloader.read.window_set import Piece, WindowSet
+from lakeloader.read.span_set import Piece, SpanSet
 
 
 @dataclasses.dataclass
@@ -22,7 +22,7 @@ class Span(Example):
     its pieces, or where it lies in the spans it was located with (``located[index]``)."""
 
     found: list[Piece] | None = None
-    located: WindowSet | None = None
+    located: SpanSet | None = None
     index: int = -1
 
     @property
@@ -97,7 +97,7 @@ def _gather(spans: list[Span], length: int, counts: np.ndarray) -> tuple[
     tokens: list[np.ndarray | None] = [None] * n
     flags: list[np.ndarray | None] = [None] * n
     cut_rows, cut_at = [], []
-    located: dict[int, tuple[WindowSet, list[int], list[int]]] = {}
+    located: dict[int, tuple[SpanSet, list[int], list[int]]] = {}
     rest = []
     for i, span in enumerate(spans):
         where = span.located
@@ -174,7 +174,7 @@ def _stacked(tokens: list[np.ndarray], flags: list[np.ndarray | None] | None, le
     return stacked, _stacked_flags(flags, len(tokens), length)
 
 
-def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
+def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: SpanSet,
                  which: np.ndarray) -> None:
     """Write spans ``which`` of ``located``, each inside a row group (training spans, the
     common case), into rows ``index`` of ``batch``: slices of the row groups' renderings, with
@@ -182,7 +182,7 @@ def fill_located(batch: dict[str, np.ndarray], index: slice | np.ndarray, locate
     _write_segments(batch, index, *_located_tokens(batch, index, located, which))
 
 
-def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: WindowSet,
+def _located_tokens(batch: dict[str, np.ndarray], index: slice | np.ndarray, located: SpanSet,
                     which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`fill_located` but the segments: the tokens, targets and loss mask written, where
     documents start returned (row among ``index``, offset); consecutive spans of one row group
@@ -251,7 +251,7 @@ class LocatedSpans(ExampleRun):
     """Training spans of one dataset located together in ``located`` (span ``k`` is
     ``located``'s ``k``): rows 0, 1, ... of a batch, filled at once."""
 
-    def __init__(self, dataset: str, epochs: np.ndarray, examples: np.ndarray, located: WindowSet) -> None:
+    def __init__(self, dataset: str, epochs: np.ndarray, examples: np.ndarray, located: SpanSet) -> None:
         super().__init__(dataset, epochs, examples)
         self.located = located
 

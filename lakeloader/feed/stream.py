@@ -24,7 +24,7 @@ from lakeloader.feed.rows import Example
 from lakeloader.feed.strided_spans import StridedSpans
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.read.windows import StreamReader
+from lakeloader.read.stream_reader import StreamReader
 
 
 class Locator(Protocol):

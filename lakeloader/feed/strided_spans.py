@@ -95,7 +95,7 @@ class StridedSpans:
             positions = np.arange(reader, chunks.committed, self.ideal_readers)
             offsets = cumulative(np.diff(self.locator.stream_offsets())[positions])
             if start + length <= offsets[-1]:
-                return Span(self.name, 0, k, self.reader.window(chunks, positions, offsets, start, length))
+                return Span(self.name, 0, k, self.reader.span(chunks, positions, offsets, start, length))
             self.growing.wait()
         return None
 
@@ -120,7 +120,7 @@ class StridedSpans:
             repeats = 1 + math.ceil((int(starts.max()) + length) / total)
             sequence = np.tile(looped, repeats)
             sequence_offsets = cumulative(np.tile(np.diff(offsets), repeats))
-            located = self.reader.windows(chunks, sequence, sequence_offsets, starts, length)
+            located = self.reader.spans(chunks, sequence, sequence_offsets, starts, length)
             epochs = strided_chunk(reader, cycles * len(looped) + located.position, self.ideal_readers) // chunks.committed
             for i, (n, k, epoch) in enumerate(zip(rest[mine].tolist(), ks[mine].tolist(), epochs.tolist())):
                 found[n] = Span(self.name, epoch, k, None, located, i)

@@ -18,7 +18,7 @@ import itertools
 
 import numpy as np
 
-from lakeloader.index.ranges import cumulative, spans
+from lakeloader.index.ranges import cumulative, run_indices
 
 __all__ = ["DocumentTooLong", "PackPlan", "plan_pack"]
 
@@ -67,7 +67,7 @@ class PackPlan:
             raise IndexError(f"example {bad} is out of range: the plan has {self.num_examples}")
         first = self.example_bounds[examples]
         counts = self.example_bounds[examples + 1] - first
-        return spans(first, counts), counts
+        return run_indices(first, counts), counts
 
     @property
     def example_tokens(self) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Integer maps over ranges of a stream of pieces: the offsets of consecutive pieces and the piece
 holding a position (``cumulative``, ``locate``), the examples of one stream under ``packing:
-concat``, the strided readers' order, and the segments of documents within windows.
+concat``, the strided readers' order, and the segments of documents within spans.
 
 Pure functions over integer arrays. A dataset's *stream* is its documents in chunk order, each
 rendered by its collation template (:mod:`lakeloader.index.render`: BOS/EOS, chat templates, FIM
@@ -25,7 +25,7 @@ def cumulative(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def spans(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def run_indices(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``concatenate([arange(f, f + c) for f, c in zip(first, counts)])`` (int64), in a few array
     operations."""
     first, counts = np.asarray(first, np.int64), np.asarray(counts, np.int64)
@@ -116,7 +116,7 @@ def strided_example(example: np.ndarray, ideal_readers: int) -> tuple[np.ndarray
 def cut_segments(cut_rows: np.ndarray, cut_at: np.ndarray, segment_ids: np.ndarray | None,
                  positions: np.ndarray | None) -> None:
     """Segment ids (from 1) and positions (restarting at 0 with each document) of a ``[rows, n]``
-    batch of windows, written into ``segment_ids`` and ``positions`` (int32, any views; None:
+    batch of spans, written into ``segment_ids`` and ``positions`` (int32, any views; None:
     not wanted, at least one is), given where documents start: a document starts at offset
     ``cut_at[i]`` of row ``cut_rows[i]`` (any order; repeats, offsets 0 and offsets past the row
     change nothing) and every row starts one. A few whole-batch passes and a fixed number of

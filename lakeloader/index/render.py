@@ -18,7 +18,7 @@ import numpy as np
 
 from lakeloader.contracts.specs import Fim, Template, token_array
 from lakeloader.index.permutation import mix_key, permute
-from lakeloader.index.ranges import cumulative, spans
+from lakeloader.index.ranges import cumulative, run_indices
 
 FIM_SENTINELS = 3
 _SLOTS = 8   # output order slots per part: prefix, 6 content pieces (FIM), suffix
@@ -361,7 +361,7 @@ def render_compact(template: Template, values: np.ndarray, part_lengths: np.ndar
             trainable[content] = np.repeat(part_trains, lengths)
         if len(fim_part):
             moved = slice(len(kinds) - len(fim_part), None)   # the FIM parts' runs
-            tokens[spans(out[moved], n[moved])] = values[spans(src[moved], n[moved])]
+            tokens[run_indices(out[moved], n[moved])] = values[run_indices(src[moved], n[moved])]
     return tokens, None if trainable is None or trainable.all() else trainable, doc_starts
 
 
@@ -372,9 +372,9 @@ def _place_in_order(values: np.ndarray, constants: np.ndarray, start: np.ndarray
     values fill the rest in one masked copy, several times cheaper than an index per token."""
     constant = start >= len(values)
     count = length[constant]
-    at = spans(out_start[constant], count)
+    at = run_indices(out_start[constant], count)
     tokens = np.empty(total, np.int32)
-    tokens[at] = constants[spans(start[constant] - len(values), count)]
+    tokens[at] = constants[run_indices(start[constant] - len(values), count)]
     from_values = np.ones(total, bool)
     from_values[at] = False
     tokens[from_values] = values

@@ -1,1 +1,1 @@
-"""Read: catalog views of committed chunks, verified chunk files, token windows."""
+"""Read: catalog views of committed chunks, verified chunk files, token spans."""

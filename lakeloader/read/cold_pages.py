@@ -15,7 +15,7 @@ from lakeloader.index.ranges import merged_runs
 from lakeloader.index.render import render_compact, rendered_doc_starts
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.renderings import Renderings, concurrently, doc_fim
-from lakeloader.read.window_set import RenderedGroup, WindowSet
+from lakeloader.read.span_set import RenderedGroup, SpanSet
 
 # A row group not cached is read from the pages its spans need when they reach at most 1 / PAGES_SHARE
 # of its tokens, as ranges of spans less than RANGE_GAP tokens apart.
@@ -74,7 +74,7 @@ def render_ranges(renderings: Renderings, chunks: DatasetChunks, chunk: int, gro
     return found
 
 
-def fill_groups(renderings: Renderings, chunks: DatasetChunks, found: WindowSet, wanted: list[tuple[int, int]],
+def fill_groups(renderings: Renderings, chunks: DatasetChunks, found: SpanSet, wanted: list[tuple[int, int]],
                 lengths: np.ndarray, ranges: tuple[np.ndarray, np.ndarray, np.ndarray], from_pages: bool) -> list[int]:
     """Fills ``found.groups`` with the renderings of the row groups ``wanted`` (``(chunk, group)``
     of each group of ``found``, ``lengths`` their rendered tokens): the cached ones, and those not

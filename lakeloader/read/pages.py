@@ -474,7 +474,7 @@ def _read_values(handle: pa.NativeFile, chunk: ColumnChunk, value_type: pa.DataT
     needed = max((stop for _, stop in ranges), default=0) if every_entry_a_value else chunk.num_values
     wanted = sum(stop - start for start, stop in ranges)
     if every_entry_a_value and size > _PROBED_SIZE and 2 * wanted < count:
-        # A few values of a large column chunk (a window of a row group): its page headers read
+        # A few values of a large column chunk (a stretch of a row group): its page headers read
         # one by one, then only the pages holding them.
         pages = _data_pages(_probed_header_at(handle, chunk), size, needed)
         data = None

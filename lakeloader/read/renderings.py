@@ -21,7 +21,7 @@ from lakeloader.index.render import fim_choice, render_compact
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.group_tables import GroupTables
-from lakeloader.read.window_set import RenderedGroup
+from lakeloader.read.span_set import RenderedGroup
 
 T = TypeVar("T")
 

@@ -11,19 +11,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from lakeloader.index.ranges import distinct, locate
-from lakeloader.index.ranges import spans as concatenated_ranges
+from lakeloader.index.ranges import run_indices
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.cold_pages import fill_groups
 from lakeloader.read.group_tables import GroupTables
 from lakeloader.read.read_ahead import ReadAhead
 from lakeloader.read.renderings import Renderings
 from lakeloader.read.stream_index import StreamIndex
-from lakeloader.read.window_set import Piece, WindowSet, joined, piece_of
+from lakeloader.read.span_set import Piece, SpanSet, joined, piece_of
 
 _NO_PIECES = (np.zeros(0, np.int64),) * 4
 
 
-class SpanLocator:
+class SpanReader:
     """Spans of one dataset's chunk sequences (the chunks in some order, with the cumulative
     stream offsets of their rendered streams), from the row groups of ``tables`` rendered by
     ``renderings``; ``ahead`` decodes row groups before they are needed.
@@ -68,7 +68,7 @@ class SpanLocator:
         return pieces
 
     def spans(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-              starts: np.ndarray, length: int) -> WindowSet:
+              starts: np.ndarray, length: int) -> SpanSet:
         """:meth:`span` of many ``starts``, located together in the index of the row groups of
         the sequence's chunks read so far (one search; the chunks met for the first time are
         added from their row-group tables, one catalog query). Spans inside one row group (nearly
@@ -127,13 +127,13 @@ class SpanLocator:
             return index
         last = np.minimum(locate(sequence_offsets, starts + length - 1), len(sequence) - 1)[in_sequence]
         if bool((last > first_chunks).any()):
-            new.update(concatenated_ranges(first_chunks, np.maximum(last - first_chunks + 1, 1)).tolist())
+            new.update(run_indices(first_chunks, np.maximum(last - first_chunks + 1, 1)).tolist())
         new.update(self.ahead.tables_after(max(new), len(sequence)))
         wanted = sorted(new - index.known)
         return index.with_chunks(wanted, self.tables.of_chunks(chunks, np.asarray(sequence)[wanted].tolist()))
 
     def _inside_one_group(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-                          starts: np.ndarray, length: int, end: int) -> WindowSet | None:
+                          starts: np.ndarray, length: int, end: int) -> SpanSet | None:
         """The spans as slices of one cached row group the index holds, when they all lie inside
         it (most batches without a shuffle; ``end``: one past their last token): what
         :meth:`_located` finds for them, for a few operations instead of a search per span; None
@@ -150,13 +150,13 @@ class SpanLocator:
         if rendered is None:
             return None
         n = len(starts)
-        return WindowSet(length, [rendered], [position], [chunk], [int(index.first_doc[g])], np.zeros(n, np.int64),
+        return SpanSet(length, [rendered], [position], [chunk], [int(index.first_doc[g])], np.zeros(n, np.int64),
                          starts - int(index.start[g]), starts - int(sequence_offsets[position]),
                          np.full(n, position, np.int64), {})
 
     def _located(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                  starts: np.ndarray, length: int, position: np.ndarray, index: StreamIndex, from_pages: bool,
-                 ahead: bool) -> WindowSet:
+                 ahead: bool) -> SpanSet:
         """The spans whose row groups ``index`` holds, each row group fetched once: a span inside
         one row group as a slice of its cached rendering; with ``from_pages`` (a cold read), one
         across row groups or chunks as its pieces (in ``others``, joined per chunk from slices of
@@ -168,7 +168,7 @@ class SpanLocator:
         held = index.locate(starts, length)
         inside = held >= 0
         rows = None if n and bool(inside.all()) else np.flatnonzero(inside)   # None: every span
-        found = WindowSet(length, [], [], [], [], *_NO_PIECES[:3], position, {})   # (group, at, start: below)
+        found = SpanSet(length, [], [], [], [], *_NO_PIECES[:3], position, {})   # (group, at, start: below)
         piece_row, piece_group, piece_lo, piece_hi = _NO_PIECES
         if rows is not None:
             found.group = np.full(n, -1, np.int64)
@@ -210,11 +210,11 @@ class SpanLocator:
         return found
 
 
-def _join_pieces(found: WindowSet, starts: np.ndarray, sequence_offsets: np.ndarray, piece_row: np.ndarray,
+def _join_pieces(found: SpanSet, starts: np.ndarray, sequence_offsets: np.ndarray, piece_row: np.ndarray,
                  piece_group: np.ndarray, piece_lo: np.ndarray, piece_hi: np.ndarray) -> None:
     """``found.others`` of the spans across row groups or chunks: each span's pieces (``piece_row``,
     in stream order: tokens ``[piece_lo, piece_hi)`` of ``found.groups[piece_group]``) joined into
-    one piece per chunk, as :meth:`SpanLocator.span` makes them."""
+    one piece per chunk, as :meth:`SpanReader.span` makes them."""
     pieces: dict[int, list[list[Piece]]] = {}
     for row, g, lo, hi in zip(piece_row.tolist(), piece_group.tolist(), piece_lo.tolist(), piece_hi.tolist()):
         at = found.group_position[g]

@@ -1,5 +1,5 @@
-"""Where windows of a chunk sequence's stream lie: the row groups of the chunks read so far, in
-stream order, so that a batch's windows are located with one search instead of a table of its
+"""Where spans of a chunk sequence's stream lie: the row groups of the chunks read so far, in
+stream order, so that a batch's spans are located with one search instead of a table of its
 chunks' row groups rebuilt for every batch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lakeloader.index.ranges import spans
+from lakeloader.index.ranges import run_indices
 
 # Row groups an index holds at most (five int64 each: ~2.6 MB); past it, it starts afresh with the
 # chunks of the batch at hand (a full shuffle over a lake of many chunks keeps meeting new ones).
@@ -50,7 +50,7 @@ class StreamIndex:
         group = np.concatenate([np.arange(n, dtype=np.int64) for n in counts.tolist()])
         first_doc = np.concatenate([first_docs for _, first_docs in tables]).astype(np.int64)
         # Sorted by start, a row group without tokens before the one starting where it does (the
-        # search for a window's group takes the last group starting at or before the window).
+        # search for a span's group takes the last group starting at or before the span).
         added = (start, stop, owner, group, first_doc)
         order = np.argsort(_order_key(start, stop))
         at = np.searchsorted(_order_key(old.start, old.stop), _order_key(start, stop)[order])
@@ -59,7 +59,7 @@ class StreamIndex:
         return StreamIndex(self.offsets, *merged, old.known | frozenset(int(p) for p in positions))
 
     def locate(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """For each window of ``length`` tokens starting at stream offset ``starts[i]``, the row
+        """For each span of ``length`` tokens starting at stream offset ``starts[i]``, the row
         group (index into this index's arrays) that holds it whole; -1 where none held here does
         (its chunk is not held, or it crosses a row group's end)."""
         found = np.searchsorted(self.start, starts, side="right") - 1
@@ -70,16 +70,16 @@ class StreamIndex:
         return found
 
     def reached(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Every (window, row group) pair where a window of ``length`` tokens starting at stream
+        """Every (span, row group) pair where a span of ``length`` tokens starting at stream
         offset ``starts[i]`` reaches tokens of a row group held here, in stream order for each
-        window: (the window, the row group, the window's first token within it, one past its
-        last). A window reaching a chunk not held has only the pieces held (their lengths then
+        span: (the span, the row group, the span's first token within it, one past its
+        last). A span reaching a chunk not held has only the pieces held (their lengths then
         add up to less than ``length``)."""
         starts = np.asarray(starts, np.int64)
         first = np.maximum(np.searchsorted(self.start, starts, side="right") - 1, 0)
         count = np.maximum(np.searchsorted(self.start, starts + length, side="left") - first, 0)
         rows = np.repeat(np.arange(len(starts), dtype=np.int64), count)
-        groups = spans(first, count)
+        groups = run_indices(first, count)
         lo = np.maximum(starts[rows], self.start[groups]) - self.start[groups]
         hi = np.minimum(starts[rows] + length, self.stop[groups]) - self.start[groups]
         kept = hi > lo

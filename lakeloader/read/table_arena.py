@@ -9,7 +9,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from lakeloader.index.ranges import spans
+from lakeloader.index.ranges import run_indices
 
 Table = tuple[np.ndarray, np.ndarray]   # (bounds: int64 [entries + 1] from 0, columns: int64 [rows, bounds[-1]])
 
@@ -57,7 +57,7 @@ class TableArena:
         rows = np.asarray(found, np.int64)[key_of] + entries
         first = bounds[rows]
         counts = bounds[rows + 1] - first
-        return columns[:, spans(first, counts)], counts
+        return columns[:, run_indices(first, counts)], counts
 
     def _place(self, keys: Sequence[Hashable], made: dict[int, Table]) -> list[int | None]:
         """Hold the tables ``made`` (by position in ``keys``) that are not held; where the bounds

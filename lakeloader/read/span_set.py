@@ -1,6 +1,6 @@
-"""A batch's windows located together: each row group's compact rendering (what the reader's
-cache keeps), the pieces of a window taken from one chunk, and the set of a batch's windows as
-slices of the renderings (filled into batches without a Python object per window)."""
+"""A batch's spans located together: each row group's compact rendering (what the reader's
+cache keeps), the pieces of a span taken from one chunk, and the set of a batch's spans as
+slices of the renderings (filled into batches without a Python object per span)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from lakeloader.contracts.chunk_file import ChunkParts
-from lakeloader.index.ranges import spans
+from lakeloader.index.ranges import run_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +27,9 @@ class RenderedGroup:
 
 @dataclasses.dataclass
 class Piece:
-    """Part of a window taken from one chunk."""
+    """Part of a span taken from one chunk."""
 
-    position: int       # index into the chunk sequence the window was read from
+    position: int       # index into the chunk sequence the span was read from
     chunk: int          # global index of the chunk
     start: int          # first stream offset within the chunk
     tokens: np.ndarray
@@ -74,31 +74,31 @@ def joined(pieces: list[Piece]) -> Piece:
                  first.first_doc, np.concatenate(doc_offsets))
 
 
-_MANY_DOCS = 4096   # a row group with more documents is searched only where windows lie
+_MANY_DOCS = 4096   # a row group with more documents is searched only where spans lie
 _GROUP_SHIFT = 32   # (a row group renders to fewer than 2**32 tokens)
 
 
 @dataclasses.dataclass
-class WindowSet:
-    """Windows of one length located together (:meth:`SpanLocator.spans`). Nearly every window
-    lies inside one cached row group and stays a slice of it: window ``i`` is tokens
+class SpanSet:
+    """Spans of one length located together (:meth:`SpanReader.spans`). Nearly every span
+    lies inside one cached row group and stays a slice of it: span ``i`` is tokens
     ``[at[i], at[i] + length)`` of ``groups[group[i]]``; the others (``group[i] == -1``: across
     row groups or chunks) keep their pieces in ``others``. Batches are filled from these arrays
-    without a Python object per window (:meth:`tokens`, :meth:`cuts`)."""
+    without a Python object per span (:meth:`tokens`, :meth:`cuts`)."""
 
     length: int
-    groups: list[RenderedGroup]     # the row groups the windows lie in, each once
+    groups: list[RenderedGroup]     # the row groups the spans lie in, each once
     group_position: list[int]       # chunk-sequence position of each of those row groups
     group_chunk: list[int]          # its chunk (global index)
     group_first_doc: list[int]      # document index within the chunk of its first document
-    group: np.ndarray               # int64 per window: index into ``groups``; -1: see ``others``
-    at: np.ndarray                  # int64 per window: first token within its row group
-    start: np.ndarray               # int64 per window: first stream offset within its chunk
-    position: np.ndarray            # int64 per window: chunk-sequence position of its first token
-    others: dict[int, list[Piece]]  # pieces of the windows not inside one row group
+    group: np.ndarray               # int64 per span: index into ``groups``; -1: see ``others``
+    at: np.ndarray                  # int64 per span: first token within its row group
+    start: np.ndarray               # int64 per span: first stream offset within its chunk
+    position: np.ndarray            # int64 per span: chunk-sequence position of its first token
+    others: dict[int, list[Piece]]  # pieces of the spans not inside one row group
 
     def pieces(self, i: int) -> list[Piece]:
-        """Window ``i``'s pieces (one view of its row group's rendering unless in ``others``)."""
+        """Span ``i``'s pieces (one view of its row group's rendering unless in ``others``)."""
         g = int(self.group[i])
         if g < 0:
             return self.others[i]
@@ -107,8 +107,8 @@ class WindowSet:
                        self.group_first_doc[g], a, a + self.length)]
 
     def tokens(self, which: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray | None] | None]:
-        """Token views of windows ``which`` (each inside a row group) and their target flags
-        (None for a window whose tokens all train; None instead of the list when every one does)."""
+        """Token views of spans ``which`` (each inside a row group) and their target flags
+        (None for a span whose tokens all train; None instead of the list when every one does)."""
         groups = [self.groups[g] for g in self.group[which].tolist()]
         ats = self.at[which].tolist()
         n = self.length
@@ -118,12 +118,12 @@ class WindowSet:
         return views, [None if r.trainable is None else r.trainable[a : a + n] for r, a in zip(groups, ats)]
 
     def cuts(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(k, offset) of every document start strictly inside window ``which[k]`` (each inside
-        a row group): one search for all windows over their row groups' document starts."""
-        k, at = self.group[which], self.at[which]   # every row group of the set holds some window
+        """(k, offset) of every document start strictly inside span ``which[k]`` (each inside
+        a row group): one search for all spans over their row groups' document starts."""
+        k, at = self.group[which], self.at[which]   # every row group of the set holds some span
         doc_starts = [g.doc_starts for g in self.groups]
         counts = [len(d) for d in doc_starts]
-        if max(counts) > _MANY_DOCS:   # short documents: only those the windows reach
+        if max(counts) > _MANY_DOCS:   # short documents: only those the spans reach
             reach = np.full((2, len(doc_starts)), [[np.iinfo(np.int64).max], [0]], np.int64)
             np.minimum.at(reach[0], k, at)
             np.maximum.at(reach[1], k, at + self.length)
@@ -138,5 +138,5 @@ class WindowSet:
         # (the arrays' methods: numpy's function wrappers cost more than these small calls)
         lo = shifted.searchsorted(begin, side="right")
         count = np.maximum(shifted.searchsorted(begin + self.length, side="left") - lo, 0)
-        found = shifted[spans(lo, count)] - begin.repeat(count)
+        found = shifted[run_indices(lo, count)] - begin.repeat(count)
         return np.arange(len(which)).repeat(count), found

@@ -16,14 +16,14 @@ from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.group_tables import GroupTable, GroupTables
 from lakeloader.read.read_ahead import ReadAhead
 from lakeloader.read.renderings import Renderings
-from lakeloader.read.spans import SpanLocator
-from lakeloader.read.window_set import Piece, RenderedGroup, WindowSet
+from lakeloader.read.spans import SpanReader
+from lakeloader.read.span_set import Piece, RenderedGroup, SpanSet
 
 
 class StreamReader:
     """Reads ranges of one dataset's chunk streams (documents rendered by its collation
     ``template``), one row group at a time, from ``files`` and the row-group tables ``view``
-    gives. ``scattered`` and ``sequential``: how the spans asked for move (:class:`SpanLocator`);
+    gives. ``scattered`` and ``sequential``: how the spans asked for move (:class:`SpanReader`);
     a ``sequential`` reader also decodes row groups ahead (:class:`ReadAhead`)."""
 
     def __init__(self, view: CatalogView, files: ChunkFiles, template: Template, scattered: bool = False,
@@ -33,7 +33,7 @@ class StreamReader:
         self.tables = GroupTables(view, template)
         self.renderings = Renderings(files, template, self.tables)
         self.ahead = ReadAhead(self.tables, self.renderings, in_order=sequential)
-        self.locator = SpanLocator(self.tables, self.renderings, self.ahead, scattered=scattered, sequential=sequential)
+        self.span_reader = SpanReader(self.tables, self.renderings, self.ahead, scattered=scattered, sequential=sequential)
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (:meth:`GroupTables.chunk_lengths`)."""
@@ -56,16 +56,15 @@ class StreamReader:
         (:meth:`Renderings.all_cached`)."""
         return self.renderings.all_cached(chunks, wanted)
 
-    # window and windows: the names feed/ still uses for spans.
-    def window(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
+    def span(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
                start: int, length: int) -> list[Piece]:
-        """One span's pieces (:meth:`SpanLocator.span`)."""
-        return self.locator.span(chunks, sequence, sequence_offsets, start, length)
+        """One span's pieces (:meth:`SpanReader.span`)."""
+        return self.span_reader.span(chunks, sequence, sequence_offsets, start, length)
 
-    def windows(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
-                starts: np.ndarray, length: int) -> WindowSet:
-        """Many spans located together (:meth:`SpanLocator.spans`)."""
-        return self.locator.spans(chunks, sequence, sequence_offsets, starts, length)
+    def spans(self, chunks: DatasetChunks, sequence: Sequence[int], sequence_offsets: np.ndarray,
+                starts: np.ndarray, length: int) -> SpanSet:
+        """Many spans located together (:meth:`SpanReader.spans`)."""
+        return self.span_reader.spans(chunks, sequence, sequence_offsets, starts, length)
 
     def look_ahead_after(self, chunks: DatasetChunks, chunk: int, group: int) -> None:
         """Decode ahead the row groups after the last one a batch of packed examples reached

@@ -224,7 +224,7 @@ def test_a_first_batch_reads_windows_across_row_groups_from_pages(lake: Path, mo
     Rows bitwise the reference's."""
     general: list[int] = []
     joined: list[int] = []   # the chunks each window read from pieces reaches
-    window, join_pieces = spans_module.SpanLocator.span, spans_module._join_pieces
+    window, join_pieces = spans_module.SpanReader.span, spans_module._join_pieces
 
     def general_spy(self: Any, *args: Any) -> Any:
         general.append(args[3])
@@ -238,7 +238,7 @@ def test_a_first_batch_reads_windows_across_row_groups_from_pages(lake: Path, mo
     with Loader(config) as one:
         stream = Stream(one, "t").laid_out(list(range(one.datasets[0].chunks.committed)))
         examples = {step: one.examples(step).examples for step in range(40)}
-    monkeypatch.setattr(spans_module.SpanLocator, "span", general_spy)
+    monkeypatch.setattr(spans_module.SpanReader, "span", general_spy)
     monkeypatch.setattr(spans_module, "_join_pieces", join_spy)
     for step, rows in examples.items():
         with Loader(config) as loader:
