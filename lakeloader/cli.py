@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import json
 import logging
 import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -162,14 +163,36 @@ def _output_error(path: str | None, exc: OSError) -> LakeloaderError:
                            "writable location, then re-run")
 
 
+def _read_state(path: str) -> dict[str, Any]:
+    """A saved loader state (``Loader.state``) from a JSON file."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            found = json.load(file)
+    except OSError as exc:
+        raise LakeloaderError(f"--resume/--state {path}: {exc.strerror}; give the JSON file of a saved loader state") from None
+    except json.JSONDecodeError as exc:
+        raise LakeloaderError(f"--resume/--state {path}: not JSON (line {exc.lineno}: {exc.msg}); give the file "
+                              "Loader.state() was saved to") from None
+    if not isinstance(found, dict):
+        raise LakeloaderError(f"--resume/--state {path}: holds a JSON {type(found).__name__}, not a loader state")
+    return found
+
+
 def _cmd_batches(args: argparse.Namespace) -> int:
     from lakeloader.feed.npz import write_batches
 
     _check_writable(args.out)
     first, stop = args.steps
     with _loader(args) as loader:
+        if args.resume:
+            loader.follow(_read_state(args.resume), continue_changes=args.continue_changes)
+        elif args.continue_changes:
+            raise LakeloaderError("--continue-changes continues the run of --resume STATE.json: give it too")
         loader.check_step(stop - 1)  # before computing any batch
         out, shapes = write_batches(loader, first, stop, args.out, progress=not args.no_progress)
+        if args.save_state:
+            with open(args.save_state, "w", encoding="utf-8") as file:
+                json.dump(loader.state(stop), file)
     described = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
     print(f"wrote steps [{first}, {stop}), process {args.process_index} of {args.process_count}: "
           f"{described} -> {out}")
@@ -183,8 +206,22 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from lakeloader.catalog.audit import audit
+    from lakeloader.feed.loader import Loader
+    from lakeloader.feed.run_audit import run_audit
     from lakeloader.report.audit_plot import plot_audit
 
+    if args.state:
+        state = _read_state(args.state)
+        with Loader(args.config) as loader:
+            step = loader.follow(state)
+            frame = run_audit(loader, args.steps[1] if args.steps else step)
+        if args.format == "table":
+            print(f"run revised at steps {frame.attrs['revisions']}, steps [0, {frame.attrs['stop_step']}) of "
+                  f"batch {frame.attrs['batch_size']}, from the closed form")
+        _print_frame(frame, args.format)
+        return 0
+    if args.steps is None:
+        raise LakeloaderError("audit needs --steps A:B (or --state STATE.json: the run's steps so far)")
     first, stop = args.steps
     frame = audit(args.config, first, stop)
     if args.format == "table":
@@ -321,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     batches.add_argument("--steps", type=_steps, required=True, metavar="A:B",
                          help="steps A..B-1 (half-open [A, B))")
     batches.add_argument("--out", required=True, metavar="FILE.npz", help="output file")
+    batches.add_argument("--resume", metavar="STATE.json", help=(
+        "a saved loader state (Loader.state as JSON): the batches are those of its run, whose mixture may have "
+        "been revised mid-run"))
+    batches.add_argument("--continue-changes", action="store_true", help=(
+        "with --resume: continue the run under CONFIG although its mixture or datasets changed since the state "
+        "was saved (earlier steps keep their batches; each dataset continues where it stopped)"))
+    batches.add_argument("--save-state", metavar="STATE.json", help="write the run's state at step B here")
     batches.add_argument("--no-progress", action="store_true", help="no progress bar")
     batches.set_defaults(func=_cmd_batches)
 
@@ -335,8 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a build registered it (SQL: mixture_plan, mixture_proportions), else computes the same "
         "closed form; reads no data.")
     audit.add_argument("config", metavar="CONFIG", help="YAML config file")
-    audit.add_argument("--steps", type=_steps, required=True, metavar="A:B",
+    audit.add_argument("--steps", type=_steps, metavar="A:B",
                        help="steps A..B-1 (half-open [A, B), as audit(config, A, B) in Python)")
+    audit.add_argument("--state", metavar="STATE.json", help=(
+        "audit the run of a saved loader state instead: its steps so far (or [0, B) of --steps), revision by "
+        "revision and in total, with each dataset's tokens and epochs"))
     audit.add_argument("--format", choices=formats, default="table")
     audit.add_argument("--plot", default=None, metavar="FILE.png",
                        help="also draw realized vs target share over the steps into a PNG (matplotlib)")
