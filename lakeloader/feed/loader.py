@@ -25,7 +25,6 @@ from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, ShuffleConfig, load_config
 from lakeloader.contracts.errors import (
-    CatalogError,
     CatalogNotPublishedError,
     ConfigError,
     LakeloaderError,
@@ -38,7 +37,6 @@ from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
-from lakeloader.plan.planner import filter_fingerprint
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.windows import StreamReader
@@ -160,6 +158,7 @@ class Loader:
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
         self.dataset_names = names = dataset_names(config)
+        self.view.check_own_plans(config, names)   # the lake's plan of each name is this config's definition
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
@@ -170,7 +169,6 @@ class Loader:
                 f"loader.shuffle.kind = {shuffle.kind!r} needs loader.ordering: global (the strided "
                 "ordering fixes its own order); set shuffle to none or ordering to global")
         self.datasets = [self._examples(name, ordering, shuffle) for name in names]
-        self._check_selections()
         means = None
         if token_weights(config):
             for examples in self.datasets:   # the weights need every dataset's mean example size
@@ -214,23 +212,6 @@ class Loader:
             return DatasetExamples(name, self.view, reader, **common)
         return PackedExamples(name, self.view, reader, spec, seq2seq=dataset.seq2seq, pad_id=self.pad_id,
                               **common)
-
-    def _check_selections(self) -> None:
-        """A CatalogError unless each dataset of this config defined by a filter is, in the lake,
-        the selection of this config's predicate from its source's plan there: a name holds one
-        definition at a time, and another config's predicate must never be served as this one's."""
-        for examples in self.datasets:
-            dataset = self.config.datasets[examples.name]
-            if dataset.from_ is None:
-                continue
-            source = self.view.plan_fingerprint(dataset.from_)
-            if source is None or filter_fingerprint(source, dataset.where or "") != examples.fingerprint:
-                where = self.config.source_file or "this config"
-                raise CatalogError(
-                    f"dataset {examples.name!r} of lake {self.lake.url} is not the selection {where} defines "
-                    f"(from: {dataset.from_}, where: {dataset.where}): it was built by a config with another "
-                    f"predicate or source. Build this config's (lakeloader build {where}; it tokenizes nothing), "
-                    "or give the dataset a name of its own")
 
     def _fingerprint(self) -> str:
         loader = self.config.loader
