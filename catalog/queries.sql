@@ -34,6 +34,18 @@ VALUES ($name, $fingerprint, $format, $fields, $chunk_dir, $tokenizer_path, $tok
 -- name: set_on_error
 UPDATE dataset_plans SET on_error = $on_error WHERE name = $name;
 
+-- name: record_definition
+-- A config's definition of a dataset was (re)planned as $fingerprint (catalog/identity.py).
+INSERT OR REPLACE INTO dataset_definitions (dataset, definition, fingerprint, config, recorded_at)
+VALUES ($name, $definition, $fingerprint, $config, now()::TIMESTAMP);
+
+-- name: dataset_definitions
+-- Every definition of a dataset name the lake recorded, with the plan it was last built as and the
+-- config that built it, the newest first.
+SELECT definition, fingerprint, config
+FROM dataset_definitions WHERE dataset = $name
+ORDER BY recorded_at DESC, definition;
+
 -- name: chunk_tasks
 -- Chunks of the datasets, committed or not ($committed), with what a build task needs to (re)build
 -- them and their catalog record (size and checksum, null until committed) to check files against.
@@ -273,6 +285,11 @@ ORDER BY r.global_index, r.row_group;
 -- exactly the snapshot's. Each dataset's plan, as reader_dataset returns it, and its tokenizer.
 SELECT name, fingerprint, token_type, fields, source_dataset, tokenizer_path
 FROM published_snapshot.dataset_plans ORDER BY name;
+
+-- name: reader_index_definitions
+-- The definitions recorded for each dataset name (dataset_definitions' rows, in its order).
+SELECT dataset, definition, fingerprint, config
+FROM published_snapshot.dataset_definitions ORDER BY dataset, recorded_at DESC, definition;
 
 -- name: reader_index_chunks
 -- Every planned chunk: reader_chunks' columns and the file record (reader_chunk_record's).

@@ -31,6 +31,21 @@ ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS encoder VARCHAR;
 ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS source_dataset VARCHAR;
 ALTER TABLE dataset_plans ADD COLUMN IF NOT EXISTS selection VARCHAR;
 
+-- What each config's definition of a dataset name was last planned as: a name is a config's label,
+-- a plan its definition's fingerprint, and the lake holds one plan per name at a time (in
+-- dataset_plans). A reader of a config reads the lake's plan of a name only if the row of its own
+-- definition names that plan (catalog/identity.py). One row per (name, definition), replaced by
+-- each build of it. Datasets defined by a filter have none (their plan's fingerprint is checked
+-- against their source's and predicate instead).
+CREATE TABLE IF NOT EXISTS dataset_definitions (
+    dataset     VARCHAR NOT NULL,
+    definition  VARCHAR NOT NULL,          -- hash of the config's definition (plan.planner.definition_fingerprint)
+    fingerprint VARCHAR NOT NULL,          -- the plan its last build made of it
+    config      VARCHAR,                   -- the config file that built it (NULL: a Config object)
+    recorded_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (dataset, definition)
+);
+
 -- One row per input file of a dataset, in shard order.
 CREATE TABLE IF NOT EXISTS shard_plans (
     dataset     VARCHAR NOT NULL,

@@ -20,6 +20,7 @@ from lakeloader.catalog.documents import (
     register_documents,
     scan_failure,
 )
+from lakeloader.catalog.identity import check_own_plans_in
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.snapshot import open_snapshot
 from lakeloader.catalog.sql import ALLOWED_SQL, STATUS_TABLES, check_read_only, query, run_bounded
@@ -45,13 +46,17 @@ class Lake(LakeLocation):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  io_retry_deadline: float = DEFAULT_IO_RETRY_DEADLINE, sql: SqlConfig | None = None,
-                 config_file: str | None = None, datasets: Sequence[str] | None = None) -> None:
+                 config_file: str | None = None, datasets: Sequence[str] | None = None,
+                 config: Config | None = None) -> None:
         """``sql``: the limits of its catalog connections and queries (the config's ``sql``
         section); ``config_file``: the config they come from, named by errors about them;
         ``datasets``: the config's datasets, those ``status`` and ``stats`` answer for unless
-        asked for the whole lake (None: a lake opened by its path, every dataset)."""
+        asked for the whole lake (None: a lake opened by its path, every dataset); ``config``:
+        the config defining them (then ``status`` and ``stats`` refuse a dataset whose plan in the
+        lake is another config's definition: ``catalog/identity.py``)."""
         super().__init__(url, storage_options, io_retry_deadline)
         self.datasets = None if datasets is None else tuple(datasets)
+        self.config = config
         self.sql_config = sql or SqlConfig()
         self._limits_from = (config_file if config_file else
                              "the lake's config (given a lake's path instead, lakeloader uses the defaults)")
@@ -142,6 +147,8 @@ class Lake(LakeLocation):
         that needs more than ``sql.memory_limit`` as ``QueryLimitError``)."""
         con = self.connect(sandboxed=True)
         try:
+            if not whole_lake:
+                self._check_own_plans(con)
             if documents:
                 register_documents(con, self, None if whole_lake else self.datasets)
             yield con
@@ -156,6 +163,12 @@ class Lake(LakeLocation):
         finally:
             con.close()
 
+    def _check_own_plans(self, con: duckdb.DuckDBPyConnection) -> None:
+        """A CatalogError unless the lake holds the config's own definition of each of its
+        datasets the lake has (nothing to check for a lake opened by its path)."""
+        if self.config is not None and self.datasets is not None:
+            check_own_plans_in(con, self.config, self.datasets, self.url)
+
     def status(self, whole_lake: bool = False) -> dict[str, pd.DataFrame]:   # keys: STATUS_TABLES
         """Per-dataset and per-shard progress, the recent builds and the stale chunk folders of
         replaced dataset plans (``stale_folders``; ``lakeloader gc`` removes them), as DataFrames:
@@ -163,6 +176,8 @@ class Lake(LakeLocation):
         every build of the lake)."""
         con = self.connect()
         try:
+            if not whole_lake:
+                self._check_own_plans(con)
             tables = {name: con.execute(query(q)).df() for name, q in
                       (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
             tables["stale_folders"] = stale_chunk_folders(self, con)
@@ -204,7 +219,7 @@ def open_lake(config_or_lake: Config | str | os.PathLike[str],
     if isinstance(config_or_lake, Config):
         config = config_or_lake
         return Lake(config.lake, config.storage_options, config.io_retry_deadline, config.sql, config.source_file,
-                    list(config.datasets))
+                    list(config.datasets), config)
     text = os.fspath(config_or_lake)
     lake = Lake(text, storage_options)
     if lake.is_local and not os.path.isdir(lake.root):

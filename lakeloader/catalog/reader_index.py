@@ -26,6 +26,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.catalog.identity import DefinitionRecord
 from lakeloader.catalog.sql import query
 from lakeloader.contracts.errors import CatalogIntegrityError
 
@@ -78,7 +79,10 @@ def write_reader_index(con: duckdb.DuckDBPyConnection, staged: Callable[[str], s
             "examples": {key: rows for (name, key), rows in example_rows.items() if name == plan["name"]},
             "packing_plans": [row["plan_key"] for row in packing_plans if row["dataset"] == plan["name"]],
         } for plan in plans}
-    metadata = {_METADATA_KEY: json.dumps({"datasets": datasets}).encode()}
+    definitions: dict[str, list[list[str | None]]] = {}
+    for row in fetch("reader_index_definitions").to_pylist():
+        definitions.setdefault(row["dataset"], []).append([row["definition"], row["fingerprint"], row["config"]])
+    metadata = {_METADATA_KEY: json.dumps({"datasets": datasets, "definitions": definitions}).encode()}
     tables = {"chunks": chunks.drop_columns(["dataset"]).replace_schema_metadata(metadata),
               "row_groups": row_groups.drop_columns(["dataset"]),
               "examples": examples.drop_columns(["dataset", "plan_key"])}
@@ -157,6 +161,14 @@ def _indexed_dataset(d: dict[str, Any], tables: dict[str, pa.Table]) -> IndexedD
                           frozenset(_strings(d["packing_plans"])))
 
 
+def _definition(row: Any) -> DefinitionRecord:
+    """One recorded definition of the index's metadata, its types checked."""
+    if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], str)
+            and isinstance(row[2], (str, type(None)))):
+        raise ValueError(f"a dataset definition is not [definition, fingerprint, config]: {row!r}")
+    return DefinitionRecord(row[0], row[1], row[2])
+
+
 class ReaderIndex:
     """A published snapshot's reader index, memory-mapped: immutable, safe to share by threads.
 
@@ -173,6 +185,9 @@ class ReaderIndex:
                 table.validate(full=True)
             metadata = json.loads(self.tables["chunks"].schema.metadata[_METADATA_KEY])
             self.datasets = {name: _indexed_dataset(d, self.tables) for name, d in metadata["datasets"].items()}
+            # An index written before definitions were recorded has none.
+            self._definitions = {name: [_definition(row) for row in rows]
+                                 for name, rows in metadata.get("definitions", {}).items()}
         except (pa.ArrowException, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CatalogIntegrityError(
                 f"the reader index {paths['chunks'].removesuffix('.chunks.arrow')}.*.arrow is not as lakeloader "
@@ -184,6 +199,10 @@ class ReaderIndex:
         catalog query reader_dataset returns them; None if the snapshot has no such dataset."""
         found = self.datasets.get(name)
         return None if found is None else (found.fingerprint, found.token_type, found.fields, found.source)
+
+    def definitions(self, name: str) -> list[DefinitionRecord]:
+        """The definitions of dataset ``name`` the snapshot recorded (the query dataset_definitions)."""
+        return list(self._definitions.get(name, []))
 
     def tokenizer_path(self, datasets: Sequence[str]) -> str | None:
         """The lake-relative path of the tokenizer copy of the first of ``datasets`` the snapshot

@@ -20,6 +20,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
+from lakeloader.catalog.identity import replaced_definitions
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.config import SqlConfig
 from lakeloader.contracts.chunk_file import ChunkResult, PlanStats
@@ -509,8 +510,12 @@ class CatalogWriter:
         return result
 
     def register_plan(self, plan: DatasetPlan, *, tokenizer_path: str, token_type: str,
-                      vocab_size: int, split_size: int, on_error: str) -> bool:
+                      vocab_size: int, split_size: int, on_error: str, definition: str | None = None,
+                      config_file: str | None = None) -> bool:
         """Store ``plan`` unless the same fingerprint is already planned; returns whether it was new.
+        ``definition`` (a dataset built from sources: its config's
+        :func:`~lakeloader.plan.planner.definition_fingerprint`) is recorded as planned as ``plan``
+        by ``config_file``, in the same transaction as the plan.
 
         A dataset whose fingerprint changed gets the new plan; its committed chunks that the new
         plan names for the same split of the same unchanged file (same chunk path) stay committed
@@ -521,9 +526,21 @@ class CatalogWriter:
         or source is a new selection, evaluated afresh.
         """
         current = self._run("dataset_plan", {"name": plan.name}).fetchone()
+        recorded = {"name": plan.name, "definition": definition, "fingerprint": plan.fingerprint,
+                    "config": config_file}
         if current and current[0] == plan.fingerprint:
-            self._run("set_on_error", {"name": plan.name, "on_error": on_error})
+            with self.transaction():
+                self._run("set_on_error", {"name": plan.name, "on_error": on_error})
+                if definition is not None:
+                    self._run("record_definition", recorded)
             return False
+        if current:
+            replaced = replaced_definitions(self.con, plan.name, current[0], definition, config_file)
+            if replaced:
+                log.warning("dataset %r: replacing the lake's plan %s, built from %s, with the definition of %s "
+                            "(one plan per name): loaders of %s refuse the dataset until that config is built again; "
+                            "give one of the definitions another name to keep both",
+                            plan.name, current[0][:12], replaced, config_file or "this config", replaced)
         chunk_rows = plan.chunks.assign(dataset=plan.name)
         splits = plan.chunks.groupby("shard_index").size()
         shard_rows = pd.DataFrame({
@@ -555,6 +572,8 @@ class CatalogWriter:
             if not filtered:
                 adopted = self._run("adopt_chunks", {"name": plan.name}).fetchone()[0]
                 self._run("drop_adopted_chunks")
+            if definition is not None:
+                self._run("record_definition", recorded)
             for missing in plan.missing:
                 self._run("insert_reject", {
                     "dataset": plan.name, "source": missing.source, "location": "whole file",

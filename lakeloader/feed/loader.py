@@ -24,7 +24,7 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import example_token_means
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, load_config
-from lakeloader.contracts.errors import CatalogError, CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
+from lakeloader.contracts.errors import CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.explain import explain
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
@@ -34,7 +34,6 @@ from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
 from lakeloader.index.mixture import Mixer
 from lakeloader.index.revisions import RunMixture, continued
-from lakeloader.plan.planner import filter_fingerprint
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.specs import mixture_spec, packing_spec, template_for, token_id, token_weights
@@ -99,11 +98,11 @@ class Loader:
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
         self.dataset_names = names = settings.names
+        self.view.check_own_plans(config, names)   # the lake's plan of each name is this config's definition
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
         self.pad_id = token_id(self.tokenizer, "loader.pad_token", loader.pad_token or loader.eos_token)
         self.templates = {name: template_for(name, config, self.tokenizer) for name in names}
         self.datasets: list[ExampleStream] = [self._stream(name) for name in names]
-        self._check_selections(self.datasets)
         means = None
         if token_weights(config):
             for stream in self.datasets:   # (waits for each dataset: the weights need its mean example size)
@@ -127,12 +126,12 @@ class Loader:
                 f"the run draws from dataset(s) {missing} in earlier steps, which {self.config.source_file or 'this config'} "
                 "no longer defines: keep their sections under datasets: (left out of the mixture, or with weight 0) so "
                 "that those steps can still be read")
+        new = [name for name in run.spec.names if name not in have]
+        self.view.check_own_plans(self.config, new)
         added = []
-        for name in run.spec.names:
-            if name not in have:
-                self.templates[name] = template_for(name, self.config, self.tokenizer)
-                added.append(self._stream(name))
-        self._check_selections(added)
+        for name in new:
+            self.templates[name] = template_for(name, self.config, self.tokenizer)
+            added.append(self._stream(name))
         have.update((stream.name, stream) for stream in added)
         self.datasets = [have[name] for name in run.spec.names]
         self.dataset_names = run.spec.names
@@ -168,23 +167,6 @@ class Loader:
                               seq_len=loader.seq_len, ordering=settings.ordering, ideal_readers=loader.ideal_readers,
                               shuffle=settings.shuffle, seed=loader.seed, wait_timeout=loader.wait_timeout,
                               seq2seq=self.config.datasets[name].seq2seq, pad_id=self.pad_id)
-
-    def _check_selections(self, streams: Sequence[ExampleStream]) -> None:
-        """A CatalogError unless each of ``streams`` defined by a filter is, in the lake, the
-        selection of this config's predicate from its source's plan there: a name holds one
-        definition at a time, and another config's predicate must never be served as this one's."""
-        for stream in streams:
-            dataset = self.config.datasets[stream.name]
-            if dataset.from_ is None:
-                continue
-            source = self.view.plan_fingerprint(dataset.from_)
-            if source is None or filter_fingerprint(source, dataset.where or "") != stream.fingerprint:
-                where = self.config.source_file or "this config"
-                raise CatalogError(
-                    f"dataset {stream.name!r} of lake {self.lake.url} is not the selection {where} defines "
-                    f"(from: {dataset.from_}, where: {dataset.where}): it was built by a config with another "
-                    f"predicate or source. Build this config's (lakeloader build {where}; it tokenizes nothing), "
-                    "or give the dataset a name of its own")
 
     def _definition(self) -> dict[str, Any]:
         """What defines this config's batches, as JSON: its datasets' plans and collation, its

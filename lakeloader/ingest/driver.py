@@ -28,7 +28,13 @@ from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, Totals, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
 from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
-from lakeloader.plan.planner import DatasetPlan, filtered_plan, plan_dataset, with_planned_metadata
+from lakeloader.plan.planner import (
+    DatasetPlan,
+    definition_fingerprint,
+    filtered_plan,
+    plan_dataset,
+    with_planned_metadata,
+)
 from lakeloader.specs import mixture_spec, packing_specs, plan_keys, token_weights
 from lakeloader.storage import write_atomically, write_failure
 from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, token_dtype, tokenizer_fingerprint
@@ -211,6 +217,7 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
             plan, tokenizer_path=tokenizer_path, token_type=str(token_dtype(vocab_size)),
             vocab_size=vocab_size, split_size=config.build.split_size,
             on_error=config.datasets[name].on_error,
+            definition=None if source else definition_fingerprint(name, config), config_file=config.source_file,
         )
         log.info("dataset %r: %d shards, %d chunks planned%s%s", name, len(plan.shards), len(plan.chunks),
                  f" (a filter of {source!r})" if source else "", "" if new else " (plan unchanged)")

@@ -98,6 +98,18 @@ def settings_fingerprint(dataset: DatasetConfig, tokenizer_fingerprint: str, spl
     return _hash(_settings(dataset, tokenizer_fingerprint, split_size, encoder, metadata))
 
 
+def definition_fingerprint(name: str, config: Config) -> str:
+    """Hash of what ``config`` writes to define dataset ``name`` (built from sources): its source
+    globs or URLs as resolved, format, fields, metadata fields as listed, tokenizer and split size.
+    The plan a build makes of it (:func:`dataset_fingerprint`: the files those globs matched then,
+    the tokenizer's contents, the encoder) is recorded against it in the catalog, so a reader
+    knows whether the lake's plan of ``name`` is this config's (``catalog/identity.py``)."""
+    dataset = config.datasets[name]
+    return _hash({"chunk_format": CHUNK_FORMAT_VERSION, "tokenizer": config.tokenizer, "format": dataset.format,
+                  "fields": dataset.build_fields, "split_size": config.build.split_size,
+                  "metadata": list(dataset.metadata_fields.items()), "sources": list(dataset.sources)})
+
+
 def shard_fingerprint(shard: Shard) -> str:
     """Hash of one file's identity (URL, size, version): names its chunk files, so the chunks of
     a file that did not change keep their names when other files of the dataset come or go."""

@@ -20,11 +20,13 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.catalog.identity import DefinitionRecord, check_own_plans, definition_records
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.reader_index import ReaderIndex
 from lakeloader.catalog.snapshot import connect_newest, connect_pointer, open_reader_index, read_pointer
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import LiveCatalog, define_views
+from lakeloader.config import Config
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.read.lru import LRU
 from lakeloader.storage import with_retries
@@ -352,11 +354,26 @@ class CatalogView:
         row = self.named("tokenizer_path", {"datasets": list(datasets)}, FetchOne)
         return None if row is None else row[0]
 
-    def plan_fingerprint(self, name: str) -> str | None:
-        """The fingerprint of dataset ``name``'s plan in the catalog (None: the catalog has none)."""
+    def plan_of(self, name: str) -> tuple[str, str | None] | None:
+        """The fingerprint of dataset ``name``'s plan in the catalog and its source dataset (None:
+        not defined by a filter); None when the catalog has no plan of the name."""
         index = self.reader_index()
         row = index.plan(name) if index is not None else self.named("reader_dataset", {"name": name}, FetchOne)
-        return None if row is None else str(row[0])
+        return None if row is None else (str(row[0]), row[3])
+
+    def definitions(self, name: str) -> list[DefinitionRecord]:
+        """The definitions of dataset ``name`` the catalog recorded, each with the plan it was last
+        built as and the config that built it (none for a catalog from before they were recorded)."""
+        index = self.reader_index()
+        if index is not None:
+            return index.definitions(name)
+        with self.reading() as cursor:
+            return definition_records(cursor, name)
+
+    def check_own_plans(self, config: Config, names: Sequence[str]) -> None:
+        """A CatalogError unless the lake holds ``config``'s own definition of each of ``names``
+        (and of their sources): see :mod:`lakeloader.catalog.identity`."""
+        check_own_plans(config, names, self.lake.url, self.plan_of, self.definitions)
 
     def is_filtered(self, name: str) -> bool:
         """Whether dataset ``name`` is defined by a filter of another (``from``, ``where``)."""
