@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from lakeloader.feed.jax import JaxFeed
+from lakeloader import JaxFeed
 
 
 def main() -> None:

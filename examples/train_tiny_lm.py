@@ -46,11 +46,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lakeloader.config import load_config
-from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.feed.jax import JaxFeed
-from lakeloader.specs import dataset_names
-from lakeloader.tokenizer import load_tokenizer
+from lakeloader import JaxFeed, LakeloaderError, dataset_names, load_config
 
 log = logging.getLogger("train_tiny_lm")
 
@@ -222,11 +218,6 @@ def make_optimizer(learning_rate: float, warmup_steps: int) -> optax.GradientTra
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
 
 
-def vocab_size_of(feed: JaxFeed) -> int:
-    tokenizer = load_tokenizer(feed.config.tokenizer)
-    return tokenizer.get_vocab_size(with_added_tokens=True)
-
-
 def batch_digest(array: jax.Array) -> str:
     """SHA-256 of this process's rows of a batch array (all of it on one process)."""
     if array.is_fully_addressable:
@@ -274,7 +265,7 @@ def main() -> None:
         loader = feed.config.loader
         if loader.batch_size % mesh.size:
             raise SystemExit(f"loader.batch_size {loader.batch_size} must be a multiple of the {mesh.size} devices")
-        vocab_size = vocab_size_of(feed)
+        vocab_size = feed.vocab_size   # the lake's tokenizer's, special tokens included
         optimizer = make_optimizer(args.learning_rate, args.warmup_steps)
         chunk = loss_chunk(loader.seq_len, loader.batch_size // mesh.size)
         names = dataset_names(feed.config)   # batch["dataset_ids"] are positions in this list

@@ -92,7 +92,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", SETUP),
         ("code", "import time\nimport jax\nimport numpy as np\nimport matplotlib.pyplot as plt\n"
                  "from jax.sharding import Mesh, PartitionSpec\nfrom tokenizers import Tokenizer\n"
-                 "from lakeloader.feed.jax import JaxFeed\n\n"
+                 "from lakeloader import JaxFeed\n\n"
                  "mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))\n"
                  "feed = JaxFeed(CONFIG, mesh, PartitionSpec('data', None))\nmesh"),
         ("code", "batch = feed.batch(0)\n{name: (a.shape, a.dtype, a.sharding.spec) for name, a in batch.items()}"),
@@ -122,8 +122,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "print(f'{steps / seconds:.0f} steps/s, {tokens / seconds:,.0f} tokens/s')\n"
                  "started = time.perf_counter(); far = feed.batch(10**6)\n"
                  "print(f'batch 1,000,000 after {(time.perf_counter() - started) * 1e3:.0f} ms')"),
-        ("markdown", "Save and restore: the loader state is two values."),
-        ("code", "state = feed.state(7)\nprint(state)\nrestored = next(feed.restore(state))\n"
+        ("markdown", "Save and restore: the loader state is a small JSON dict (the step, the fingerprint and "
+                     "definition of the config's batches, the mixture the run has followed)."),
+        ("code", "import json\nstate = feed.state(7)\nprint(state['step'], state['fingerprint'], sorted(state), "
+                 "len(json.dumps(state)), 'bytes')\nrestored = next(feed.restore(state))\n"
                  "all(np.array_equal(restored[k], feed.batch(7)[k]) for k in restored)"),
         ("code", "feed.close()"),
     ],
@@ -150,7 +152,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
         ("code", "lake.sql(f\"SELECT step, dataset, examples, before, after, deviation FROM mixture_plan('{mixture_id}', 5, 7) ORDER BY step, dataset\")"),
         ("code", "lake.sql(f\"SELECT dataset, target_weight, share, examples, max_deviation FROM mixture_proportions('{mixture_id}', 0, 100000)\")"),
         ("markdown", "What fed step 5, row by row (the loader's own view):"),
-        ("code", "from lakeloader.feed.loader import Loader\n"
+        ("code", "from lakeloader import Loader\n"
                  "with Loader(CONFIG) as loader:\n"
                  "    rows = loader.explain(5).groupby('row').first()[['dataset', 'epoch', 'example', 'source', 'location']]\n"
                  "rows.head(8)"),

@@ -169,7 +169,8 @@ class ContinuedRuns(RuleBasedStateMachine):
 
     @rule(kind=st.sampled_from(["reweight", "add", "leave out", "stage"]), data=st.data())
     def edit(self, kind: str, data: st.DataObject) -> None:
-        weights = dict(self.mixture.get("weights") or self.mixture["stages"][-1]["weights"])
+        current = self.mixture.get("weights") or self.mixture["stages"][-1]["weights"]
+        weights = {n: w for n, w in current.items() if w > 0}
         if kind == "reweight":
             weights = {n: float(data.draw(st.integers(1, 4))) for n in weights}
         elif kind == "add":
@@ -251,7 +252,7 @@ def test_runs_continued_under_edited_configs(lake: Path, tmp_path: Path) -> None
     ContinuedRuns.config = lake
     ContinuedRuns.folder = tmp_path
     machine = ContinuedRuns.TestCase
-    machine.settings = settings(max_examples=6, stateful_step_count=8, deadline=None,
+    machine.settings = settings(max_examples=15, stateful_step_count=8, deadline=None,
                                 suppress_health_check=list(HealthCheck))
     machine().runTest()
     assert ContinuedRuns.epochs_crossed, "no dataset's epoch ended: the no-skip check never ran"
@@ -268,3 +269,39 @@ def test_a_dataset_the_run_drew_from_must_stay_defined(lake: Path, tmp_path: Pat
     second.write_text(yaml.safe_dump(raw))
     with Loader(second) as loader, pytest.raises(ConfigError, match=r"\['c'\].*keep their sections under datasets"):
         loader.follow(state, continue_changes=True)
+
+
+def test_the_command_line_continues_a_run_and_audits_it(lake: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from lakeloader.cli import main
+
+    first = edited(lake, tmp_path, "first", {"weights": {"a": 1.0, "b": 1.0}})
+    second = edited(lake, tmp_path, "second", {"weights": {"a": 1.0, "b": 2.0, "c": 1.0}})
+    saved, later = tmp_path / "at6.json", tmp_path / "at10.json"
+    assert main(["batches", str(first), "--steps", "0:6", "--out", str(tmp_path / "a.npz"), "--no-progress",
+                 "--save-state", str(saved)]) == 0
+    capsys.readouterr()
+    out = str(tmp_path / "b.npz")
+    assert main(["batches", str(second), "--resume", str(saved), "--steps", "6:10", "--out", out, "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "--continue-changes" in error and "datasets added: c" in error and len(error.strip().splitlines()) == 1
+    assert main(["batches", str(second), "--resume", str(saved), "--continue-changes", "--steps", "0:10", "--out", out,
+                 "--no-progress", "--save-state", str(later)]) == 0
+    with Loader(second) as loader:
+        loader.follow(json.loads(saved.read_text()), continue_changes=True)
+        files = np.load(out)
+        for step in range(10):
+            np.testing.assert_array_equal(files["input_ids"][step], loader.batch(step)["input_ids"])
+    with np.load(tmp_path / "a.npz") as before:   # the steps before the revision kept their batches
+        np.testing.assert_array_equal(before["input_ids"], files["input_ids"][:6])
+    capsys.readouterr()
+    assert main(["audit", str(second), "--state", str(later), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    revisions = {(r["revision"], r["first_step"], r["stop_step"]) for r in rows}
+    assert revisions == {("0", 0, 6), ("1", 6, 10), ("all", 0, 10)}
+    by = {(r["revision"], r["dataset"]): r for r in rows}
+    assert by["0", "c"]["examples"] == 0 and by["1", "c"]["examples"] > 0
+    for name in ("a", "b", "c"):
+        assert by["all", name]["examples"] == by["0", name]["examples"] + by["1", name]["examples"]
+        assert by["all", name]["epochs"] > 0 or name == "c" and by["all", name]["examples"] == 0
+    assert sum(by["1", n]["examples"] for n in "abc") == 4 * BATCH
