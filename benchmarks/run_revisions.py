@@ -43,7 +43,9 @@ def _corpus(root: Path) -> dict[str, Any]:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as out:
             for f in files:
-                out.write(json.dumps({"text": f.read_text(encoding="utf-8")}) + "\n")
+                text = f.read_text(encoding="utf-8")
+                if text.strip():   # (empty __init__.py files are not documents)
+                    out.write(json.dumps({"text": text}) + "\n")
         datasets[name] = {"sources": [str(path)]}
     return datasets
 
@@ -72,10 +74,11 @@ def _runs(root: Path) -> tuple[tuple[Path, dict[str, Any]], tuple[Path, dict[str
         state = loader.state(0)
     for revision in range(1, 10):
         names = list(weights)
-        if revision % 3 == 0 and len(names) > 3:
+        unused = [n for n in PACKAGES if n not in weights]
+        if revision % 3 == 0 or not unused:
             del weights[names[int(rng.integers(len(names)))]]
         else:
-            weights[next(n for n in PACKAGES if n not in weights)] = 1.0
+            weights[unused[-1]] = 1.0
         weights = {n: float(rng.integers(1, 5)) for n in weights}
         config = _config(root, f"revision{revision}", datasets, weights)
         with Loader(config) as loader:
@@ -98,7 +101,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     root = OUT / "run_revisions"
     (plain, plain_state), (revised, revised_state) = _runs(root)
-    assert len(revised_state["run"]["revisions"]) == 10 and len(revised_state["run"]["names"]) == 10
+    assert len(revised_state["run"]["revisions"]) == 10, revised_state["run"]["revisions"]
+    assert len(revised_state["run"]["names"]) == 10, revised_state["run"]["names"]
     _resume(plain, plain_state), _resume(revised, revised_state)   # (row groups decoded once, cached on disk)
     plain_times, revised_times = [], []
     for _ in range(args.repeats):
