@@ -26,6 +26,11 @@ the train state (parameters + optimizer state) and the loader state ``{step, fin
 ``--resume`` restores the latest checkpoint and continues the batch stream from the saved loader
 state, so an interrupted run and an uninterrupted one see the same batches and losses.
 ``--steps`` is the total number of steps of the run (a resumed run stops at the same step).
+
+``--eval-every N`` runs the config's evaluation pass every N steps and at the end (its
+``evaluation`` section, or a pass over the mixture's datasets; ``--eval-batches K``: its first K
+batches only) and logs the validation loss per dataset: the pass's ``dataset_ids`` label its
+rows, and its padding rows (``example_mask`` 0) carry no loss tokens.
 """
 
 from __future__ import annotations
@@ -203,6 +208,20 @@ def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array], chunk: int,
     return jnp.sum(rows), (sums, tokens)
 
 
+def evaluate(eval_step: Any, params: dict[str, Any], feed: JaxFeed, names: tuple[str, ...],
+             batches: int | None) -> dict[str, float]:
+    """Validation loss per dataset of the evaluation pass (its first ``batches`` batches when
+    given): summed cross entropy over loss tokens, dataset by dataset."""
+    total = feed.loader.num_batches() or 0
+    count = total if batches is None else min(batches, total)
+    sums, tokens = np.zeros(len(names)), np.zeros(len(names))
+    for _, batch in zip(range(count), feed.iter_from(0)):
+        found = jax.device_get(eval_step(params, {name: batch[name] for name in FIELDS}))
+        sums += np.asarray(found[0], np.float64)
+        tokens += np.asarray(found[1], np.float64)
+    return {name: sums[i] / tokens[i] for i, name in enumerate(names) if tokens[i]}
+
+
 def loss_chunk(seq_len: int, rows_per_device: int, tokens: int = 256) -> int:
     """Largest divisor of ``seq_len`` giving each device at most ``tokens`` positions per chunk."""
     return max(c for c in range(1, seq_len + 1) if seq_len % c == 0 and (c * rows_per_device <= tokens or c == 1))
@@ -245,9 +264,14 @@ def main() -> None:
                         help="override loader.seq_len of the config (another fingerprint: resume with the same)")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="run the evaluation pass every N steps and at the end (0: never)")
+    parser.add_argument("--eval-batches", type=int, default=None,
+                        help="evaluate on the first K batches of the pass only (default: all of it)")
     parser.add_argument("--losses-out", type=Path, default=None,
                         help='write {"loss": {step: loss}, "input_ids_sha256": {step: digest}, '
-                             '"dataset_loss": {step: {dataset: [summed cross entropy, loss tokens]}}} of the steps run')
+                             '"dataset_loss": {step: {dataset: [summed cross entropy, loss tokens]}}, '
+                             '"eval_loss": {step: {dataset: loss}}} of the steps run')
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
@@ -279,6 +303,23 @@ def main() -> None:
                 state["params"], batch, chunk, len(names))
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss, per_dataset
+
+        evaluation = JaxFeed(config, mesh, PartitionSpec("data"), mode="eval") if args.eval_every else None
+        eval_names = evaluation.loader.dataset_names if evaluation is not None else ()
+        eval_losses: dict[int, dict[str, float]] = {}
+
+        def eval_step(params: dict[str, Any], batch: dict[str, jax.Array]) -> Any:
+            assert evaluation is not None
+            size = evaluation.config.loader
+            return loss_fn(params, batch, loss_chunk(size.seq_len, size.batch_size // mesh.size), len(eval_names))[1]
+
+        eval_fn = jax.jit(eval_step)
+
+        def run_evaluation(step: int) -> None:
+            assert evaluation is not None
+            eval_losses[step] = evaluate(eval_fn, state["params"], evaluation, eval_names, args.eval_batches)
+            log.info("step %d: validation loss per dataset: %s", step,
+                     ", ".join(f"{name} {loss:.4f}" for name, loss in eval_losses[step].items()))
 
         # Fixed shardings in and out: a fresh and a restored state run the very same program.
         state = jax.jit(init, out_shardings=replicated)(jax.random.key(args.seed))
@@ -353,8 +394,12 @@ def main() -> None:
                              args.steps, losses[step], len(window), float(np.mean(window)), by_dataset)
                 if manager is not None and (done % args.checkpoint_every == 0 or done == args.steps):
                     save(done)
+                if evaluation is not None and (done % args.eval_every == 0 or done == args.steps):
+                    run_evaluation(done)
         finally:
             batches.close()
+            if evaluation is not None:
+                evaluation.close()
             if manager is not None:
                 manager.wait_until_finished()
                 manager.close()
@@ -369,7 +414,8 @@ def main() -> None:
                                  for i, name in enumerate(names)} for s in ran}
         args.losses_out.write_text(json.dumps({"loss": {str(s): losses[s] for s in ran},
                                                "input_ids_sha256": {str(s): digests[s] for s in ran},
-                                               "dataset_loss": dataset_loss}, indent=1))
+                                               "dataset_loss": dataset_loss,
+                                               "eval_loss": {str(s): v for s, v in eval_losses.items()}}, indent=1))
     if ran:
         first_loss = float(np.mean([losses[s] for s in ran[:10]]))
         last_loss = float(np.mean([losses[s] for s in ran[-10:]]))

@@ -442,6 +442,27 @@ class MixtureConfig(_Strict):
         return [weights for _, weights in self.weight_paths()]
 
 
+class EvaluationConfig(_Strict):
+    """The evaluation pass a loader of ``mode="eval"`` reads: one pass over each dataset listed."""
+
+    datasets: list[str] = Field(min_length=1, description=(
+        "The datasets of the pass, in order: each read once, every document exactly once (a dataset "
+        "read only here needs no mixture weight)."))
+    batch_size: int | None = Field(default=None, ge=1, description=(
+        "Examples per global batch of the pass (default: loader.batch_size)."))
+    seq_len: int | None = Field(default=None, ge=1, description=(
+        "Tokens per example of the pass (default: loader.seq_len); under pack or pad the build "
+        "registers the pass's packing too."))
+
+    @field_validator("datasets")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"names {', '.join(repeated)} more than once: a pass reads each dataset once")
+        return value
+
+
 class Config(_Strict):
     """A whole lakeloader config. Relative paths are resolved against the config file's folder."""
 
@@ -464,6 +485,8 @@ class Config(_Strict):
     loader: LoaderConfig = Field(default=LoaderConfig(), description="How examples and batches are formed.")
     mixture: MixtureConfig | None = Field(default=None, description=(
         "Weights over datasets; needed with more than one dataset (default: the one dataset, weight 1)."))
+    evaluation: EvaluationConfig | None = Field(default=None, description=(
+        "The evaluation pass of Loader(config, mode='eval') (default: one pass over the mixture's datasets)."))
     sql: SqlConfig = Field(default=SqlConfig(), description="Limits of the SQL readers run on the catalog.")
     source_file: str | None = Field(default=None, exclude=True)
 
@@ -522,6 +545,26 @@ class Config(_Strict):
             if dataset.from_ is not None:
                 self.datasets[name] = self.datasets[dataset.from_].model_copy(
                     update={"from_": dataset.from_, "where": dataset.where})
+        return self
+
+    @model_validator(mode="after")
+    def _evaluation_names_datasets(self) -> Config:
+        evaluation = self.evaluation
+        if evaluation is None:
+            return self
+        for i, name in enumerate(evaluation.datasets):
+            if name not in self.datasets:
+                raise KeyValueError(("evaluation", "datasets", i),
+                                    f"no dataset {name!r} in this config; datasets are {sorted(self.datasets)}")
+        if self.loader.packing != "concat" and evaluation.seq_len not in (None, self.loader.seq_len):
+            mixed = {n for weights in (self.mixture.all_weights() if self.mixture else [{n: 1 for n in self.datasets}])
+                     for n, w in weights.items() if w > 0}
+            both = [n for n in evaluation.datasets if n in mixed]
+            if both:
+                raise KeyValueError(("evaluation", "seq_len"), (
+                    f"datasets {both} are both mixed and evaluated, and under loader.packing: {self.loader.packing} "
+                    f"a dataset is packed once, at loader.seq_len {self.loader.seq_len}: leave evaluation.seq_len out, "
+                    "or evaluate datasets of their own (a held-out split)"))
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from lakeloader.config import Config, load_config
+from lakeloader.config import Config, MixtureConfig, load_config
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.specs import Fim, MixtureSpec, PackingSpec, Stage, Template, derive_key, make_template
 
@@ -30,6 +30,21 @@ def dataset_names(config: Config | str | os.PathLike[str]) -> tuple[str, ...]:
         return tuple(config.datasets)
     weights = config.mixture.all_weights()
     return tuple(n for n in config.datasets if any(w.get(n, 0) > 0 for w in weights))
+
+
+def evaluation_config(config: Config) -> Config:
+    """The config an evaluation loader reads: with an ``evaluation`` section, its datasets (in its
+    order, one weight each: the mixture's dataset list of the pass) and its batch size and
+    seq_len where given; without one, ``config`` itself (a pass over the mixture's datasets)."""
+    evaluation = config.evaluation
+    if evaluation is None:
+        return config
+    loader = config.loader.model_copy(update={"batch_size": evaluation.batch_size or config.loader.batch_size,
+                                              "seq_len": evaluation.seq_len or config.loader.seq_len})
+    ordered = {name: config.datasets[name] for name in evaluation.datasets}
+    datasets = {**ordered, **{n: d for n, d in config.datasets.items() if n not in ordered}}
+    mixture = MixtureConfig(weights={name: 1.0 for name in evaluation.datasets})
+    return config.model_copy(update={"loader": loader, "datasets": datasets, "mixture": mixture})
 
 
 def token_weights(config: Config) -> bool:

@@ -176,3 +176,17 @@ def test_chunked_cross_entropy_matches_optax() -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5)
         for a, b in zip(got_grads, want_grads):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_example_reports_validation_loss_per_dataset(lake_config: Path, tmp_path: Path) -> None:
+    import yaml
+
+    raw = yaml.safe_load(lake_config.read_text())
+    raw["evaluation"] = {"datasets": ["notes", "code"], "batch_size": 64}
+    config = lake_config.parent / "with_evaluation.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result, output = train(config, tmp_path / "losses.json", "--steps", "10", "--eval-every", "5")
+    assert set(result["eval_loss"]) == {"5", "10"}, output
+    for losses in result["eval_loss"].values():
+        assert set(losses) == {"notes", "code"} and all(0 < v < 20 for v in losses.values())
+    assert "validation loss per dataset: notes" in output

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lakeloader.config import Config, load_config
 from lakeloader.feed.loader import Batch, Loader
 from lakeloader.feed.run_state import LoaderState
+from lakeloader.specs import evaluation_config
 
 _DONE = object()
 
@@ -38,14 +39,15 @@ class JaxFeed:
 
     def __init__(self, config: Config | str | os.PathLike[str], mesh: Mesh, spec: PartitionSpec | None = None,
                  *, mode: str = "train", prefetch: int = 2) -> None:
-        self.config = load_config(config)
+        loaded = load_config(config)
+        self.config = evaluation_config(loaded) if mode == "eval" else loaded   # (what the loader reads)
         self.mesh = mesh
         self.spec = spec if spec is not None else PartitionSpec(mesh.axis_names[0])
         self.sharding = NamedSharding(mesh, self.spec)
         self.row_sharding = NamedSharding(mesh, PartitionSpec(self.spec[0] if len(self.spec) else None))
         self.batch_size, self.seq_len = self.config.loader.batch_size, self.config.loader.seq_len
         self.rows = rows_of_this_process(self.sharding, self.batch_size, self.seq_len)
-        self.loader = Loader(self.config, process_index=jax.process_index(),
+        self.loader = Loader(loaded, process_index=jax.process_index(),
                              process_count=jax.process_count(), mode=mode, rows=self.rows)
         self.prefetch = prefetch
         self._row_slices: dict[tuple[int, int, int], slice | np.ndarray] = {}

@@ -36,7 +36,7 @@ from lakeloader.index.mixture import Mixer
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.specs import mixture_spec, packing_spec, template_for, token_id, token_weights
+from lakeloader.specs import evaluation_config, mixture_spec, packing_spec, template_for, token_id, token_weights
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class Loader:
         ``catalog``: the live-catalog handle of a build running in this process (the one given
         to ``build(config, live=...)``) to read its live catalog while it runs; without it the
         loader reads the published snapshot, as in any other process."""
-        self.config = config = load_config(config)
+        config = load_config(config)
+        self.config = config = evaluation_config(config) if mode == "eval" else config
         loader = config.loader
         self.settings = settings = loader_settings(config, mode=mode, process_index=process_index,
                                                    process_count=process_count, rows=rows)

@@ -35,7 +35,7 @@ from lakeloader.plan.planner import (
     plan_dataset,
     with_planned_metadata,
 )
-from lakeloader.specs import mixture_spec, packing_specs, plan_keys, token_weights
+from lakeloader.specs import evaluation_config, mixture_spec, packing_specs, plan_keys, token_weights
 from lakeloader.storage import write_atomically, write_failure
 from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, token_dtype, tokenizer_fingerprint
 
@@ -345,8 +345,13 @@ def _register_mixture(writer: CatalogWriter, spec: MixtureSpec) -> None:
 
 
 def _register_packing(config: Config, writer: CatalogWriter, tokenizer: Tokenizer) -> dict[str, PackingSpec]:
-    """The packing spec of each dataset under the config's loader (none for concat), registered."""
+    """The packing spec of each dataset under the config's loader (none for concat) and of each
+    dataset read only by its evaluation pass, registered (a dataset both mixed and evaluated is
+    packed alike for both: the config's checks keep its evaluation seq_len the loader's)."""
     specs = packing_specs(config, tokenizer)
+    if config.evaluation is not None:
+        evaluation = packing_specs(evaluation_config(config), tokenizer)
+        specs.update((name, spec) for name, spec in evaluation.items() if name not in specs)
     for name, spec in specs.items():
         writer.register_packing(name, spec)
     return specs
