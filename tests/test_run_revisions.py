@@ -13,6 +13,7 @@ loader that took the same edits at the same steps without restarting.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from lakeloader.contracts.errors import ConfigError, LakeloaderError
 from lakeloader.contracts.specs import MixtureSpec, Stage
@@ -305,3 +306,20 @@ def test_the_command_line_continues_a_run_and_audits_it(lake: Path, tmp_path: Pa
         assert by["all", name]["examples"] == by["0", name]["examples"] + by["1", name]["examples"]
         assert by["all", name]["epochs"] > 0 or name == "c" and by["all", name]["examples"] == 0
     assert sum(by["1", n]["examples"] for n in "abc") == 4 * BATCH
+
+
+def test_worker_processes_follow_the_revised_run(lake: Path, tmp_path: Path) -> None:
+    first = edited(lake, tmp_path, "first", {"weights": {"a": 1.0, "b": 1.0}})
+    second = edited(lake, tmp_path, "second", {"weights": {"a": 1.0, "c": 3.0}})
+    with Loader(first) as loader:
+        state = loader.state(5)
+    raw = yaml.safe_load(second.read_text())
+    raw["loader"]["workers"] = 2
+    with_workers = tmp_path / "workers.yaml"
+    with_workers.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with Loader(second) as alone, Loader(with_workers) as pooled:
+        alone.follow(state, continue_changes=True)
+        expected = [alone.batch(step) for step in range(12)]
+        found = list(itertools.islice(pooled.iter_from(state, continue_changes=True), 7))
+        assert_batches_equal(found, expected[5:], "workers of a revised run", steps=range(5, 12))
+        assert pooled.dataset_names == ("a", "b", "c")
