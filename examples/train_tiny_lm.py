@@ -22,7 +22,7 @@ weighted by ``loss_mask``. The loss is also logged per dataset of the mixture, f
 made of: no extra pass.
 
 Every ``--checkpoint-every`` steps (and at the last step) an Orbax ``CheckpointManager`` saves
-the train state (parameters + optimizer state) and the loader state ``{step, fingerprint}``.
+the train state (parameters + optimizer state) and the loader state (a small JSON dict).
 ``--resume`` restores the latest checkpoint and continues the batch stream from the saved loader
 state, so an interrupted run and an uninterrupted one see the same batches and losses.
 ``--steps`` is the total number of steps of the run (a resumed run stops at the same step).

@@ -1,7 +1,10 @@
 """The loader: global batch ``b`` = examples ``[b*B, (b+1)*B)``; each process builds only its rows.
 
-Loader state is ``{step, fingerprint}``: seeking to any step is index arithmetic and catalog
-lookups, never a replay of data.
+It assembles each dataset's example stream (:mod:`lakeloader.feed.stream`) from settings checked
+before any I/O (:mod:`lakeloader.feed.settings`), maps each step's rows to datasets through the
+run's mixer, and hands batches out from a read-ahead thread or worker processes. A saved state
+(:mod:`lakeloader.feed.run_state`) resumes at any step by index arithmetic and catalog lookups,
+never a replay of data.
 """
 
 from __future__ import annotations
