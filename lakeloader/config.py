@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
 from lakeloader.contracts.errors import ConfigError
@@ -20,6 +20,7 @@ from lakeloader.storage import S3_PROTOCOLS, s3_options_problem
 # The build's catalog file at a local lake's root; no dataset folder may take its name.
 WRITER_CATALOG = "catalog.duckdb"
 DEFAULT_IO_RETRY_DEADLINE = 120.0  # seconds of retrying unreachable object storage
+MAX_INFILL_GAPS = 64   # collation draws [documents, max gaps] arrays: a bound keeps them small
 
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -130,6 +131,53 @@ class FimFormat(_Strict):
     suffix_token: str = Field(default="<|fim_suffix|>", description="Token put before the suffix.")
 
 
+class InfillFormat(_Strict):
+    """``format: infill``: text documents of which a seeded fraction ``rate`` gets seeded gaps at
+    collation (arbitrary infilling, ILM): each gap replaced by ``mask_token``, then the gaps'
+    contents after the masked document, trained on alone.
+
+    Rendered as ``[cls_token] masked document [sep_token]`` then, per gap, ``[cls_token]
+    [start_token] content end_token`` (then EOS); ``cls_position`` places the classification
+    token before the masked document or before each gap's content. The loss covers each gap's
+    content and end token, and EOS."""
+
+    text_field: str | None = Field(default=None, description=(
+        "Record field holding the text (default: the dataset's text_field)."))
+    rate: float = Field(default=1.0, ge=0, le=1, description=(
+        "Fraction of documents infilled (the others render as plain text, every token trained)."))
+    gaps: list[int] = Field(default_factory=lambda: [1, 3], min_length=2, max_length=2, description=(
+        f"[min, max] gaps per infilled document (an int: exactly that many; max at most "
+        f"{MAX_INFILL_GAPS}), spread evenly over the range in each chunk; a document shorter than its "
+        "gaps has empty ones."))
+    gap_tokens: list[int] = Field(default_factory=lambda: [4, 32], min_length=2, max_length=2, description=(
+        "[min, max] tokens per gap (an int: exactly that many), uniform, each at most the document's "
+        "tokens over its number of gaps so that the gaps fit without overlapping."))
+    mask_token: str = Field(default="<|mask|>", description="Token put in the document in place of each gap.")
+    sep_token: str | None = Field(default="<|sep|>", description=(
+        "Token put after the masked document, before the gaps' contents (null: none)."))
+    start_token: str | None = Field(default=None, description=(
+        "Token put before each gap's content (null: none)."))
+    end_token: str = Field(default="<|answer|>", description="Token put after each gap's content (trained).")
+    cls_token: str | None = Field(default=None, description="A classification token (null: none).")
+    cls_position: Literal["prefix", "each_target"] = Field(default="prefix", description=(
+        "Where cls_token goes: before the masked document, or before each gap's content."))
+
+    @field_validator("gaps", "gap_tokens", mode="before")
+    @classmethod
+    def _one_int(cls, value: Any) -> Any:
+        return [value, value] if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("gaps", "gap_tokens")
+    @classmethod
+    def _min_max(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        low, high = value
+        if low < 1 or high < low:
+            raise ValueError(f"give [min, max] with 1 <= min <= max, got {value}")
+        if info.field_name == "gaps" and high > MAX_INFILL_GAPS:
+            raise ValueError(f"at most {MAX_INFILL_GAPS} gaps per document, got {high}")
+        return value
+
+
 class InterleavedFormat(_Strict):
     """``format: interleaved``: a list of items, each text or an image reference. Each image
     becomes ``image_start + image_token * image_tokens + image_end`` at collation; its
@@ -145,7 +193,7 @@ class InterleavedFormat(_Strict):
     max_images: int = Field(default=8, ge=1, description="Images per example.")
 
 
-FORMAT_SECTIONS = ("chat", "supervised", "fim", "interleaved")
+FORMAT_SECTIONS = ("chat", "supervised", "fim", "infill", "interleaved")
 # Columns of the catalog's documents view that no metadata field may shadow (with the prefix
 # tokens_ of its per-kind token counts).
 _METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -165,7 +213,7 @@ class DatasetConfig(_Strict):
     where: str | None = Field(default=None, description=(
         "With from: a SQL predicate over the source dataset's metadata fields and num_tokens, e.g. "
         "\"lang = 'en' AND num_tokens < 8192\" (one pure expression: no subquery)."))
-    format: Literal["text", "chat", "supervised", "fim", "interleaved"] = Field(
+    format: Literal["text", "chat", "supervised", "fim", "infill", "interleaved"] = Field(
         default="text", description="How records are read and rendered (the section of the same name configures it).")
     text_field: str = Field(default="text", description="Record field holding the text.")
     on_error: Literal["raise", "skip"] = Field(
@@ -173,6 +221,7 @@ class DatasetConfig(_Strict):
     chat: ChatFormat = Field(default=ChatFormat(), description="Settings of format: chat.")
     supervised: SupervisedFormat = Field(default=SupervisedFormat(), description="Settings of format: supervised.")
     fim: FimFormat = Field(default=FimFormat(), description="Settings of format: fim.")
+    infill: InfillFormat = Field(default=InfillFormat(), description="Settings of format: infill.")
     interleaved: InterleavedFormat = Field(default=InterleavedFormat(), description="Settings of format: interleaved.")
     metadata_fields: dict[str, Literal["string", "int", "float", "bool"] | None] = Field(
         default_factory=dict, description=(
@@ -263,8 +312,9 @@ class DatasetConfig(_Strict):
             return self.supervised.model_dump(include={"prompt_field", "response_field"})
         if self.format == "interleaved":
             return self.interleaved.model_dump(include={"items_field", "text_key", "image_key"})
-        if self.format == "fim":
-            return {"text_field": self.fim.text_field or self.text_field}
+        if self.format in ("fim", "infill"):
+            section = self.fim if self.format == "fim" else self.infill
+            return {"text_field": section.text_field or self.text_field}
         return {"text_field": self.text_field}
 
     def record_format(self) -> RecordFormat:

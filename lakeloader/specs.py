@@ -13,7 +13,7 @@ from typing import Any
 
 from lakeloader.config import Config, MixtureConfig, load_config
 from lakeloader.contracts.errors import ConfigError
-from lakeloader.contracts.specs import Fim, MixtureSpec, PackingSpec, Stage, Template, derive_key, make_template
+from lakeloader.contracts.specs import Fim, Infill, MixtureSpec, PackingSpec, Stage, Template, derive_key, make_template
 
 
 def dataset_names(config: Config | str | os.PathLike[str]) -> tuple[str, ...]:
@@ -93,8 +93,8 @@ def _text_ids(tokenizer: Any, text: str) -> list[int]:
 
 def template_for(name: str, config: Config, tokenizer: Any) -> Template:
     """The collation template of dataset ``name``: BOS/EOS from ``loader``, the rest from the
-    format's section (chat roles' prefix and suffix, supervised separators, FIM sentinels, image
-    runs)."""
+    format's section (chat roles' prefix and suffix, supervised separators, FIM sentinels,
+    infilling's special tokens, image runs)."""
     dataset, loader = config.datasets[name], config.loader
     eos = token_id(tokenizer, "loader.eos_token", loader.eos_token)
     bos = token_id(tokenizer, "loader.bos_token", loader.bos_token) if loader.bos_token else None
@@ -129,7 +129,20 @@ def template_for(name: str, config: Config, tokenizer: Any) -> Template:
                   middle=token_id(tokenizer, f"{where}.fim.middle_token", f.middle_token),
                   suffix=token_id(tokenizer, f"{where}.fim.suffix_token", f.suffix_token),
                   key=derive_key(loader.seed, "fim", name))
-    return make_template(kinds, bos=bos, eos=eos, fim=fim)
+    infill = None
+    if dataset.format == "infill":
+        i = dataset.infill
+
+        def optional(key: str, token: str | None) -> int | None:
+            return None if token is None else token_id(tokenizer, f"{where}.infill.{key}", token)
+
+        infill = Infill(rate=i.rate, gaps=(i.gaps[0], i.gaps[1]), gap_tokens=(i.gap_tokens[0], i.gap_tokens[1]),
+                        mask=token_id(tokenizer, f"{where}.infill.mask_token", i.mask_token),
+                        sep=optional("sep_token", i.sep_token), start=optional("start_token", i.start_token),
+                        end=token_id(tokenizer, f"{where}.infill.end_token", i.end_token),
+                        cls=optional("cls_token", i.cls_token), cls_each=i.cls_position == "each_target",
+                        key=derive_key(loader.seed, "infill", name))
+    return make_template(kinds, bos=bos, eos=eos, fim=fim, infill=infill)
 
 
 def packing_spec(name: str, config: Config, template: Template) -> PackingSpec | None:

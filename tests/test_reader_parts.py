@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 
 import lakeloader
 from lakeloader.contracts.chunk_file import ChunkParts
-from lakeloader.contracts.specs import Fim, Template, make_template
+from lakeloader.contracts.specs import Fim, Infill, Template, make_template
 from lakeloader.index.ranges import cumulative
-from lakeloader.index.render import fim_choice, render
+from lakeloader.index.render import collation_choice, render
 from lakeloader.read import cold_pages, read_ahead
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.chunks import RowGroup, RowGroupCache
@@ -48,6 +48,8 @@ TEMPLATES = {
                           part_suffix={"assistant": [13]}, trains={"assistant"}),
     "fim": make_template(("text",), bos=None, eos=2, fim=Fim(rate=0.5, spm_rate=0.5, prefix=3, middle=4, suffix=5,
                                                             key=7)),
+    "infill": make_template(("text",), bos=1, eos=2, infill=Infill(
+        rate=0.5, gaps=(1, 3), gap_tokens=(1, 6), mask=3, sep=4, start=None, end=5, cls=6, cls_each=True, key=7)),
 }
 
 
@@ -120,8 +122,7 @@ class Lake:
         kinds = np.concatenate([g.parts.part_kinds for g in groups])
         part_doc = np.concatenate([g.parts.part_doc + before for g, before in zip(groups, docs_before.tolist())])
         content = np.bincount(part_doc, weights=lengths, minlength=num_docs).astype(np.int64)
-        fim = None if self.template.fim is None else fim_choice(self.template.fim, chunk, num_docs,
-                                                                np.arange(num_docs, dtype=np.int64), content)
+        fim = collation_choice(self.template, chunk, num_docs, np.arange(num_docs, dtype=np.int64), content)
         rendered = render(self.template, values, lengths, kinds, part_doc, num_docs, fim)
         return rendered.tokens, rendered.trainable, rendered.doc_starts
 
@@ -145,7 +146,7 @@ def make_lake(seed: int, template: str, docs: tuple[int, int] = (1, 6), chunks: 
         groups = []
         for _ in range(int(rng.integers(0, 4))):
             n = int(rng.integers(*docs))
-            per_doc = np.ones(n, np.int64) if template == "fim" else rng.integers(1, 4, n)
+            per_doc = np.ones(n, np.int64) if template in ("fim", "infill") else rng.integers(1, 4, n)
             lengths = rng.integers(1, 30, int(per_doc.sum()))
             parts = ChunkParts(lengths, rng.integers(0, kinds, len(lengths)), np.repeat(np.arange(n), per_doc), n)
             groups.append(RowGroup(rng.integers(0, 1000, int(lengths.sum())).astype(np.uint16), parts, None))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lakeloader.contracts.specs import Fim, make_template
 from lakeloader.index.render import (
-    FIM_SENTINELS, doc_lengths, fim_choice, fim_counts, part_starts, render, stream_lengths,
+    FIM_SENTINELS, added_tokens, doc_lengths, fim_choice, fim_counts, part_starts, render, stream_lengths,
 )
 
 PRE, MID, SUF, EOS, BOS = 90, 91, 92, 0, 1
@@ -114,7 +114,7 @@ def test_fim_reorders_and_removing_sentinels_reconstructs(lengths, chunk):
     values = np.arange(1000, 1000 + lengths.sum())
     choice = fim_choice(FIM, chunk, n, np.arange(n), lengths)
     rendered = render(template, values, lengths, np.zeros(n, int), np.arange(n), n, choice)
-    per_doc = doc_lengths(template, lengths, np.zeros(n, int), np.arange(n), n, choice[0])
+    per_doc = doc_lengths(template, lengths, np.zeros(n, int), np.arange(n), n, added_tokens(template, choice))
     assert np.diff(rendered.doc_starts).tolist() == per_doc.tolist()
     assert int(choice[0].sum()) == int(fim_counts(FIM, np.array([chunk]), np.array([n]))[0])
     starts = np.concatenate([[0], np.cumsum(lengths)])

@@ -32,8 +32,9 @@ class RecordError(ValueError):
 _INT64 = (-(2**63), 2**63)
 
 _new_part = tuple.__new__   # Part(kind, text, ref) without the keyword-handling constructor
-_COLUMN_FIELDS = {"text": ("text_field",), "fim": ("text_field",), "chat": ("messages_field",),
-                  "supervised": ("prompt_field", "response_field"), "interleaved": ("items_field",)}
+_COLUMN_FIELDS = {"text": ("text_field",), "fim": ("text_field",), "infill": ("text_field",),
+                  "chat": ("messages_field",), "supervised": ("prompt_field", "response_field"),
+                  "interleaved": ("items_field",)}
 
 
 def _type(value: Any) -> str:
@@ -80,8 +81,8 @@ class RecordFormat:
 
     @property
     def text_only(self) -> bool:
-        """Whether documents are one string (text and fim; plain .txt sources allowed)."""
-        return self.format in ("text", "fim")
+        """Whether documents are one string (text, fim and infill; plain .txt sources allowed)."""
+        return self.format in ("text", "fim", "infill")
 
     def config_key(self, field: str) -> str:
         """The config key that names build field ``field`` (e.g. ``chat.messages_field``)."""
@@ -231,5 +232,5 @@ def _interleaved(fmt: RecordFormat, record: dict[str, Any]) -> Document:
 
 
 _PARSERS: dict[str, Callable[[RecordFormat, dict[str, Any]], Document]] = {
-    "text": _text, "fim": _text, "chat": _chat, "supervised": _supervised, "interleaved": _interleaved,
+    "text": _text, "fim": _text, "infill": _text, "chat": _chat, "supervised": _supervised, "interleaved": _interleaved,
 }

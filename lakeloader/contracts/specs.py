@@ -4,7 +4,8 @@
   strategy and seed (``mixture_id`` names it in the catalog's ``mixtures`` table);
 - :class:`PackingSpec`: what decides a chunk's packing plan (``plan_key`` names it in
   ``packing_plans`` and ``chunk_examples``);
-- :class:`Template` (with :class:`Fim`): the token ids a dataset's documents are rendered with.
+- :class:`Template` (with :class:`Fim` or :class:`Infill`): the token ids a dataset's documents are
+  rendered with.
 
 They are built from a config in one place, :mod:`lakeloader.specs`; the maps over them are in
 :mod:`lakeloader.index`. Weights are validated here and nowhere else (:func:`check_weights`), and
@@ -187,13 +188,45 @@ class Fim:
     key: int               # seeds which documents and where (per dataset)
 
 
+@dataclasses.dataclass(frozen=True)
+class Infill:
+    """Infilling: a fraction ``rate`` of documents, each with ``gaps`` (min, max) seeded gaps of
+    ``gap_tokens`` (min, max) tokens, rendered as ``[cls] masked document [sep]`` then per gap
+    ``[cls] [start] content end`` (``cls_each``: the classification token before each gap's
+    content rather than before the masked document). Absent tokens are None."""
+
+    rate: float
+    gaps: tuple[int, int]
+    gap_tokens: tuple[int, int]
+    mask: int              # token ids
+    sep: int | None
+    start: int | None
+    end: int
+    cls: int | None
+    cls_each: bool
+    key: int               # seeds which documents, how many gaps and where (per dataset)
+
+    @property
+    def fixed_tokens(self) -> int:
+        """Tokens an infilled document gets whatever its gaps: the classification token before
+        the masked document, the separator."""
+        return int(self.cls is not None and not self.cls_each) + int(self.sep is not None)
+
+    @property
+    def gap_overhead(self) -> int:
+        """Tokens each gap adds: its mask and end token, and its start and classification tokens
+        where set."""
+        return 2 + int(self.start is not None) + int(self.cls is not None and self.cls_each)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Template:
     """Token ids added at collation around documents and around each part kind.
 
     ``part_trains[k]``: whether the content and suffix of parts of kind ``k`` are training
     targets (prefixes never are, unless ``train_all``). The document suffix trains when its
-    last part does. ``train_all`` (plain text) makes every token a target.
+    last part does. ``train_all`` (plain text) makes every token a target, but for an infilled
+    document's prompt side (``infill``): its document prefix, masked text and special tokens.
     """
 
     kind_names: tuple[str, ...]
@@ -205,6 +238,7 @@ class Template:
     train_all: bool = True
     fim: Fim | None = None
     image_kind: int | None = None     # kind whose parts are images (interleaved)
+    infill: Infill | None = None
 
     @functools.cached_property
     def doc_overhead(self) -> int:
@@ -230,6 +264,8 @@ class Template:
             "trains": list(self.part_trains), "train_all": self.train_all,
             "fim": dataclasses.asdict(self.fim) if self.fim else None, "image_kind": self.image_kind,
         }
+        if self.infill is not None:   # only then: the fingerprints of the other templates stay as they were
+            payload["infill"] = dataclasses.asdict(self.infill)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -242,9 +278,9 @@ def make_template(kind_names: tuple[str, ...], *, bos: int | None, eos: int,
                   part_prefix: dict[str, list[int]] | None = None,
                   part_suffix: dict[str, list[int]] | None = None,
                   trains: set[str] | None = None, fim: Fim | None = None,
-                  image_kind: str | None = None) -> Template:
+                  image_kind: str | None = None, infill: Infill | None = None) -> Template:
     """A :class:`Template` from token ids per kind name (missing kinds add nothing); ``trains``
-    None means every token trains (plain text and FIM)."""
+    None means every token trains (plain text, FIM, and infilling's plain documents)."""
     part_prefix, part_suffix = part_prefix or {}, part_suffix or {}
     return Template(
         kind_names=tuple(kind_names),
@@ -253,7 +289,7 @@ def make_template(kind_names: tuple[str, ...], *, bos: int | None, eos: int,
         part_suffix=tuple(token_array(part_suffix.get(k, [])) for k in kind_names),
         part_trains=tuple(trains is None or k in trains for k in kind_names),
         train_all=trains is None, fim=fim,
-        image_kind=None if image_kind is None else kind_names.index(image_kind),
+        image_kind=None if image_kind is None else kind_names.index(image_kind), infill=infill,
     )
 
 

@@ -14,17 +14,15 @@ from lakeloader.contracts.chunk_file import ChunkParts, PlanStats
 from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.specs import PackingSpec, Template
 from lakeloader.index.packing import DocumentTooLong, PackPlan, plan_pack
-from lakeloader.index.render import doc_lengths, fim_choice, part_starts
+from lakeloader.index.render import Choice, added_tokens, collation_choice, doc_lengths, part_starts
 
 
-def rendered_doc_lengths(template: Template, parts: ChunkParts, chunk: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(rendered length of each document of a whole chunk, FIM choice or None)."""
-    fim = None
-    if template.fim is not None:
-        fim = fim_choice(template.fim, chunk, parts.num_docs, np.arange(parts.num_docs), parts.content_lengths)
+def rendered_doc_lengths(template: Template, parts: ChunkParts, chunk: int) -> tuple[np.ndarray, Choice | None]:
+    """(rendered length of each document of a whole chunk, FIM or infilling choice or None)."""
+    choice = collation_choice(template, chunk, parts.num_docs, np.arange(parts.num_docs), parts.content_lengths)
     lengths = doc_lengths(template, parts.part_lengths, parts.part_kinds, parts.part_doc, parts.num_docs,
-                          None if fim is None else fim[0])
-    return lengths, fim
+                          added_tokens(template, choice))
+    return lengths, choice
 
 
 def image_spans(template: Template, parts: ChunkParts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

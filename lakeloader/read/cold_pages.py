@@ -14,7 +14,7 @@ from lakeloader.contracts.chunk_file import ChunkParts
 from lakeloader.index.ranges import merged_runs
 from lakeloader.index.render import render_compact, rendered_doc_starts
 from lakeloader.read.catalog_view import DatasetChunks
-from lakeloader.read.renderings import Renderings, concurrently, doc_fim
+from lakeloader.read.renderings import Renderings, concurrently, doc_choice
 from lakeloader.read.span_set import RenderedGroup, SpanSet
 
 # A row group not cached is read from the pages its spans need when they reach at most 1 / PAGES_SHARE
@@ -58,7 +58,7 @@ def render_ranges(renderings: Renderings, chunks: DatasetChunks, chunk: int, gro
 
     def pick(parts: ChunkParts) -> list[tuple[int, int]]:
         nonlocal fim, starts
-        fim = doc_fim(template, chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
+        fim = doc_choice(template, chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
         starts = rendered_doc_starts(template, parts.part_lengths, parts.part_kinds, parts.part_doc, parts.num_docs,
                                      fim)
         return list(zip((np.searchsorted(starts, lo, "right") - 1).tolist(),

@@ -10,7 +10,7 @@ import numpy as np
 
 from lakeloader.contracts.specs import Template
 from lakeloader.index.ranges import cumulative
-from lakeloader.index.render import fim_choice, fim_counts, stream_lengths
+from lakeloader.index.render import chunk_added, chunk_doc_added, stream_lengths
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.lru import LRU
 
@@ -26,14 +26,12 @@ def group_table(template: Template, chunk: int, chunk_docs: int, counts: dict[st
     ``template``, from its row groups' catalog ``counts`` (``first_doc``, ``num_docs``,
     ``num_tokens``; ``num_parts`` where the template counts parts). First documents are int32."""
     first_doc = counts["first_doc"].astype(np.int32)   # per-token document keys stay int32
-    fim_docs = np.zeros(len(first_doc), np.int64)
-    if template.fim is not None and chunk_docs:
-        # Which documents are FIM does not depend on their lengths: count them per group.
-        selected = fim_choice(template.fim, chunk, chunk_docs, np.arange(chunk_docs, dtype=np.int64),
-                              np.zeros(chunk_docs, np.int64))[0]
-        fim_docs = np.add.reduceat(selected.astype(np.int64), first_doc)
+    added = np.zeros(len(first_doc), np.int64)
+    if (template.fim is not None or template.infill is not None) and chunk_docs:
+        # The tokens FIM or infilling adds to a document do not depend on its length: sum them per group.
+        added = np.add.reduceat(chunk_doc_added(template, chunk, chunk_docs), first_doc)
     lengths = stream_lengths(template, counts["num_tokens"], counts["num_docs"].astype(np.int64),
-                             counts.get("num_parts"), fim_docs)
+                             counts.get("num_parts"), added)
     return cumulative(lengths), first_doc
 
 
@@ -50,8 +48,8 @@ class GroupTables:
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (from catalog counts only)."""
-        fim = fim_counts(self.template.fim, np.arange(chunks.committed), chunks.num_docs)
-        return stream_lengths(self.template, chunks.num_tokens, chunks.num_docs, chunks.num_parts, fim)
+        added = chunk_added(self.template, np.arange(chunks.committed), chunks.num_docs)
+        return stream_lengths(self.template, chunks.num_tokens, chunks.num_docs, chunks.num_parts, added)
 
     def of(self, chunks: DatasetChunks, chunk: int) -> GroupTable:
         """Chunk ``chunk``'s table (fetched alone when not kept)."""

@@ -1,8 +1,8 @@
-"""Row groups rendered by a dataset's collation template (special tokens, chat templates, FIM),
-each once, into the compact form the reader's byte-bounded cache keeps (``loader.cache_bytes``):
-its tokens in the stored dtype (uint16 when the vocabulary fits), a target flag per token only
-when some token is not a target, and its documents' boundaries as offsets (no per-token
-document key)."""
+"""Row groups rendered by a dataset's collation template (special tokens, chat templates, FIM,
+infilling), each once, into the compact form the reader's byte-bounded cache keeps
+(``loader.cache_bytes``): its tokens in the stored dtype (uint16 when the vocabulary fits), a
+target flag per token only when some token is not a target, and its documents' boundaries as
+offsets (no per-token document key)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.contracts.specs import Template
-from lakeloader.index.render import fim_choice, render_compact
+from lakeloader.index.render import Choice, collation_choice, render_compact
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
 from lakeloader.read.group_tables import GroupTables
@@ -41,13 +41,13 @@ def concurrently(calls: Sequence[Callable[[], T]]) -> list[T]:
     return [future.result() for future in running]
 
 
-def doc_fim(template: Template, chunks: DatasetChunks, chunk: int, docs: np.ndarray,
-            lengths: np.ndarray) -> tuple[np.ndarray, ...] | None:
-    """The FIM choices (:func:`~lakeloader.index.render.fim_choice`) of documents ``docs`` of
-    chunk ``chunk``, of content ``lengths``; None for a template without FIM."""
-    if template.fim is None:
+def doc_choice(template: Template, chunks: DatasetChunks, chunk: int, docs: np.ndarray,
+               lengths: np.ndarray) -> Choice | None:
+    """The FIM or infilling choice (:func:`~lakeloader.index.render.collation_choice`) of
+    documents ``docs`` of chunk ``chunk``, of content ``lengths``; None for a template with neither."""
+    if template.fim is None and template.infill is None:
         return None
-    return fim_choice(template.fim, chunk, int(chunks.num_docs[chunk]), docs, lengths)
+    return collation_choice(template, chunk, int(chunks.num_docs[chunk]), docs, lengths)
 
 
 class Renderings:
@@ -92,7 +92,7 @@ class Renderings:
         stored = self.files.read_row_group(chunks, chunk, group)
         parts = stored.parts
         first_doc = int(self.tables.of(chunks, chunk)[1][group])
-        fim = doc_fim(self.template, chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
+        fim = doc_choice(self.template, chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
         rendered = RenderedGroup(*render_compact(self.template, stored.values, parts.part_lengths, parts.part_kinds,
                                                  parts.part_doc, parts.num_docs, fim))
         if self.keeps_parts:
