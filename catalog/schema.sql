@@ -10,7 +10,7 @@ CREATE TABLE IF NOT EXISTS lake_meta (
 CREATE TABLE IF NOT EXISTS dataset_plans (
     name           VARCHAR PRIMARY KEY,
     fingerprint    VARCHAR NOT NULL,       -- hash of sources, tokenizer, encoder, format, fields, split size
-    format         VARCHAR NOT NULL,       -- text | chat | supervised | fim | interleaved
+    format         VARCHAR NOT NULL,       -- text | chat | supervised | fim | infill | interleaved
     fields         VARCHAR[] NOT NULL,     -- part kinds: text | roles (chat) | prompt, response | text, image
     chunk_dir      VARCHAR NOT NULL,       -- folder of the chunk files, relative to the lake root
     tokenizer_path VARCHAR NOT NULL,       -- the lake's copy of the tokenizer, relative to the lake root
