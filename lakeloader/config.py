@@ -503,6 +503,10 @@ class EvaluationConfig(_Strict):
     seq_len: int | None = Field(default=None, ge=1, description=(
         "Tokens per example of the pass (default: loader.seq_len); under pack or pad the build "
         "registers the pass's packing too."))
+    prompts: bool = Field(default=False, description=(
+        "Yield the prompt side only, for a generation eval: each row's document cut before its first "
+        "training target (a response, an infilled gap) into input_ids (the prompt), prompt_lengths, "
+        "references and reference_lengths. Needs loader.packing: pad."))
 
     @field_validator("datasets")
     @classmethod
@@ -606,6 +610,16 @@ class Config(_Strict):
             if name not in self.datasets:
                 raise KeyValueError(("evaluation", "datasets", i),
                                     f"no dataset {name!r} in this config; datasets are {sorted(self.datasets)}")
+        if evaluation.prompts:
+            if self.loader.packing != "pad":
+                raise KeyValueError(("evaluation", "prompts"), (
+                    f"needs loader.packing: pad (one document a row, from position 0), not {self.loader.packing!r}"))
+            if "segment_ids" not in self.loader.fields:
+                raise KeyValueError(("evaluation", "prompts"), "needs segment_ids among loader.fields (a row's length)")
+            seq2seq = [n for n in evaluation.datasets if self.datasets[n].seq2seq]
+            if seq2seq:
+                raise KeyValueError(("evaluation", "prompts"), (
+                    f"datasets {seq2seq} are seq2seq: their batches hold the prompt side already (inputs)"))
         if self.loader.packing != "concat" and evaluation.seq_len not in (None, self.loader.seq_len):
             mixed = {n for weights in (self.mixture.all_weights() if self.mixture else [{n: 1 for n in self.datasets}])
                      for n, w in weights.items() if w > 0}

@@ -5,6 +5,7 @@ dataset read only by the pass needs no mixture weight, and its packing is kept b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,47 @@ def test_an_evaluation_section_is_checked_with_its_key(lake: Path, tmp_path: Pat
         Loader(_with(lake, tmp_path, datasets=["v", "v"]))
     with pytest.raises(ConfigError, match=r"evaluation\.seq_len.*\['a'\] are both mixed and evaluated"):
         Loader(_with(lake, tmp_path, datasets=["v", "a"], seq_len=64))
+
+
+def test_the_prompt_side_of_a_pass_cuts_each_document_where_generation_starts(tmp_path: Path,
+                                                                              dask_scheduler: str) -> None:
+    records = [{"prompt": f"Question {i}: what does {t.splitlines()[0][:40]!r} say?", "response": t[:300]}
+               for i, t in enumerate(stdlib_texts("json") + stdlib_texts("email", limit=8))]
+    path = tmp_path / "data" / "qa.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    datasets = {"qa": {"sources": [str(path)], "format": "supervised", "supervised": {"separator": "<|sep|>"}}}
+    loader = {"seq_len": 256, "batch_size": 4, "packing": "pad", "pack": {"long_documents": "truncate"}}
+    whole = write_config(tmp_path, datasets, loader=loader, evaluation={"datasets": ["qa"]})
+    build(whole, scheduler=dask_scheduler, progress=False)
+    raw = yaml.safe_load(whole.read_text())
+    raw["evaluation"]["prompts"] = True
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with Loader(whole, mode="eval") as full, Loader(prompts, mode="eval") as cut:
+        separator = full.tokenizer.token_to_id("<|sep|>")
+        assert full.num_batches() == cut.num_batches()
+        seen = 0
+        for step in range(full.num_batches() or 0):
+            a, b = full.batch(step), cut.batch(step)
+            assert sorted(b) == ["dataset_ids", "example_mask", "input_ids", "prompt_lengths", "reference_lengths",
+                                 "references"]
+            for row in range(len(a["input_ids"])):
+                n = int((a["segment_ids"][row] > 0).sum())
+                p, r = int(b["prompt_lengths"][row]), int(b["reference_lengths"][row])
+                if b["example_mask"][row] == 0:
+                    assert p == r == 0 and n == 0
+                    continue
+                document = [*a["input_ids"][row][:n].tolist(), int(a["targets"][row][n - 1])]
+                assert [*b["input_ids"][row][:p].tolist(), *b["references"][row][:r].tolist()] == document
+                assert document[p - 1] == separator and p + r == n + 1   # generation starts after the separator
+                trained = np.flatnonzero(a["loss_mask"][row][:n])
+                assert trained[0] == p - 1   # the first target the full row trains is the reference's first token
+                assert (b["input_ids"][row][p:] == cut.pad_id).all() and (b["references"][row][r:] == cut.pad_id).all()
+                seen += 1
+        assert seen == len(records)
+
+
+def test_prompts_need_rows_of_one_document(lake: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"evaluation\.prompts.*needs loader\.packing: pad"):
+        Loader(_with(lake, tmp_path, datasets=["v"], prompts=True), mode="eval")

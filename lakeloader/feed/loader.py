@@ -29,6 +29,7 @@ from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.explain import explain
+from lakeloader.feed.prompts import prompt_batch
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
 from lakeloader.feed.run_state import LoaderState, definition_changes
@@ -302,6 +303,8 @@ class Loader:
         arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
+            if self.config.evaluation is not None and self.config.evaluation.prompts:
+                return prompt_batch(arrays, self.pad_id)
         return arrays
 
     def _empty_batch(self, pool: ArraySource, whole: bool = False) -> Batch:
