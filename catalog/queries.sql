@@ -81,13 +81,34 @@ INSERT INTO selections VALUES ($dataset, $global_index, $row_group, $source_firs
 -- name: pending_selections
 -- Chunks of datasets defined by a filter to evaluate: uncommitted ($committed false) or
 -- committed ones ($committed true), whose source chunk is committed, with the source chunk's file
--- and catalog record.
+-- and catalog record, its source file and line_base (what doc_key hashes). An uncommitted one
+-- waits until its line_base is known: until the earlier splits of its file are committed.
+WITH chunk_lines AS (
+    -- each chunk's line_base: the line (1-based, text/JSON Lines) or row (0-based, Parquet) of its
+    -- record 0, NULL for a byte split while an earlier split of its file is not committed (its
+    -- line count is unknown)
+    SELECT dataset, global_index, path,
+           CASE WHEN split_kind = 'row_group' THEN first_row
+                WHEN committed_before = split_index THEN records_before + 1 END AS line_base
+    FROM (
+        SELECT *,
+               coalesce(sum(num_records) OVER w, 0) AS records_before,
+               coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
+        FROM chunks
+        WHERE dataset IN (SELECT source_dataset FROM dataset_plans WHERE list_contains($datasets, name))
+        WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    )
+)
 SELECT c.dataset, d.source_dataset, d.selection AS "where", c.global_index, s.path, s.num_bytes,
-       s.checksum, s.num_records
+       s.checksum, s.num_records, p.source, l.line_base
 FROM chunks c
 JOIN dataset_plans d ON d.name = c.dataset
 JOIN chunks s ON s.dataset = d.source_dataset AND s.global_index = c.global_index
+JOIN shard_plans p ON p.dataset = s.dataset AND p.shard_index = s.shard_index
+JOIN chunk_lines l ON l.dataset = s.dataset AND l.global_index = s.global_index
 WHERE (c.status = 'committed') = $committed AND s.status = 'committed' AND list_contains($datasets, c.dataset)
+  AND (l.line_base IS NOT NULL OR $committed)
 ORDER BY c.global_index, list_position($datasets, c.dataset);
 
 -- name: chunk_selection
@@ -97,9 +118,28 @@ WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
 
 -- name: audit_filtered_chunks
 -- The committed chunks of a dataset defined by a filter with their counts and their source
--- chunk's file and record (what a fresh evaluation of the predicate takes).
+-- chunk's file and record (what a fresh evaluation of the predicate takes: with its source file
+-- and line_base, see pending_selections).
+WITH chunk_lines AS (
+    -- each chunk's line_base: the line (1-based, text/JSON Lines) or row (0-based, Parquet) of its
+    -- record 0, NULL for a byte split while an earlier split of its file is not committed (its
+    -- line count is unknown)
+    SELECT dataset, global_index, path,
+           CASE WHEN split_kind = 'row_group' THEN first_row
+                WHEN committed_before = split_index THEN records_before + 1 END AS line_base
+    FROM (
+        SELECT *,
+               coalesce(sum(num_records) OVER w, 0) AS records_before,
+               coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
+        FROM chunks
+        WHERE dataset = (SELECT source_dataset FROM dataset_plans WHERE name = $name)
+        WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    )
+)
 SELECT c.global_index, c.num_docs, c.num_tokens, c.num_parts, c.part_tokens, d.source_dataset,
-       s.path, s.num_bytes, s.checksum, s.num_records,
+       s.path, s.num_bytes, s.checksum, s.num_records, p.source,
+       (SELECT l.line_base FROM chunk_lines l WHERE l.dataset = s.dataset AND l.global_index = s.global_index) AS line_base,
        (SELECT list(r.num_docs ORDER BY r.row_group) FROM row_groups r
         WHERE r.dataset = c.dataset AND r.global_index = c.global_index) AS row_group_docs,
        (SELECT list(r.num_tokens ORDER BY r.row_group) FROM row_groups r
@@ -109,6 +149,7 @@ SELECT c.global_index, c.num_docs, c.num_tokens, c.num_parts, c.part_tokens, d.s
 FROM chunks c
 JOIN dataset_plans d ON d.name = c.dataset
 JOIN chunks s ON s.dataset = d.source_dataset AND s.global_index = c.global_index
+JOIN shard_plans p ON p.dataset = s.dataset AND p.shard_index = s.shard_index
 WHERE c.dataset = $name AND c.status = 'committed'
 ORDER BY c.global_index;
 
@@ -472,32 +513,47 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 
 -- name: document_chunks
 -- Committed chunks with what the documents view adds to their rows: the source file, and the
--- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0; NULL for a
--- byte split while an earlier split of its file is not committed (its line count is unknown);
--- and the file's size and sha256, which it is checked against before it is read.
+-- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0 (a filtered
+-- dataset's from its source's chunk of the same file where the source still has it); NULL for a
+-- byte split while an earlier split of its file is not committed (its line count is unknown); and
+-- the file's size and sha256, which it is checked against before it is read.
+WITH chunk_lines AS (
+    -- each chunk's line_base: the line (1-based, text/JSON Lines) or row (0-based, Parquet) of its
+    -- record 0, NULL for a byte split while an earlier split of its file is not committed (its
+    -- line count is unknown)
+    SELECT dataset, global_index, path,
+           CASE WHEN split_kind = 'row_group' THEN first_row
+                WHEN committed_before = split_index THEN records_before + 1 END AS line_base
+    FROM (
+        SELECT *,
+               coalesce(sum(num_records) OVER w, 0) AS records_before,
+               coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
+        FROM chunks
+        WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    )
+)
 SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source, d.fields, d.selection AS "where",
-       CASE WHEN c.split_kind = 'row_group' THEN c.first_row
-            WHEN c.committed_before = c.split_index THEN c.records_before + 1 END AS line_base
-FROM (
-    SELECT *,
-           coalesce(sum(num_records) OVER w, 0) AS records_before,
-           coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
-    FROM chunks
-    WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-) c
+       coalesce(l.line_base, o.line_base) AS line_base
+FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
+JOIN chunk_lines o ON o.dataset = c.dataset AND o.global_index = c.global_index
+LEFT JOIN chunk_lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path
 WHERE c.status = 'committed'
 ORDER BY c.dataset, c.global_index;
 
 -- name: documents_of_dataset
 -- The documents view's rows of one dataset. Placeholders: source, the relation of its committed
 -- chunk files (their record, part_lengths, part_kinds and meta.* columns, and per file its
--- dataset, chunk, source and line_base); columns, its per-kind token counts and metadata fields
--- (documents_kind_tokens, documents_metadata). A chunk's documents are in record order.
+-- dataset, chunk, source, line_base and key_name: the source file's name); columns, its per-kind
+-- token counts and metadata fields (documents_kind_tokens, documents_metadata). A chunk's
+-- documents are in record order. doc_key: the first 8 bytes of the sha256 of the file's name, a
+-- newline and the line, as lakeloader.contracts.doc_keys.doc_key computes it (NULL with line).
 SELECT dataset, chunk, (row_number() OVER (PARTITION BY chunk ORDER BY record) - 1)::BIGINT AS doc,
-       source, line_base + record AS line, list_sum(part_lengths)::BIGINT AS num_tokens,
+       source, line_base + record AS line,
+       ('0x' || left(sha256(key_name || chr(10) || (line_base + record)::VARCHAR), 16))::UBIGINT AS doc_key,
+       list_sum(part_lengths)::BIGINT AS num_tokens,
        len(part_lengths)::BIGINT AS num_parts{columns}
 FROM {source}
 
@@ -519,7 +575,7 @@ CREATE VIEW documents AS {selects};
 
 -- name: documents_empty
 SELECT NULL::VARCHAR AS dataset, NULL::BIGINT AS chunk, NULL::BIGINT AS doc, NULL::VARCHAR AS source,
-       NULL::BIGINT AS line, NULL::BIGINT AS num_tokens, NULL::BIGINT AS num_parts
+       NULL::BIGINT AS line, NULL::UBIGINT AS doc_key, NULL::BIGINT AS num_tokens, NULL::BIGINT AS num_parts
 WHERE false
 
 -- name: document_stats

@@ -11,9 +11,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
+from lakeloader.contracts.doc_keys import split_predicates
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
-from lakeloader.contracts.selection import where_problem
+from lakeloader.contracts.selection import PredicateError, check_predicate, metadata_columns, where_problem
 from lakeloader.contracts.specs import REQUIRED_ROW_FIELDS, ROW_FIELDS, WeightError, check_weights
 from lakeloader.storage import S3_PROTOCOLS, s3_options_problem
 
@@ -199,6 +200,27 @@ FORMAT_SECTIONS = ("chat", "supervised", "fim", "infill", "interleaved")
 _METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+SPLIT_PARTS = ("train", "validation")   # a split of dataset <name> adds datasets <name>.train, <name>.validation
+
+
+class SplitConfig(_Strict):
+    """``split``: a held-out part of a dataset, chosen by ``doc_key``. Dataset ``<name>`` with a
+    split adds two datasets defined by a filter of it, ``<name>.train`` and ``<name>.validation``,
+    with complementary predicates over doc_key: disjoint, and together exactly the documents of
+    ``<name>``, on any machine and rebuild."""
+
+    fraction: float = Field(gt=0, lt=1, description=(
+        "The share of the documents held out in <name>.validation (the rest are <name>.train): those whose "
+        "doc_key (mixed by the seed) is below fraction * 2^64, so the count is about fraction of the documents."))
+    seed: int = Field(default=0, ge=0, description=(
+        "Which documents are held out: another seed holds out another set of the same expected size "
+        "(seed 0: doc_key < fraction * 2^64; another: doc_key times an odd number of the seed, modulo 2^64)."))
+
+    def predicates(self) -> dict[str, str]:
+        """The predicate over doc_key of each part (``SPLIT_PARTS``)."""
+        return dict(zip(SPLIT_PARTS, split_predicates(self.fraction, self.seed)))
+
+
 class DatasetConfig(_Strict):
     """One dataset: where its documents come from and how to read and render them."""
 
@@ -211,8 +233,12 @@ class DatasetConfig(_Strict):
         "evaluates where on each chunk of the source and stores the selection. The source may not "
         "itself be defined by a filter."))
     where: str | None = Field(default=None, description=(
-        "With from: a SQL predicate over the source dataset's metadata fields and num_tokens, e.g. "
-        "\"lang = 'en' AND num_tokens < 8192\" (one pure expression: no subquery)."))
+        "With from: a SQL predicate over the source dataset's metadata fields, num_tokens and doc_key (the "
+        "document's stable key, an unsigned 64-bit integer), e.g. \"lang = 'en' AND num_tokens < 8192\" or "
+        "\"doc_key % 100 >= 1\" (one pure expression: no subquery)."))
+    split: SplitConfig | None = Field(default=None, description=(
+        "Hold out a part of this dataset: adds the datasets <name>.train and <name>.validation, filters of it "
+        "(of its source, with its where, for a dataset defined by a filter) that split its documents by doc_key."))
     format: Literal["text", "chat", "supervised", "fim", "infill", "interleaved"] = Field(
         default="text", description="How records are read and rendered (the section of the same name configures it).")
     text_field: str = Field(default="text", description="Record field holding the text.")
@@ -269,7 +295,7 @@ class DatasetConfig(_Strict):
             return self
         if self.where is None:
             raise KeyValueError(("where",), f"a dataset defined by a filter of {self.from_!r} needs where: <SQL predicate>")
-        others = sorted(set(self.model_fields_set) - {"from_", "where"})
+        others = sorted(set(self.model_fields_set) - {"from_", "where", "split"})
         if others:
             raise KeyValueError((others[0],), "a dataset defined by a filter (from, where) takes its documents, "
                                 "format and fields from its source dataset; remove this key")
@@ -578,6 +604,38 @@ class Config(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _splits_add_datasets(self) -> Config:
+        # Runs before the filters are checked: the parts of a split are datasets defined by a filter.
+        for name, dataset in list(self.datasets.items()):
+            if dataset.split is None:
+                continue
+            source, where = name, None
+            if dataset.from_ is not None:   # a filter's parts filter its source, both predicates joined
+                source = dataset.from_
+                origin = self.datasets.get(source)
+                if origin is None or origin.from_ is not None:
+                    continue   # refused below, naming datasets.<name>.from
+                try:   # as DuckDB prints it back: parentheses balanced, no comment, so AND binds it whole
+                    where = check_predicate(dataset.where or "", metadata_columns(origin.metadata_fields))
+                except PredicateError as exc:
+                    raise KeyValueError(("datasets", name, "where"), str(exc)) from None
+            for part, predicate in dataset.split.predicates().items():
+                part_name = f"{name}.{part}"
+                if part_name in self.datasets:
+                    raise KeyValueError(("datasets", name, "split"),
+                                        f"the split adds dataset {part_name!r}, which this config defines already: "
+                                        f"rename that dataset or remove the split")
+                self.datasets[part_name] = DatasetConfig.model_validate(
+                    {"from": source, "where": predicate if where is None else f"({where}) AND ({predicate})"})
+        return self
+
+    def split_of(self, name: str) -> tuple[str, str] | None:
+        """(dataset, part) if dataset ``name`` is a part of another's split, else None."""
+        base, _, part = name.rpartition(".")
+        dataset = self.datasets.get(base)
+        return (base, part) if part in SPLIT_PARTS and dataset is not None and dataset.split is not None else None
+
+    @model_validator(mode="after")
     def _filters_name_datasets(self) -> Config:
         for name, dataset in self.datasets.items():
             if dataset.from_ is None:
@@ -598,7 +656,7 @@ class Config(_Strict):
         for name, dataset in list(self.datasets.items()):
             if dataset.from_ is not None:
                 self.datasets[name] = self.datasets[dataset.from_].model_copy(
-                    update={"from_": dataset.from_, "where": dataset.where})
+                    update={"from_": dataset.from_, "where": dataset.where, "split": dataset.split})
         return self
 
     @model_validator(mode="after")

@@ -103,7 +103,7 @@ def test_a_filter_of_a_filtered_dataset_is_refused(tmp_path: Path) -> None:
 def test_predicates_bind_against_the_planned_types() -> None:
     assert where_problem("lang = 'en' AND score >= 0.5 AND num_tokens < 8192", WEB["metadata_fields"]) is None
     assert where_problem("flag AND num_tokens BETWEEN 1 AND 10", {"flag": "bool"}) is None
-    assert where_problem("lang LIKE 'e%' OR lang IS NULL", {"lang": None}) is None   # untyped: a string
+    assert where_problem("lang LIKE 'e%' OR lang IS NULL", {"lang": None}) is None   # untyped: NULL-typed until planned
     assert "not found" in where_problem("tokens > 3", {})
     assert "does not bind" in where_problem("flag + 1 > 1", {"flag": "bool"})   # no bool + int
 

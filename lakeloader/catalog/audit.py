@@ -192,7 +192,8 @@ def check_selections(config: Config, con: duckdb.DuckDBPyConnection) -> int:
                 where=config.datasets[name].where or "", chunk_url=lake.url_of(row.path),
                 num_bytes=int(row.num_bytes), checksum=row.checksum, num_records=int(row.num_records),
                 kinds=len(config.datasets[name].part_kinds), storage_options=config.storage_options,
-                packing=(spec,) if spec else ()))
+                packing=(spec,) if spec else (), source_file=row.source,
+                line_base=None if pd.isna(row.line_base) else int(row.line_base)))
             stored_selection = [(int(first), list(docs)) for _, first, docs in con.execute(
                 query("chunk_selection"), {"name": name, "global_index": int(row.global_index)}).fetchall()]
             pairs = {

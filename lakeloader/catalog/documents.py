@@ -3,10 +3,11 @@
 A sandboxed catalog connection (``connect_reader``) cannot read files, so the chunk files are
 fed to it from Python: per dataset, a pyarrow Dataset over its committed chunk files (each checked
 against its size and sha256 in the catalog first, every page against its CRC-32 when read, as the
-loader reads them) is registered on the connection, with each file's dataset, chunk, source and
-first line as constant columns. DuckDB pushes projections and filters into the scan, so a query
-reads only the columns it needs (never the tokens) and skips the files a filter on those
-constants rules out. The user's SQL can reach these files and no other.
+loader reads them) is registered on the connection, with each file's dataset, chunk, source,
+first line and the source's file name (which ``doc_key`` hashes) as constant columns. DuckDB
+pushes projections and filters into the scan, so a query reads only the columns it needs (never
+the tokens) and skips the files a filter on those constants rules out. The user's SQL can reach
+these files and no other.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from lakeloader.contracts.chunk_file import (
     size_mismatch,
     unreadable_chunk,
 )
+from lakeloader.contracts.doc_keys import key_name
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.contracts.selection import PREDICATE_COLUMNS, PredicateError, check_predicate
 from lakeloader.storage import with_retries
@@ -54,7 +56,8 @@ VIEW = "documents"
 _MENTION = re.compile(rf"\b{VIEW}\b", re.IGNORECASE)
 _CHUNK_COLUMNS = (RECORD_COLUMN, PART_LENGTHS_COLUMN, PART_KINDS_COLUMN)
 # Per-file constants: (name, type) of the columns each chunk file's rows get from the catalog.
-_FILE_COLUMNS = (("dataset", pa.string()), ("chunk", pa.int64()), ("source", pa.string()), ("line_base", pa.int64()))
+_FILE_COLUMNS = (("dataset", pa.string()), ("chunk", pa.int64()), ("source", pa.string()), ("line_base", pa.int64()),
+                 ("key_name", pa.string()))
 HISTOGRAM_BINS_PER_OCTAVE = 4
 
 
@@ -206,7 +209,8 @@ def _dataset_relation(lake: LakeLocation, chunks: pd.DataFrame) -> ds.Dataset:
         line_base = None if pd.isna(row.line_base) else int(row.line_base)
         partitions.append((ds.field("dataset") == row.dataset) & (ds.field("chunk") == int(row.global_index))
                           & (ds.field("source") == row.source)
-                          & (ds.field("line_base") == pa.scalar(line_base, pa.int64())))
+                          & (ds.field("line_base") == pa.scalar(line_base, pa.int64()))
+                          & (ds.field("key_name") == key_name(row.source)))
     scan = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
     dataset = ds.FileSystemDataset.from_paths(
         paths, schema=schema, format=ds.ParquetFileFormat(default_fragment_scan_options=scan),

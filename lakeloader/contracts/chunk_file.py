@@ -25,7 +25,7 @@ META_PREFIX = "meta."
 METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
 # Columns every row of the catalog's ``documents`` view has (then ``tokens_<kind>`` per part kind
 # and one per metadata field, which therefore may not take these names).
-DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "num_tokens", "num_parts")
+DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "doc_key", "num_tokens", "num_parts")
 
 
 def metadata_kind_of(arrow_type: pa.DataType) -> str | None:

@@ -14,9 +14,10 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES
+from lakeloader.contracts.doc_keys import DOC_KEY_COLUMN
 
-# The columns a predicate may name besides the metadata fields.
-PREDICATE_COLUMNS = {"num_tokens": pa.int64()}
+# The columns a predicate may name besides the metadata fields (doc_key: contracts/doc_keys.py).
+PREDICATE_COLUMNS = {"num_tokens": pa.int64(), DOC_KEY_COLUMN: pa.uint64()}
 # The predicate is parsed and bound as the WHERE clause of this statement over an empty relation.
 # These statements stay here (not in catalog/queries.sql): the config validates with them and
 # sits below the catalog layer; none touches a catalog.
@@ -109,6 +110,9 @@ def check_predicate(where: str, columns: Mapping[str, pa.DataType]) -> str:
         clause = _where_clause(json.loads(con.execute(_SERIALIZE, {"statement": statement}).fetchall()[0][0]))
         if clause is None:
             raise impure
+        if any(n.get("class") == "STAR" for n in _nodes(clause)):
+            raise PredicateError(f"names columns by a pattern (COLUMNS): a filter names each column it reads, "
+                                 f"of {known}")
         names, functions = _unknown_names(clause, columns)
         if functions:
             raise PredicateError(
@@ -131,9 +135,13 @@ def check_predicate(where: str, columns: Mapping[str, pa.DataType]) -> str:
 
 
 def metadata_columns(metadata: Mapping[str, str | None]) -> dict[str, pa.DataType]:
-    """The columns a filter of a dataset with ``metadata`` (field -> string | int | float | bool;
-    an untyped field is a string) may name, with their Arrow types."""
-    return {**{field: METADATA_ARROW_TYPES.get(kind or "string", pa.string()) for field, kind in metadata.items()},
+    """The columns a filter of a dataset with ``metadata`` (field -> string | int | float | bool)
+    may name, with their Arrow types. A field listed without a type (its type is inferred at
+    planning, from the dataset's first file) is NULL-typed: that binds with a value of any type
+    (``score >= 0.5``, ``lang = 'en'``), and the planner checks the predicate again against the
+    types it inferred."""
+    return {**{field: METADATA_ARROW_TYPES.get(kind, pa.string()) if kind else pa.null()
+               for field, kind in metadata.items()},
             **PREDICATE_COLUMNS}
 
 

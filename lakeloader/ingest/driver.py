@@ -233,7 +233,7 @@ def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str,
     try:
         if batch.has_work:
             dashboard = run_tasks(run, batch)
-        _check_documents(run.writer, batch.names)
+        _check_documents(run.writer, batch.names, run.config)
         status = "succeeded"
     except BaseException as exc:
         status, error = _ending(exc, run.config)
@@ -274,9 +274,15 @@ def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> No
         log.warning("could not publish the final catalog snapshot of failed build %d: %s", run.build_id, exc)
 
 
-def _check_documents(writer: CatalogWriter, names: list[str]) -> None:
+def _check_documents(writer: CatalogWriter, names: list[str], config: Config) -> None:
     """SourceError for a built dataset without documents: no mixture or loader can use it."""
     for row in writer.datasets_without_documents(names).itertuples(index=False):
+        split = config.split_of(row.name)
+        if split is not None:
+            source, part = split
+            raise SourceError(
+                f"dataset {row.name!r} has no documents: the split of dataset {source!r} puts none of its "
+                f"documents in its {part} part; change datasets.{source}.split.fraction or remove the split")
         if isinstance(row.source_dataset, str):
             raise SourceError(
                 f"dataset {row.name!r} has no documents: its filter where: {row.where!r} selects none of "

@@ -128,17 +128,19 @@ def run_tasks(run: BuildRun, batch: TaskBatch) -> str:
     return dashboard
 
 
-def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], scheduler: _Scheduler) -> int:
-    """Submit the selection tasks of the filtered datasets' chunks whose source chunk is among
-    ``built`` (just committed); returns how many."""
-    committed: dict[str, set[int]] = {}
-    for result in built:
-        for name in batch.filters.get(result.dataset, ()):
-            committed.setdefault(name, set()).add(result.global_index)
-    if not committed:
+def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], scheduler: _Scheduler,
+                    submitted: set[tuple[str, int]]) -> int:
+    """Submit the selection tasks of the filtered datasets of the sources of ``built`` (chunks
+    just committed) that became ready (their source chunk committed, and the earlier splits of
+    its file: its lines are known) and are not in ``submitted`` (this run's, updated); returns how
+    many."""
+    names = sorted({name for result in built for name in batch.filters.get(result.dataset, ())})
+    if not names:
         return 0
-    rows = run.writer.pending_selections(sorted(committed))
-    rows = rows[[int(i) in committed[d] for d, i in zip(rows.dataset, rows.global_index)]]
+    rows = run.writer.pending_selections(names)
+    keys = [(d, int(i)) for d, i in zip(rows.dataset, rows.global_index)]
+    rows = rows[[key not in submitted for key in keys]]
+    submitted.update(keys)
     scheduler.select(batch.selection_tasks(run.config, run.lake, rows))
     return len(rows)
 
@@ -153,6 +155,8 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
                            window=2 * threads + 2)
     scheduler.select(batch.selection_tasks(run.config, run.lake, batch.selections))
     selected = len(batch.selections)
+    submitted = {(d, int(i)) for d, i in zip(batch.selections.get("dataset", ()),
+                                               batch.selections.get("global_index", ()))}
     totals = run.totals
     bar = tqdm(total=len(batch.pending), unit="chunk", desc="build", disable=not run.progress, smoothing=0.1,
                mininterval=0.5)
@@ -172,7 +176,7 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
                 failed[0].result()  # raises the task's own error
             for result in built:
                 totals.add(result)
-            selected += _follow_filters(run, batch, built, scheduler)
+            selected += _follow_filters(run, batch, built, scheduler, submitted)
             bar.update(len(built))
             elapsed = max(time.perf_counter() - started, 1e-9)
             bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",

@@ -65,6 +65,7 @@ class TaskBatch:
             num_records=int(row.num_records), kinds=len(config.datasets[row.dataset].part_kinds),
             storage_options=config.storage_options,
             packing=(self.packing[row.dataset],) if row.dataset in self.packing else (),
+            source_file=row.source, line_base=None if pd.isna(row.line_base) else int(row.line_base),
         ) for row in rows.itertuples(index=False)]
 
     def sources(self) -> dict[tuple[str, int], tuple[str, int, int]]:

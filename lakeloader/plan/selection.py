@@ -2,10 +2,11 @@
 
 Chunk i of a dataset defined by a filter is chunk i of its source dataset (the same file) with
 the documents its predicate selects: this reads only the file's part layout and the metadata
-columns, selects with DuckDB (:func:`lakeloader.contracts.selection.select_documents`) and counts
-what the catalog keeps of the selected documents (row groups, parts, packing plans) exactly as a
-built chunk's are counted. A build runs it as a Dask task per chunk; the audit runs it again to
-check the catalog.
+columns (and the documents' record indices when the predicate names ``doc_key``, computed from
+the source file's name and each document's line: ``contracts/doc_keys.py``), selects with DuckDB
+(:func:`lakeloader.contracts.selection.select_documents`) and counts what the catalog keeps of the
+selected documents (row groups, parts, packing plans) exactly as a built chunk's are counted. A
+build runs it as a Dask task per chunk; the audit runs it again to check the catalog.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lakeloader.contracts.chunk_file import (
     META_PREFIX,
     PART_KINDS_COLUMN,
     PART_LENGTHS_COLUMN,
+    RECORD_COLUMN,
     ChunkResult,
     group_counts,
     open_chunk,
@@ -30,7 +32,8 @@ from lakeloader.contracts.chunk_file import (
     table_parts,
     unreadable_chunk,
 )
-from lakeloader.contracts.errors import ConfigError
+from lakeloader.contracts.doc_keys import DOC_KEY_COLUMN, doc_keys, mentions_doc_key
+from lakeloader.contracts.errors import ConfigError, LakeloaderError
 from lakeloader.contracts.selection import select_documents
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.index.chunk_packing import plan_stats
@@ -52,6 +55,8 @@ class SelectionTask:
     kinds: int              # part kinds of the format
     storage_options: dict[str, object] = dataclasses.field(default_factory=dict)
     packing: tuple[PackingSpec, ...] = ()
+    source_file: str = ""   # the source chunk's input file, as the catalog names it
+    line_base: int | None = None   # the line (or Parquet row) of its record 0; None: not known yet
 
 
 def evaluate_selection(task: SelectionTask) -> ChunkResult:
@@ -65,13 +70,17 @@ def evaluate_selection(task: SelectionTask) -> ChunkResult:
         try:
             parquet = open_chunk(handle)
             meta = [name for name in parquet.schema_arrow.names if name.startswith(META_PREFIX)]
-            table = parquet.read(columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, *meta])
+            keyed = mentions_doc_key(task.where)
+            table = parquet.read(columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, *meta,
+                                          *([RECORD_COLUMN] if keyed else [])])
             rows = [parquet.metadata.row_group(g).num_rows for g in range(parquet.metadata.num_row_groups)]
         except (OSError, pa.ArrowException) as exc:
             raise unreadable_chunk(where, exc) from exc
     parts = table_parts(table)
     candidate = pa.table({**{name.removeprefix(META_PREFIX): table.column(name) for name in meta},
                           "num_tokens": pa.array(parts.content_lengths)})
+    if keyed:
+        candidate = candidate.append_column(DOC_KEY_COLUMN, pa.array(_doc_keys(task, table, where), pa.uint64()))
     try:
         selected = select_documents(task.where, candidate)
     except duckdb.Error as exc:   # bound at planning, failed on a value (a cast, say)
@@ -92,3 +101,13 @@ def evaluate_selection(task: SelectionTask) -> ChunkResult:
         selection=tuple((int(first), selected[bounds[g]:bounds[g + 1]] - np.int32(first))
                         for g, first in enumerate(file_bounds[:-1].tolist())),
     )
+
+
+def _doc_keys(task: SelectionTask, table: pa.Table, where: str) -> np.ndarray:
+    """The doc_key of each document of the chunk (``table`` holds its record column): of its
+    source file's name and its line, the line of record 0 plus its record index."""
+    if task.line_base is None:   # the build waits for it (pending_selections); never a user's mistake
+        raise LakeloaderError(f"dataset {task.dataset!r}: the doc_key of the documents of {where} is not known before "
+                              "the earlier splits of its file are committed; build again")
+    records = table.column(RECORD_COLUMN).to_numpy().astype(np.int64)
+    return doc_keys(task.source_file, task.line_base + records)
