@@ -67,13 +67,6 @@ class TaskBatch:
             packing=(self.packing[row.dataset],) if row.dataset in self.packing else (),
         ) for row in rows.itertuples(index=False)]
 
-    def sources(self) -> dict[tuple[str, int], tuple[str, int, int]]:
-        """(dataset, global_index) -> (source, shard_index, split_index) of each pending chunk."""
-        return {
-            (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
-            for row in self.pending.itertuples(index=False)
-        }
-
     def chunk_tasks(self, config: Config, lake: Lake, tokenizer_url: str) -> Iterator[ChunkTask]:
         """The task of each pending chunk, in ``pending``'s order."""
         formats = {name: dataset.record_format() for name, dataset in config.datasets.items()}
