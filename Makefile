@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/jax_feed.py
 	$(BIN)/python benchmarks/loader_workers.py
 	$(BIN)/python benchmarks/build_scaling.py
+	$(BIN)/python benchmarks/driver_commits.py
 	$(BIN)/python benchmarks/integrity_overhead.py
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/selection.py

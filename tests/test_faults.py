@@ -260,3 +260,15 @@ def test_ctrl_c_during_a_build_is_one_line_an_interrupted_run_and_a_resumable_la
     statuses = lake.sql("SELECT status FROM builds ORDER BY build_id").status.tolist()
     assert statuses == ["interrupted", "succeeded"]
     assert lake.sql("SELECT status FROM datasets").status.tolist() == ["complete"]
+
+
+def test_unreachable_scheduler_is_one_line_and_a_failed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build --scheduler` with nothing listening there: one line naming the address and what to do."""
+    monkeypatch.setenv("DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT", "2s")
+    write_jsonl(tmp_path / "data" / "a.jsonl", stdlib_texts("json", limit=2))
+    config = write_config(tmp_path, {"code": {"sources": [str(tmp_path / "data" / "a.jsonl")]}})
+    address = f"tcp://127.0.0.1:{free_port()}"
+    assert_clean_error(cli("build", str(config), "--scheduler", address, "--no-progress"),
+                       f"cannot reach the Dask scheduler {address}", "start it and its workers")
+    [run] = builds(config)
+    assert run["status"] == "failed" and str(run["error"]).startswith("SchedulerError: cannot reach"), run

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -375,3 +376,95 @@ def test_worker_sigkill_build_still_gives_the_reference_lake(tmp_path: Path, cor
     # The killed worker had committed chunks (it was doing the work) and they were kept.
     workers_used = set(read_catalog(lake_root, "SELECT DISTINCT worker FROM chunks")["worker"])
     assert f"{os.uname().nodename}:{victim.pid}" in workers_used, workers_used
+
+
+@contextlib.contextmanager
+def external_cluster(folder: Path) -> Iterator[tuple[str, subprocess.Popen, subprocess.Popen]]:
+    """A cluster as users run one: `dask scheduler` and one single-threaded `dask worker` process,
+    each in its own session (killed with everything they started on exit). Yields the scheduler's
+    address and the two processes once the worker has joined."""
+    from distributed import Client
+
+    from lakeloader.ingest.cluster import WORKER_ENV
+
+    folder.mkdir(parents=True, exist_ok=True)
+    scheduler_file = folder / "scheduler.json"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True}
+    processes = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                   "--port", "0", "--no-dashboard", "--scheduler-file", str(scheduler_file)], **quiet)]
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() or not scheduler_file.read_text().strip().endswith("}"):
+            assert processes[0].poll() is None and time.monotonic() < deadline, "the scheduler did not start"
+            time.sleep(0.05)
+        address = json.loads(scheduler_file.read_text())["address"]
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard"],
+            env={**os.environ, **WORKER_ENV}, **quiet))
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(1, timeout=60)
+        yield address, processes[0], processes[1]
+    finally:
+        for process in processes:
+            leftovers = session_processes(process.pid)
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+            for child in leftovers:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+
+
+def test_lost_scheduler_is_one_line_and_a_rerun_on_a_new_cluster_resumes(tmp_path: Path, corpus: Path,
+                                                                         reference: LakeState) -> None:
+    """Issue 53 item 6: the Dask scheduler of `build --scheduler` dies mid-build (SIGKILL): exit
+    status 2 and one line saying what was committed and kept and that a re-run resumes, a
+    `builds` row saying so, the worker gone with its scheduler; a re-run on a new scheduler and
+    worker gives the reference lake, without rebuilding what was committed."""
+    config = corpus_config(tmp_path, corpus)
+    lake_root = tmp_path / "lake"
+    log, errors = tmp_path / "build.log", tmp_path / "build.err"
+    total = reference.total
+    with external_cluster(tmp_path / "first") as (address, scheduler, worker):
+        with open(log, "wb") as out, open(errors, "wb") as err:
+            proc = subprocess.Popen(cli("build", str(config), "--scheduler", address, "--no-progress"),
+                                    stdout=out, stderr=err, start_new_session=True)
+        try:
+            wait_until(lambda: (snapshot_counts(lake_root) or (0, 0, 0))[1] > 0
+                       and len(chunk_files(lake_root)) >= total // 4, proc, errors, "some chunks were committed")
+            scheduler.kill()
+            returncode = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        # `dask worker` exits with its scheduler (the cluster docs say to restart both).
+        worker.wait(timeout=60)
+    stderr = errors.read_text()
+    lines = [line for line in stderr.splitlines() if " INFO " not in line]
+    assert returncode == 2, stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    message = (rf"lost the Dask scheduler at {re.escape(address)}: build 1 committed (\d+) chunks, which are "
+               r"kept; restart the scheduler and its workers \(they exit with it\) and re-run "
+               rf"`lakeloader build {re.escape(str(config))} --scheduler ADDRESS` to resume")
+    said = re.fullmatch(rf"lakeloader build: error: {message}", lines[0])
+    assert said, lines
+    before = read_catalog(lake_root, "SELECT global_index, path, committed_at FROM chunks "
+                                     "WHERE status = 'committed' ORDER BY global_index")
+    assert 0 < len(before) == int(said.group(1)) < total
+    builds = read_catalog(lake_root, "SELECT status, error, chunks_built FROM builds").to_dict(orient="records")
+    assert len(builds) == 1 and builds[0]["status"] == "failed" and builds[0]["chunks_built"] == len(before)
+    assert re.fullmatch(rf"SchedulerError: {message}", builds[0]["error"]), builds[0]["error"]
+
+    with external_cluster(tmp_path / "second") as (address, _, _):
+        resumed = subprocess.run(cli("build", str(config), "--scheduler", address, "--no-progress"),
+                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"built {total - len(before)} chunks ({total} in the lake)" in resumed.stdout
+    assert_same_lake(lake_root, reference)
+    assert_catalog_matches_files(lake_root)
+    kept = read_catalog(lake_root, "SELECT global_index, path, committed_at FROM chunks "
+                                   "WHERE build_id = 1 ORDER BY global_index")
+    pd.testing.assert_frame_equal(kept, before)   # committed chunks were not built again
+    statuses = read_catalog(lake_root, "SELECT status FROM builds ORDER BY build_id")["status"].tolist()
+    assert statuses == ["failed", "succeeded"]

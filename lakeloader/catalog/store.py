@@ -367,6 +367,77 @@ def _column_sums(rows: list[list[int]]) -> list[int]:
     return [sum(column) for column in zip(*rows)]
 
 
+def _columns(rows: Iterable[dict[str, Any]], names: Sequence[str]) -> dict[str, list[Any]]:
+    """``rows`` as one list per name (the list parameters of the commit_batch_* statements)."""
+    columns: dict[str, list[Any]] = {name: [] for name in names}
+    for row in rows:
+        for name in names:
+            columns[name].append(row[name])
+    return columns
+
+
+def _chunk_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
+    """The chunks' values of commit_batch_chunks: one per chunk."""
+    return {
+        "dataset": [r.dataset for r in results], "global_index": [r.global_index for r in results],
+        "num_docs": [r.num_docs for r in results], "num_tokens": [r.num_tokens for r in results],
+        "num_records": [r.num_records for r in results], "num_bytes": [r.num_bytes for r in results],
+        "checksum": [r.checksum for r in results], "num_rejects": [len(r.rejects) for r in results],
+        "source_bytes": [r.source_bytes for r in results], "worker": [r.worker for r in results],
+        "seconds": [float(r.seconds) for r in results],
+        "num_parts": [_column_sums(r.row_group_parts) for r in results],
+        "part_tokens": [_column_sums(r.row_group_part_tokens) for r in results],
+    }
+
+
+def _row_group_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
+    """The row groups of commit_batch_row_groups: one per row group of each chunk."""
+    columns: dict[str, list[Any]] = {name: [] for name in (
+        "dataset", "global_index", "row_group", "first_doc", "num_docs", "first_token", "num_tokens",
+        "num_parts", "part_tokens")}
+    for r in results:
+        groups = len(r.row_group_docs)
+        columns["dataset"] += [r.dataset] * groups
+        columns["global_index"] += [r.global_index] * groups
+        columns["row_group"] += range(groups)
+        columns["first_doc"] += _starts(r.row_group_docs)
+        columns["num_docs"] += r.row_group_docs
+        columns["first_token"] += _starts(r.row_group_tokens)
+        columns["num_tokens"] += r.row_group_tokens
+        columns["num_parts"] += r.row_group_parts
+        columns["part_tokens"] += r.row_group_part_tokens
+    return columns
+
+
+_PLAN_COLUMNS = ("dataset", "global_index", "plan_key", "num_examples", "num_tokens", "truncated_docs",
+                 "dropped_tokens", "split_docs")
+
+
+def _example_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
+    """The packing counts of commit_batch_examples: one per plan of each chunk."""
+    return _columns(({"dataset": r.dataset, "global_index": r.global_index, **dataclasses.asdict(p)}
+                     for r in results for p in r.plans), _PLAN_COLUMNS)
+
+
+def _selection_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
+    """The selections of commit_batch_selections: one per row group of each chunk's file."""
+    return _columns(({"dataset": r.dataset, "global_index": r.global_index, "row_group": group,
+                      "source_first_doc": int(first), "docs": [int(d) for d in docs]}
+                     for r in results for group, (first, docs) in enumerate(r.selection or ())),
+                    ("dataset", "global_index", "row_group", "source_first_doc", "docs"))
+
+
+def _reject_columns(results: Sequence[ChunkResult], splits: dict[tuple[str, int], tuple[int, int]]
+                    ) -> dict[str, list[Any]]:
+    """The rejects of commit_batch_rejects, in order; ``splits``: each chunk's shard and split."""
+    return _columns(({"dataset": r.dataset, "global_index": r.global_index, "location": reject.location,
+                      "line": reject.line, "reason": reject.reason,
+                      "shard_index": splits[(r.dataset, r.global_index)][0],
+                      "split_index": splits[(r.dataset, r.global_index)][1]}
+                     for r in results for reject in r.rejects),
+                    ("dataset", "global_index", "location", "line", "reason", "shard_index", "split_index"))
+
+
 class CatalogWriter:
     """The single read-write connection of a build; every write happens in one transaction."""
 
@@ -654,53 +725,42 @@ class CatalogWriter:
         and their recorded ``num_bytes`` and ``checksum``."""
         return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True}).df()
 
-    def commit(self, results: Iterable[ChunkResult], sources: dict[tuple[str, int], tuple[str, int, int]],
-               build_id: int) -> int:
-        """Commit finished chunks with their row groups and rejects in one transaction.
-
-        ``sources`` maps (dataset, global_index) to (source, shard_index, split_index).
-        Returns the number of chunks newly committed.
-        """
-        committed = 0
+    def commit(self, results: Sequence[ChunkResult], build_id: int) -> int:
+        """Commit finished chunks with their row groups, packing counts, selections and rejects
+        in one transaction, by a few statements for the whole batch whatever its size. A chunk
+        committed already (a retried task finishing twice, a repaired chunk: same bytes), or
+        again later in the batch, only gets the packing counts it lacks. Returns the number of
+        chunks newly committed."""
+        if not results:
+            return 0
+        first: dict[tuple[str, int], ChunkResult] = {}
+        for r in results:
+            first.setdefault((r.dataset, r.global_index), r)
+        chunks = list(first.values())
+        indexes = [r.global_index for r in chunks]
         with self.transaction():
-            for r in results:
-                changed = self._run("commit_chunk", {
-                    "dataset": r.dataset, "global_index": r.global_index, "num_docs": r.num_docs,
-                    "num_tokens": r.num_tokens, "num_records": r.num_records, "num_bytes": r.num_bytes,
-                    "checksum": r.checksum, "num_rejects": len(r.rejects),
-                    "source_bytes": r.source_bytes, "build_id": build_id, "worker": r.worker,
-                    "seconds": r.seconds, "num_parts": _column_sums(r.row_group_parts),
-                    "part_tokens": _column_sums(r.row_group_part_tokens),
-                }).fetchone()
-                if not changed or not changed[0]:
-                    # Committed already (a retried task finishing twice, or a repaired chunk: same
-                    # bytes); only packing counts it may lack are added.
-                    self._insert_plan_stats(r.dataset, r.global_index, r.plans)
-                    continue
-                committed += 1
-                if r.row_group_docs:
-                    self._run("insert_row_groups", {
-                        "dataset": r.dataset, "global_index": r.global_index,
-                        "first_docs": _starts(r.row_group_docs), "num_docs": r.row_group_docs,
-                        "first_tokens": _starts(r.row_group_tokens), "num_tokens": r.row_group_tokens,
-                        "num_parts": r.row_group_parts, "part_tokens": r.row_group_part_tokens,
-                    })
-                self._insert_plan_stats(r.dataset, r.global_index, r.plans)
-                for group, (first, docs) in enumerate(r.selection or ()):
-                    self._run("insert_selection", {
-                        "dataset": r.dataset, "global_index": r.global_index, "row_group": group,
-                        "source_first_doc": first, "docs": [int(d) for d in docs]})
-                if not r.rejects:
-                    continue
-                source, shard_index, split_index = sources[(r.dataset, r.global_index)]
-                for reject in r.rejects:
-                    self._run("insert_reject", {
-                        "dataset": r.dataset, "source": source, "location": reject.location,
-                        "line": reject.line, "reason": reject.reason, "shard_index": shard_index,
-                        "split_index": split_index, "global_index": r.global_index,
-                        "build_id": build_id,
-                    })
-        return committed
+            columns = _chunk_columns(chunks)
+            if len(chunks) == 1:
+                one = {name: values[0] for name, values in columns.items()}
+                rows = self._run("commit_chunk", {**one, "build_id": build_id}).fetchall()
+            else:
+                rows = self._run("commit_batch_chunks", {
+                    **columns, "lo": min(indexes), "hi": max(indexes), "build_id": build_id}).fetchall()
+            splits = {(dataset, index): (shard, split) for dataset, index, shard, split in rows}
+            fresh = [r for r in chunks if (r.dataset, r.global_index) in splits]
+            committed = {id(r) for r in fresh}
+            others = [r for r in results if id(r) not in committed]
+            if any(r.row_group_docs for r in fresh):
+                self._run("commit_batch_row_groups", _row_group_columns(fresh))
+            if any(r.plans for r in fresh):
+                self._run("commit_batch_examples", _example_columns(fresh))
+            if any(r.plans for r in others):
+                self._run("commit_batch_missing_examples", _example_columns(others))
+            if any(r.selection for r in fresh):
+                self._run("commit_batch_selections", _selection_columns(fresh))
+            if any(r.rejects for r in fresh):
+                self._run("commit_batch_rejects", {**_reject_columns(fresh, splits), "build_id": build_id})
+        return len(fresh)
 
     def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str, encoder: str = "") -> int:
         """Record a new build run (marking runs left 'running' by a crash as interrupted);

@@ -52,6 +52,11 @@ class BucketNotFoundError(LakeloaderError):
     """The object-store bucket of a lake's URL does not exist (or the credentials cannot see it)."""
 
 
+class SchedulerError(LakeloaderError):
+    """A build's Dask scheduler could not be reached, or was lost while the build ran: the message
+    names it, says what was kept and what to do (a re-run resumes from the committed chunks)."""
+
+
 class BuildInterrupted(KeyboardInterrupt):
     """A build stopped by Ctrl-C (SIGINT) after recording itself interrupted: the message says
     what it committed and that a re-run resumes. Still a KeyboardInterrupt for callers."""

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from distributed import Client, LocalCluster, WorkerPlugin
 
-from lakeloader.contracts.errors import InputError
+from lakeloader.contracts.errors import InputError, SchedulerError
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,62 @@ def _workers_ignore_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGINT, handler)
 
 
+class _QuietWhenLost(logging.Filter):
+    """Log filter for a build's client: once it is no longer running (it lost its scheduler, or
+    it is closing), drop what it logs (its reconnecting, and the tracebacks of closing while it
+    reconnects): a build that lost its scheduler says so in one line (:class:`SchedulerError`)."""
+
+    def __init__(self, client: Client) -> None:
+        super().__init__()
+        self.client = client
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.client.status in ("running", "newly-created")
+
+
+@contextlib.contextmanager
+def _quiet_when_lost(client: Client) -> Iterator[None]:
+    logger = logging.getLogger("distributed.client")
+    quiet = _QuietWhenLost(client)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def scheduler_address(client: Client, scheduler: str | None) -> str:
+    """The address of ``client``'s scheduler (``scheduler``, the address or scheduler file
+    asked for, if the client no longer knows it)."""
+    address = getattr(getattr(client, "scheduler", None), "address", None)
+    return str(address or scheduler or "the local cluster")
+
+
+def _connect(scheduler: str) -> Client:
+    """A client of the scheduler at ``scheduler`` (address or scheduler-file path); a
+    SchedulerError naming it if it cannot be reached."""
+    kwargs = {"scheduler_file": scheduler} if scheduler.endswith(".json") else {"address": scheduler}
+    try:
+        return Client(**kwargs)
+    except OSError as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise SchedulerError(
+            f"cannot reach the Dask scheduler {scheduler} ({reason}): start it and its workers "
+            "(`dask scheduler`, `dask worker ADDRESS --nthreads 1`), or give --scheduler its address "
+            "or scheduler file") from None
+
+
 @contextlib.contextmanager
 def dask_client(workers: int | None = None, scheduler: str | None = None,
                 dashboard: str | None = "127.0.0.1:0") -> Iterator[Client]:
-    """A Dask client: connected to ``scheduler`` (address or scheduler-file path) if given,
-    else to a new LocalCluster of ``workers`` single-threaded processes, closed on exit, whose
-    dashboard listens on ``dashboard`` (host:port; loopback by default; None: no dashboard)."""
+    """A Dask client: connected to ``scheduler`` (address or scheduler-file path) if given (a
+    SchedulerError if it cannot be reached), else to a new LocalCluster of ``workers``
+    single-threaded processes, closed on exit, whose dashboard listens on ``dashboard``
+    (host:port; loopback by default; None: no dashboard). Once the client has lost its
+    scheduler or is closing, its own log records are dropped (the build reports a lost one)."""
     if scheduler:
-        kwargs = {"scheduler_file": scheduler} if scheduler.endswith(".json") else {"address": scheduler}
-        with Client(**kwargs) as client:
+        client = _connect(scheduler)
+        with _quiet_when_lost(client), client:   # quiet until the client is closed
             client.register_plugin(QuietInputErrors())
             log.info("connected to Dask scheduler %s (dashboard: %s)", scheduler, client.dashboard_link)
             yield client
@@ -105,7 +152,9 @@ def dask_client(workers: int | None = None, scheduler: str | None = None,
     with _workers_ignore_interrupts():
         cluster = LocalCluster(n_workers=count, threads_per_worker=1, processes=True, dashboard_address=dashboard,
                                env=WORKER_ENV)
-    with cluster, Client(cluster) as client:
-        client.register_plugin(QuietInputErrors())
-        log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
-        yield client
+    with cluster:
+        client = Client(cluster)
+        with _quiet_when_lost(client), client:
+            client.register_plugin(QuietInputErrors())
+            log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
+            yield client

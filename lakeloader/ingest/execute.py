@@ -9,18 +9,21 @@ import logging
 import time
 from collections.abc import Iterator
 
+import duckdb
 import pandas as pd
 from distributed import Client, Future, as_completed
+from distributed.client import FutureCancelledError
+from distributed.comm.core import CommClosedError
 from tqdm import tqdm
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config
 from lakeloader.contracts.chunk_file import ChunkResult
-from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError, SchedulerError
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
-from lakeloader.ingest.cluster import dask_client
+from lakeloader.ingest.cluster import dask_client, scheduler_address
 from lakeloader.ingest.tasks import TaskBatch
 from lakeloader.ingest.writer_catalog import publish
 from lakeloader.plan.selection import SelectionTask, evaluate_selection
@@ -112,20 +115,57 @@ class _Scheduler:
     def cancel(self) -> None:
         futures = list(self.running.futures)
         self.running.clear()
-        if futures:
+        if futures and self.client.status == "running":   # a client that lost its scheduler cancelled them
             self.client.cancel(futures)
 
 
 def run_tasks(run: BuildRun, batch: TaskBatch) -> str:
     """Start the cluster, count the packing of ``batch.unplanned`` chunks, then tokenize the
     pending chunks and commit each finished group (what finished beside a failed task is kept,
-    then its error raised). Returns the dashboard address."""
+    then its error raised). Returns the dashboard address. A scheduler lost on the way is a
+    SchedulerError saying what was kept and that a re-run resumes."""
     with dask_client(run.workers, run.scheduler, run.dashboard) as client:
-        dashboard = client.dashboard_link
-        run.writer.set_build_cluster(run.build_id, workers=len(client.nthreads()), dashboard=dashboard)
-        _plan_committed(client, run, batch.packing, batch.unplanned)
-        _tokenize(client, run, batch, dashboard)
+        try:
+            dashboard = client.dashboard_link
+            run.writer.set_build_cluster(run.build_id, workers=len(client.nthreads()), dashboard=dashboard)
+            _plan_committed(client, run, batch.packing, batch.unplanned)
+            _tokenize(client, run, batch, dashboard)
+        except Exception as exc:
+            if _lost_scheduler(client, exc):
+                raise _scheduler_lost(run, scheduler_address(client, run.scheduler)) from None
+            raise
     return dashboard
+
+
+# How long an error of the connection to the scheduler may take to show in the client's status.
+_LOST_SCHEDULER_WAIT = 5.0
+
+
+def _lost_scheduler(client: Client, exc: Exception) -> bool:
+    """Whether ``exc`` ended the build's use of the cluster because the client lost its scheduler
+    (a task's own error, or the catalog's, is not)."""
+    if isinstance(exc, (LakeloaderError, duckdb.Error)):
+        return False
+    if isinstance(exc, FutureCancelledError) and exc.reason == "scheduler-connection-lost":
+        return True
+    if isinstance(exc, (CommClosedError, ConnectionError)):
+        # The reply that broke may come before the client notices: give it a moment.
+        deadline = time.monotonic() + _LOST_SCHEDULER_WAIT
+        while client.status == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return client.status not in ("running", "newly-created")
+
+
+def _scheduler_lost(run: BuildRun, address: str) -> SchedulerError:
+    """The one-line error of a build run whose Dask scheduler went away."""
+    config = run.config.source_file or "CONFIG"
+    if run.scheduler:
+        again = (f"restart the scheduler and its workers (they exit with it) and re-run "
+                 f"`lakeloader build {config} --scheduler ADDRESS` to resume")
+    else:
+        again = f"re-run `lakeloader build {config}` to resume"
+    return SchedulerError(f"lost the Dask scheduler at {address}: build {run.build_id} committed "
+                          f"{run.totals.chunks} chunks, which are kept; {again}")
 
 
 def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], scheduler: _Scheduler,
@@ -145,11 +185,53 @@ def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], s
     return len(rows)
 
 
+class ResultCommitter:
+    """The driver's side of finished chunk tasks: each group of results at hand checked (a repair
+    must be the very file its record describes), committed in one transaction, counted in the
+    run's totals and the progress bar, and a snapshot published once ``build.publish_interval``
+    has passed since the last."""
+
+    def __init__(self, run: BuildRun, repairs: dict[tuple[str, int], str], bar: tqdm | None = None) -> None:
+        self.run = run
+        self.repairs = repairs
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.last_publish = time.monotonic()
+
+    def commit(self, results: list[ChunkResult]) -> list[ChunkResult]:
+        """Commit ``results`` (every result at hand: one transaction whatever their number);
+        returns those of built chunks (not selections of filtered datasets)."""
+        built = [result for result in results if result.selection is None]
+        for result in built:
+            _check_repair(result, self.repairs)
+        self.write(results)
+        totals = self.run.totals
+        for result in built:
+            totals.add(result)
+        if self.bar is not None:
+            self.bar.update(len(built))
+            elapsed = max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
+                                 rejects=totals.rejects, refresh=False)
+        self.publish_if_due()
+        return built
+
+    def write(self, results: list[ChunkResult]) -> None:
+        """The catalog transaction of :meth:`commit`."""
+        self.run.writer.commit(results, self.run.build_id)
+
+    def publish_if_due(self) -> None:
+        """Publish a snapshot if ``build.publish_interval`` seconds have passed since the last."""
+        if time.monotonic() - self.last_publish >= self.run.config.build.publish_interval:
+            self.run.publish()
+            self.last_publish = time.monotonic()
+
+
 def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -> None:
-    """Run the pending chunks' tasks, committing each finished group, with a progress bar; the
-    chunks of filtered datasets are evaluated (selection tasks) once their source chunk is
-    committed, and committed as they finish."""
-    sources = batch.sources()
+    """Run the pending chunks' tasks, committing each group of results at hand (gathered in one
+    call, committed in one transaction: never waiting for more), with a progress bar; the chunks
+    of filtered datasets are evaluated (selection tasks) once their source chunk is committed, and
+    committed as they finish."""
     threads = max(1, sum(client.nthreads().values()))
     scheduler = _Scheduler(client, batch.chunk_tasks(run.config, run.lake, run.tokenizer_url),
                            window=2 * threads + 2)
@@ -157,33 +239,23 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
     selected = len(batch.selections)
     submitted = {(d, int(i)) for d, i in zip(batch.selections.get("dataset", ()),
                                                batch.selections.get("global_index", ()))}
-    totals = run.totals
     bar = tqdm(total=len(batch.pending), unit="chunk", desc="build", disable=not run.progress, smoothing=0.1,
                mininterval=0.5)
     if run.progress:
         bar.write(f"Dask dashboard: {dashboard}")
-    last_publish = time.monotonic()
-    started = time.perf_counter()
+    committer = ResultCommitter(run, batch.repairs, bar)
     try:
         for finished in scheduler.finished():
+            lost = [future for future in finished if future.status == "cancelled"]
+            if lost:   # cancelled by the client itself: it lost its scheduler
+                lost[0].result()
             failed = [future for future in finished if future.status == "error"]
-            results: list[ChunkResult] = [future.result() for future in finished if future not in failed]
-            built = [result for result in results if result.selection is None]
-            for result in built:
-                _check_repair(result, batch.repairs)
-            run.writer.commit(results, sources, run.build_id)  # keep what finished beside a failure
+            done = [future for future in finished if future not in failed]
+            results: list[ChunkResult] = client.gather(done) if done else []
+            built = committer.commit(results)   # keep what finished beside a failure
             if failed:
                 failed[0].result()  # raises the task's own error
-            for result in built:
-                totals.add(result)
             selected += _follow_filters(run, batch, built, scheduler, submitted)
-            bar.update(len(built))
-            elapsed = max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix(docs=f"{totals.docs:,}", tokens_per_s=f"{totals.tokens / elapsed:,.0f}",
-                            rejects=totals.rejects, refresh=False)
-            if time.monotonic() - last_publish >= run.config.build.publish_interval:
-                run.publish()
-                last_publish = time.monotonic()
     except BaseException:
         scheduler.cancel()
         raise

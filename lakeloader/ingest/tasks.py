@@ -68,13 +68,6 @@ class TaskBatch:
             source_file=row.source, line_base=None if pd.isna(row.line_base) else int(row.line_base),
         ) for row in rows.itertuples(index=False)]
 
-    def sources(self) -> dict[tuple[str, int], tuple[str, int, int]]:
-        """(dataset, global_index) -> (source, shard_index, split_index) of each pending chunk."""
-        return {
-            (row.dataset, int(row.global_index)): (row.source, int(row.shard_index), int(row.split_index))
-            for row in self.pending.itertuples(index=False)
-        }
-
     def chunk_tasks(self, config: Config, lake: Lake, tokenizer_url: str) -> Iterator[ChunkTask]:
         """The task of each pending chunk, in ``pending``'s order."""
         formats = {name: dataset.record_format() for name, dataset in config.datasets.items()}
