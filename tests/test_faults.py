@@ -272,3 +272,23 @@ def test_unreachable_scheduler_is_one_line_and_a_failed_run(tmp_path: Path, monk
                        f"cannot reach the Dask scheduler {address}", "start it and its workers")
     [run] = builds(config)
     assert run["status"] == "failed" and str(run["error"]).startswith("SchedulerError: cannot reach"), run
+
+
+def test_a_local_clusters_workers_keep_quiet_when_their_scheduler_closes() -> None:
+    """A build's own LocalCluster closes its scheduler while workers may still beat: their
+    heartbeat error would print a traceback after the build's one line (seen under load in the
+    Ctrl-C test above); a cluster of the user's keeps its workers' logs."""
+    import logging
+
+    from lakeloader.ingest.cluster import _hide_lost_heartbeats, dask_client
+
+    lost = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
+                             "Failed to communicate with scheduler during heartbeat.", (), None)
+    other = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, "Compute Failed", (), None)
+    assert not _hide_lost_heartbeats(lost) and _hide_lost_heartbeats(other)
+
+    def installed() -> bool:
+        return _hide_lost_heartbeats in logging.getLogger("distributed.worker").filters
+
+    with dask_client(workers=1, dashboard=None) as client:
+        assert list(client.run(installed).values()) == [True]

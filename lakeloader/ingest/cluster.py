@@ -56,6 +56,26 @@ def _hide_cancelled_tasks(record: logging.LogRecord) -> bool:
     return not str(record.getMessage()).endswith("ended with CancelledError")
 
 
+def _hide_lost_heartbeats(record: logging.LogRecord) -> bool:
+    """Log filter for a local cluster's workers: drop a heartbeat that found the scheduler gone
+    (it lives in the build's own process: a build that stops, by Ctrl-C or an error, closes it
+    while workers still beat, and says what happened in one line); others pass unchanged."""
+    return not str(record.getMessage()).startswith("Failed to communicate with scheduler during heartbeat")
+
+
+class QuietLocalShutdown(WorkerPlugin):
+    """Installs :func:`_hide_lost_heartbeats` on each worker of a build's own LocalCluster (the
+    workers of a cluster of the user's keep their logs: there they are an operator's to read)."""
+
+    name = "lakeloader-quiet-local-shutdown"
+
+    def setup(self, worker: object) -> None:
+        """Add the filter once per worker process."""
+        logger = logging.getLogger("distributed.worker")
+        if _hide_lost_heartbeats not in logger.filters:
+            logger.addFilter(_hide_lost_heartbeats)
+
+
 class QuietInputErrors(WorkerPlugin):
     """Installs :func:`_demote_input_errors` on each worker's ``distributed.worker`` logger, and
     :func:`_hide_cancelled_tasks` on its state machine's."""
@@ -156,5 +176,6 @@ def dask_client(workers: int | None = None, scheduler: str | None = None,
         client = Client(cluster)
         with _quiet_when_lost(client), client:
             client.register_plugin(QuietInputErrors())
+            client.register_plugin(QuietLocalShutdown())
             log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
             yield client
