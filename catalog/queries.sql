@@ -130,22 +130,8 @@ ORDER BY r.k;
 -- committed ones ($committed true), whose source chunk is committed, with the source chunk's file
 -- and catalog record, its source file and line_base (what doc_key hashes). An uncommitted one
 -- waits until its line_base is known: until the earlier splits of its file are committed.
-WITH chunk_lines AS (
-    -- each chunk's line_base: the line (1-based, text/JSON Lines) or row (0-based, Parquet) of its
-    -- record 0, NULL for a byte split while an earlier split of its file is not committed (its
-    -- line count is unknown)
-    SELECT dataset, global_index, path,
-           CASE WHEN split_kind = 'row_group' THEN first_row
-                WHEN committed_before = split_index THEN records_before + 1 END AS line_base
-    FROM (
-        SELECT *,
-               coalesce(sum(num_records) OVER w, 0) AS records_before,
-               coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
-        FROM chunks
-        WHERE dataset IN (SELECT source_dataset FROM dataset_plans WHERE list_contains($datasets, name))
-        WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
-                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-    )
+WITH lines AS (
+    SELECT * FROM chunk_lines((SELECT list(source_dataset) FROM dataset_plans WHERE list_contains($datasets, name)))
 )
 SELECT c.dataset, d.source_dataset, d.selection AS "where", c.global_index, s.path, s.num_bytes,
        s.checksum, s.num_records, p.source, l.line_base
@@ -153,7 +139,7 @@ FROM chunks c
 JOIN dataset_plans d ON d.name = c.dataset
 JOIN chunks s ON s.dataset = d.source_dataset AND s.global_index = c.global_index
 JOIN shard_plans p ON p.dataset = s.dataset AND p.shard_index = s.shard_index
-JOIN chunk_lines l ON l.dataset = s.dataset AND l.global_index = s.global_index
+JOIN lines l ON l.dataset = s.dataset AND l.global_index = s.global_index
 WHERE (c.status = 'committed') = $committed AND s.status = 'committed' AND list_contains($datasets, c.dataset)
   AND (l.line_base IS NOT NULL OR $committed)
 ORDER BY c.global_index, list_position($datasets, c.dataset);
@@ -167,26 +153,12 @@ WHERE dataset = $name AND global_index = $global_index ORDER BY row_group;
 -- The committed chunks of a dataset defined by a filter with their counts and their source
 -- chunk's file and record (what a fresh evaluation of the predicate takes: with its source file
 -- and line_base, see pending_selections).
-WITH chunk_lines AS (
-    -- each chunk's line_base: the line (1-based, text/JSON Lines) or row (0-based, Parquet) of its
-    -- record 0, NULL for a byte split while an earlier split of its file is not committed (its
-    -- line count is unknown)
-    SELECT dataset, global_index, path,
-           CASE WHEN split_kind = 'row_group' THEN first_row
-                WHEN committed_before = split_index THEN records_before + 1 END AS line_base
-    FROM (
-        SELECT *,
-               coalesce(sum(num_records) OVER w, 0) AS records_before,
-               coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
-        FROM chunks
-        WHERE dataset = (SELECT source_dataset FROM dataset_plans WHERE name = $name)
-        WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
-                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-    )
+WITH lines AS (
+    SELECT * FROM chunk_lines((SELECT list(source_dataset) FROM dataset_plans WHERE name = $name))
 )
 SELECT c.global_index, c.num_docs, c.num_tokens, c.num_parts, c.part_tokens, d.source_dataset,
        s.path, s.num_bytes, s.checksum, s.num_records, p.source,
-       (SELECT l.line_base FROM chunk_lines l WHERE l.dataset = s.dataset AND l.global_index = s.global_index) AS line_base,
+       (SELECT l.line_base FROM lines l WHERE l.dataset = s.dataset AND l.global_index = s.global_index) AS line_base,
        (SELECT list(r.num_docs ORDER BY r.row_group) FROM row_groups r
         WHERE r.dataset = c.dataset AND r.global_index = c.global_index) AS row_group_docs,
        (SELECT list(r.num_tokens ORDER BY r.row_group) FROM row_groups r
@@ -564,29 +536,16 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 -- dataset's from its source's chunk of the same file where the source still has it); NULL for a
 -- byte split while an earlier split of its file is not committed (its line count is unknown); and
 -- the file's size and sha256, which it is checked against before it is read.
-WITH chunk_lines AS (
-    -- each chunk's line_base: the line (1-based, text/JSON Lines) or row (0-based, Parquet) of its
-    -- record 0, NULL for a byte split while an earlier split of its file is not committed (its
-    -- line count is unknown)
-    SELECT dataset, global_index, path,
-           CASE WHEN split_kind = 'row_group' THEN first_row
-                WHEN committed_before = split_index THEN records_before + 1 END AS line_base
-    FROM (
-        SELECT *,
-               coalesce(sum(num_records) OVER w, 0) AS records_before,
-               coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
-        FROM chunks
-        WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
-                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-    )
+WITH lines AS (
+    SELECT * FROM chunk_lines(NULL)
 )
 SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source, d.fields, d.selection AS "where",
        coalesce(l.line_base, o.line_base) AS line_base
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
-JOIN chunk_lines o ON o.dataset = c.dataset AND o.global_index = c.global_index
-LEFT JOIN chunk_lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path
+JOIN lines o ON o.dataset = c.dataset AND o.global_index = c.global_index
+LEFT JOIN lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path
 WHERE c.status = 'committed'
 ORDER BY c.dataset, c.global_index;
 

@@ -304,7 +304,7 @@ def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalo
 
 
 def define_views(con: duckdb.DuckDBPyConnection, analyst: bool = True) -> None:
-    """Define on ``con`` the view readers need (catalog/prefix.sql: committed_prefix) and, with
+    """Define on ``con`` what readers need (catalog/prefix.sql: committed_prefix, chunk_lines) and, with
     ``analyst``, the views and macros of catalog/views.sql built on it, for whose SQL a reader's
     catalog file is first checked to hold no generated column (``refuse_generated_columns``:
     ~3 ms, so only here)."""
