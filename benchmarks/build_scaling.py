@@ -34,12 +34,12 @@ from lakeloader.catalog.snapshot import publish_snapshot
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import load_config
 from lakeloader.demo.corpus import prepare_corpus
+from lakeloader.demo.many_chunks import generated_plan
 from lakeloader.feed.loader import Loader
 from lakeloader.index.ranges import locate
 from lakeloader.ingest.cluster import WORKER_ENV
 from lakeloader.ingest.driver import build
-from lakeloader.plan.planner import DatasetPlan, plan_dataset
-from lakeloader.plan.sources import Shard
+from lakeloader.plan.planner import plan_dataset
 from lakeloader.storage import write_atomically
 
 TOKENIZER = REPO / "demo" / "tokenizer.json"
@@ -72,13 +72,7 @@ def generated_catalog(chunks: int) -> Path:
     lake = Lake(str(folder))
     shards = max(1, chunks // 10)
     rng = np.random.default_rng(0)
-    table = pd.DataFrame({
-        "global_index": np.arange(chunks), "shard_index": np.arange(chunks) % shards,
-        "split_index": np.arange(chunks) // shards,
-        "path": [f"d/x/{i % shards:05d}-{i // shards:06d}.parquet" for i in range(chunks)],
-        "split_kind": "bytes", "split_start": 0, "split_stop": 1, "first_row": 0})
-    plan = DatasetPlan("d", "f" * 64, "text", ("text",),
-                       [Shard(f"/data/{i}.jsonl", 1, "0", "jsonl", None) for i in range(shards)], table, [])
+    plan = generated_plan("d", chunks, shards)
     tokenizer = TOKENIZER.read_text()
     write_atomically(lake.url_of("_tokenizer/t.json"), tokenizer.encode(), {})
     with CatalogWriter(lake.writer_catalog_path) as writer:

@@ -40,8 +40,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
 import yaml
 from _common import OUT, REPO, report
 
@@ -51,13 +49,12 @@ from lakeloader.config import Config, load_config
 from lakeloader.contracts import VERSION
 from lakeloader.contracts.chunk_file import ChunkResult, Reject
 from lakeloader.demo.corpus import prepare_corpus
+from lakeloader.demo.many_chunks import generated_plan
 from lakeloader.ingest.chunk import build_chunk
 from lakeloader.ingest.driver import _register_packing, _register_plans
 from lakeloader.ingest import execute
 from lakeloader.ingest.execute import BuildRun, ResultCommitter
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
-from lakeloader.plan.planner import DatasetPlan
-from lakeloader.plan.sources import Shard
 from lakeloader.storage import write_atomically
 from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend
 
@@ -165,14 +162,7 @@ def planned_catalog(chunks: int) -> tuple[Path, Path]:
     config = folder / "config.yaml"
     if not template.exists():
         shutil.rmtree(folder, ignore_errors=True)
-        shards = max(1, chunks // 10)
-        table = pd.DataFrame({
-            "global_index": np.arange(chunks), "shard_index": np.arange(chunks) % shards,
-            "split_index": np.arange(chunks) // shards,
-            "path": [f"d/x/{i % shards:05d}-{i // shards:06d}.parquet" for i in range(chunks)],
-            "split_kind": "bytes", "split_start": 0, "split_stop": 1, "first_row": 0})
-        plan = DatasetPlan("d", "f" * 64, "text", ("text",),
-                           [Shard(f"/data/{i}.jsonl", 1, "0", "jsonl", None) for i in range(shards)], table, [])
+        plan = generated_plan("d", chunks, max(1, chunks // 10))
         with CatalogWriter(str(template)) as writer:
             writer.register_plan(plan, tokenizer_path="_tokenizer/t.json", token_type="uint16",
                                  vocab_size=8204, split_size=1, on_error="skip")

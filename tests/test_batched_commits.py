@@ -9,15 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import pytest
 
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.contracts.chunk_file import ChunkResult, PlanStats, Reject
+from lakeloader.demo.many_chunks import generated_plan
 from lakeloader.ingest.driver import build
-from lakeloader.plan.planner import DatasetPlan
-from lakeloader.plan.sources import Shard
 
 from conftest import stdlib_texts, write_config, write_jsonl
 
@@ -36,15 +34,8 @@ TABLES = {
 
 def planned_writer(path: Path) -> CatalogWriter:
     """A catalog planning CHUNKS chunks of dataset "d" over SHARDS shards, none committed."""
-    table = pd.DataFrame({
-        "global_index": np.arange(CHUNKS), "shard_index": np.arange(CHUNKS) % SHARDS,
-        "split_index": np.arange(CHUNKS) // SHARDS,
-        "path": [f"d/x/{i % SHARDS}-{i // SHARDS}.parquet" for i in range(CHUNKS)],
-        "split_kind": "bytes", "split_start": 0, "split_stop": 1, "first_row": 0})
-    plan = DatasetPlan("d", "f" * 64, "text", ("text",),
-                       [Shard(f"/data/{i}.jsonl", 1, "0", "jsonl", None) for i in range(SHARDS)], table, [])
     writer = CatalogWriter(str(path))
-    writer.register_plan(plan, tokenizer_path="t.json", token_type="uint16", vocab_size=100, split_size=1,
+    writer.register_plan(generated_plan("d", CHUNKS, SHARDS), tokenizer_path="t.json", token_type="uint16", vocab_size=100, split_size=1,
                          on_error="skip")
     return writer
 

@@ -1,6 +1,7 @@
 """A lake with many chunks without building them: a built dataset's committed chunks repeated in
 its catalog (chunk ``i`` is a copy of chunk ``i % committed`` and shares its file), published as a
-new snapshot. For measuring what grows with the number of chunks (opening a loader, seeking).
+new snapshot; or a generated plan of many chunks, none built. For measuring what grows with the
+number of chunks (opening a loader, seeking, the driver's commits).
 
     python -m lakeloader.demo.many_chunks CONFIG DATASET CHUNKS
 """
@@ -9,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+import pandas as pd
+
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import publish_snapshot
 from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import load_config
 from lakeloader.contracts.errors import LakeloaderError
+from lakeloader.plan.planner import DatasetPlan
+from lakeloader.plan.sources import Shard
 
 TABLES = ("chunks", "row_groups", "chunk_examples")
 
@@ -35,6 +41,19 @@ def grow(lake: Lake, dataset: str, chunks: int) -> int:
                 con.execute(query("demo_delete_rows").format(table=table), {"name": dataset})
                 con.execute(query("demo_repeat_rows").format(table=table), {"chunks": chunks, "base": committed})
         return publish_snapshot(con, lake, None)
+
+
+def generated_plan(name: str, chunks: int, shards: int) -> DatasetPlan:
+    """A plan of dataset ``name`` (format text) of ``chunks`` byte-split chunks over ``shards``
+    JSON Lines files that do not exist, chunk ``i`` split ``i // shards`` of shard ``i % shards``:
+    a catalog's rows for chunks never tokenized."""
+    table = pd.DataFrame({
+        "global_index": np.arange(chunks), "shard_index": np.arange(chunks) % shards,
+        "split_index": np.arange(chunks) // shards,
+        "path": [f"{name}/x/{i % shards:05d}-{i // shards:06d}.parquet" for i in range(chunks)],
+        "split_kind": "bytes", "split_start": 0, "split_stop": 1, "first_row": 0})
+    return DatasetPlan(name, "f" * 64, "text", ("text",),
+                       [Shard(f"/data/{i}.jsonl", 1, "0", "jsonl", None) for i in range(shards)], table, [])
 
 
 def main() -> None:
