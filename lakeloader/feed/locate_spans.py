@@ -29,15 +29,16 @@ class SpanLocator:
         self.growing = growing
         self.reader = reader
         self.seq_len = seq_len
-        self._offsets: tuple[DatasetChunks, np.ndarray, np.ndarray] | None = None
+        self._counts: tuple[DatasetChunks, np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def _counted(self) -> tuple[DatasetChunks, np.ndarray, np.ndarray]:
-        """The committed chunks, their order (chunk ``c`` is the ``c``-th) and cumulative stream
-        tokens, recounted when the prefix grew."""
+    def _counted(self) -> tuple[DatasetChunks, np.ndarray, np.ndarray, np.ndarray]:
+        """The committed chunks, their order (chunk ``c`` is the ``c``-th), cumulative stream
+        tokens and the first span of each chunk, recounted when the prefix grew."""
         chunks = self.growing.chunks
-        if self._offsets is None or self._offsets[0] is not chunks:
-            self._offsets = (chunks, np.arange(chunks.committed), cumulative(self.reader.chunk_lengths(chunks)))
-        return self._offsets
+        if self._counts is None or self._counts[0] is not chunks:
+            offsets = cumulative(self.reader.chunk_lengths(chunks))
+            self._counts = (chunks, np.arange(chunks.committed), offsets, -(-offsets // self.seq_len))
+        return self._counts
 
     def stream_offsets(self) -> np.ndarray:
         """int64 [committed + 1]: where each committed chunk starts in the dataset's stream."""
@@ -49,7 +50,7 @@ class SpanLocator:
 
     def chunk_starts(self) -> np.ndarray:
         """The first span starting at or after each chunk boundary."""
-        return -(-self.stream_offsets() // self.seq_len)
+        return self._counted()[3]
 
     def too_small(self) -> LakeloaderError:
         """The error for a dataset with fewer stream tokens than one span."""
@@ -64,7 +65,7 @@ class SpanLocator:
 
     def located(self, epochs: np.ndarray, examples: np.ndarray) -> LocatedSpans:
         """Spans ``examples`` (of epochs ``epochs``), located together."""
-        chunks, sequence, offsets = self._counted()
+        chunks, sequence, offsets, _ = self._counted()
         found = self.reader.spans(chunks, sequence, offsets, examples * self.seq_len, self.seq_len + 1)
         return LocatedSpans(self.growing.name, epochs, examples, found)
 
@@ -77,7 +78,7 @@ class SpanLocator:
     def eval_examples(self, js: np.ndarray) -> list[Span]:
         """Spans ``js`` of the evaluation pass: the whole ones located together, the short last
         one (stream tokens ``[jL, end]``) alone."""
-        chunks, sequence, offsets = self._counted()
+        chunks, sequence, offsets, _ = self._counted()
         total = int(offsets[-1])
         js = np.asarray(js, np.int64)
         whole = js * self.seq_len + self.seq_len + 1 <= total
