@@ -16,6 +16,9 @@ CHECKPOINT;
 SELECT fingerprint FROM dataset_plans WHERE name = $name;
 
 -- name: forget_dataset
+-- (The documents index of a replaced plan: its chunks' global indices may change.)
+DELETE FROM document_index_chunks WHERE dataset = $name;
+DELETE FROM document_index_files WHERE dataset = $name;
 DELETE FROM selections WHERE dataset = $name;
 DELETE FROM row_groups WHERE dataset = $name;
 DELETE FROM chunk_examples WHERE dataset = $name;
@@ -535,19 +538,49 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 -- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0 (a filtered
 -- dataset's from its source's chunk of the same file where the source still has it); NULL for a
 -- byte split while an earlier split of its file is not committed (its line count is unknown); and
--- the file's size and sha256, which it is checked against before it is read.
+-- the file's size and sha256, which it is checked against before it is read. Placeholders:
+-- index_file and index_join, the documents index file holding the chunk's rows (NULL: none; a
+-- filtered dataset's chunk is its source's rows of the same file), or NULL and nothing for a
+-- catalog without the index.
 WITH lines AS (
     SELECT * FROM chunk_lines(NULL)
 )
 SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source, d.fields, d.selection AS "where",
-       coalesce(l.line_base, o.line_base) AS line_base
+       coalesce(l.line_base, o.line_base) AS line_base, {index_file} AS index_file
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
 JOIN lines o ON o.dataset = c.dataset AND o.global_index = c.global_index
-LEFT JOIN lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path
+LEFT JOIN lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path{index_join}
 WHERE c.status = 'committed'
 ORDER BY c.dataset, c.global_index;
+
+-- name: document_chunks_index_join
+
+LEFT JOIN document_index_chunks x
+       ON x.dataset = coalesce(d.source_dataset, c.dataset) AND x.global_index = c.global_index AND x.chunk_path = c.path
+
+-- name: has_document_index
+-- Whether the catalog has the documents index (lakes built before it do not).
+SELECT count(*) = 2 FROM (SELECT table_name AS name, database_name FROM duckdb_tables()
+                          UNION ALL SELECT view_name, database_name FROM duckdb_views())
+WHERE database_name = current_database() AND name IN ('document_index_files', 'document_index_chunks');
+
+-- name: document_index_files_of
+SELECT path, dataset, num_bytes, checksum FROM document_index_files WHERE list_contains($paths, path) ORDER BY path;
+
+-- name: documents_of_index
+-- The documents view's rows of one dataset's chunks held by the documents index. Placeholders:
+-- source, the relation of the index files (INDEX_COLUMNS, per-kind tokens, metadata); chunks,
+-- the relation of the chunks it answers for (dataset, chunk, source, line_base, key_name, as
+-- documents_of_dataset's per-file constants); columns, as in documents_of_dataset.
+SELECT c.dataset, i.chunk, i.doc, c.source, c.line_base + i.record AS line,
+       ('0x' || left(sha256(c.key_name || chr(10) || (c.line_base + i.record)::VARCHAR), 16))::UBIGINT AS doc_key,
+       i.num_tokens, i.num_parts{columns}
+FROM {source} i JOIN {chunks} c ON c.chunk = i.chunk
+
+-- name: documents_index_kind_tokens
+{column} AS {name}
 
 -- name: documents_of_dataset
 -- The documents view's rows of one dataset. Placeholders: source, the relation of its committed
@@ -614,3 +647,35 @@ DELETE FROM {table} WHERE dataset = $name;
 -- Chunk i of the grown dataset is a copy of chunk i % base (its rows; its file is shared).
 INSERT INTO {table} SELECT r.* REPLACE (g.i AS global_index)
 FROM range($chunks) g(i) JOIN demo_rows r ON r.global_index = g.i % $base;
+
+-- name: committed_among
+-- Those of chunks $global_index of dataset $name committed already.
+SELECT global_index FROM chunks
+WHERE dataset = $name AND status = 'committed' AND list_contains($global_index, global_index);
+
+-- name: insert_document_index_file
+INSERT INTO document_index_files VALUES ($path, $dataset, $first_chunk, $last_chunk, $num_chunks, $num_docs,
+                                         $num_bytes, $checksum, now()::TIMESTAMP);
+
+-- name: insert_document_index_chunks
+INSERT INTO document_index_chunks
+SELECT dataset, global_index, path AS chunk_path, $path FROM chunks
+WHERE dataset = $dataset AND list_contains($global_index, global_index);
+
+-- name: document_index_files_of_dataset
+SELECT path, num_chunks, num_docs, first_chunk, checksum, num_bytes FROM document_index_files WHERE dataset = $name ORDER BY first_chunk, path;
+
+-- name: move_document_index_chunks
+-- The rows of index files $paths now held by the index file $path (then drop_document_index_files).
+UPDATE document_index_chunks SET path = $path WHERE list_contains($paths, path);
+
+-- name: drop_document_index_files
+DELETE FROM document_index_files WHERE list_contains($paths, path);
+
+-- name: forget_document_index_chunks
+-- (The chunks of index files $paths are read from their chunk files again.)
+DELETE FROM document_index_chunks WHERE list_contains($paths, path);
+
+-- name: document_index_chunks_of
+-- The chunks whose rows index files $paths hold.
+SELECT global_index FROM document_index_chunks WHERE list_contains($paths, path) ORDER BY global_index;

@@ -438,6 +438,25 @@ def _reject_columns(results: Sequence[ChunkResult], splits: dict[tuple[str, int]
                     ("dataset", "global_index", "location", "line", "reason", "shard_index", "split_index"))
 
 
+@dataclasses.dataclass(frozen=True)
+class IndexFile:
+    """A documents index file written into the lake: its lake-relative path, dataset, the global
+    indices of the chunks whose rows it holds, and its documents, size and sha256."""
+
+    path: str
+    dataset: str
+    chunks: list[int]
+    num_docs: int
+    num_bytes: int
+    checksum: str
+
+    def record(self) -> dict[str, Any]:
+        """Its row of ``document_index_files`` (insert_document_index_file)."""
+        return {"path": self.path, "dataset": self.dataset, "first_chunk": min(self.chunks),
+                "last_chunk": max(self.chunks), "num_chunks": len(self.chunks), "num_docs": self.num_docs,
+                "num_bytes": self.num_bytes, "checksum": self.checksum}
+
+
 class CatalogWriter:
     """The single read-write connection of a build; every write happens in one transaction."""
 
@@ -725,9 +744,38 @@ class CatalogWriter:
         and their recorded ``num_bytes`` and ``checksum``."""
         return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True}).df()
 
-    def commit(self, results: Sequence[ChunkResult], build_id: int) -> int:
-        """Commit finished chunks with their row groups, packing counts, selections and rejects
-        in one transaction, by a few statements for the whole batch whatever its size. A chunk
+    def committed_among(self, dataset: str, global_indices: Sequence[int]) -> set[int]:
+        """Those of chunks ``global_indices`` of ``dataset`` committed already."""
+        rows = self._run("committed_among", {"name": dataset, "global_index": list(global_indices)}).fetchall()
+        return {int(row[0]) for row in rows}
+
+    def index_files(self, dataset: str) -> pd.DataFrame:
+        """The documents index files of ``dataset``: path, num_chunks, num_docs, first_chunk,
+        checksum, num_bytes."""
+        return self._run("document_index_files_of_dataset", {"name": dataset}).df()
+
+    def index_file_chunks(self, paths: Sequence[str]) -> list[int]:
+        """The chunks whose rows index files ``paths`` hold."""
+        return [int(row[0]) for row in self._run("document_index_chunks_of", {"paths": list(paths)}).fetchall()]
+
+    def replace_index_files(self, old: Sequence[str], new: IndexFile) -> None:
+        """Record that index file ``new`` holds the rows of index files ``old`` (one transaction;
+        the old files stay in the lake for readers of older snapshots)."""
+        with self.transaction():
+            self._run("insert_document_index_file", new.record())
+            self._run("move_document_index_chunks", {"path": new.path, "paths": list(old)})
+            self._run("drop_document_index_files", {"paths": list(old)})
+
+    def forget_index_files(self, paths: Sequence[str]) -> None:
+        """Forget index files ``paths`` (one transaction): their chunks are read from their files."""
+        with self.transaction():
+            self._run("forget_document_index_chunks", {"paths": list(paths)})
+            self._run("drop_document_index_files", {"paths": list(paths)})
+
+    def commit(self, results: Sequence[ChunkResult], build_id: int, index_files: Sequence[IndexFile] = ()) -> int:
+        """Commit finished chunks with their row groups, packing counts, selections, rejects and
+        ``index_files`` (the documents index rows of chunks not committed before) in one
+        transaction, by a few statements for the whole batch whatever its size. A chunk
         committed already (a retried task finishing twice, a repaired chunk: same bytes), or
         again later in the batch, only gets the packing counts it lacks. Returns the number of
         chunks newly committed."""
@@ -760,6 +808,10 @@ class CatalogWriter:
                 self._run("commit_batch_selections", _selection_columns(fresh))
             if any(r.rejects for r in fresh):
                 self._run("commit_batch_rejects", {**_reject_columns(fresh, splits), "build_id": build_id})
+            for file in index_files:
+                self._run("insert_document_index_file", file.record())
+                self._run("insert_document_index_chunks",
+                          {"dataset": file.dataset, "global_index": file.chunks, "path": file.path})
         return len(fresh)
 
     def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str, encoder: str = "") -> int:
