@@ -132,9 +132,14 @@ ORDER BY r.k;
 -- Chunks of datasets defined by a filter to evaluate: uncommitted ($committed false) or
 -- committed ones ($committed true), whose source chunk is committed, with the source chunk's file
 -- and catalog record, its source file and line_base (what doc_key hashes). An uncommitted one
--- waits until its line_base is known: until the earlier splits of its file are committed.
+-- waits until its line_base is known: until the earlier splits of its file are committed. $built
+-- (a list of {dataset, global_index}, or NULL): only chunks of the shards of those source chunks
+-- (just committed: what they make ready).
 WITH lines AS (
-    SELECT * FROM chunk_lines((SELECT list(source_dataset) FROM dataset_plans WHERE list_contains($datasets, name)))
+    SELECT * FROM chunk_lines(
+        (SELECT list(source_dataset) FROM dataset_plans WHERE list_contains($datasets, name)),
+        shards := (SELECT list({'dataset': dataset, 'shard_index': shard_index}) FROM chunks
+                   WHERE $built IS NOT NULL AND list_contains($built, {'dataset': dataset, 'global_index': global_index})))
 )
 SELECT c.dataset, d.source_dataset, d.selection AS "where", c.global_index, s.path, s.num_bytes,
        s.checksum, s.num_records, p.source, l.line_base

@@ -190,3 +190,32 @@ def test_a_lake_without_the_index_reads_as_before(corpus: Corpus, built: Path, t
     con.execute("DROP TABLE document_index_chunks; DROP TABLE document_index_files")
     con.close()
     pd.testing.assert_frame_equal(open_lake(config).sql(EVERYTHING), expected)
+
+
+def test_selections_follow_only_the_shards_just_committed(
+        corpus: Corpus, built: Path, tmp_path: Path, dask_scheduler: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each commit group the build looks for ready selections in the shards it committed
+    only: every selection the whole lake's query finds then is among them or found before (so
+    the same tasks run), and the lake's selections and chunks are the module's build's."""
+    pending = CatalogWriter.pending_selections
+    found: set[tuple[str, int]] = set()
+    restricted = []
+
+    def compared(self: CatalogWriter, datasets: Any, committed: bool = False, built: Any = None) -> pd.DataFrame:
+        rows = pending(self, datasets, committed, built)
+        keys = set(zip(rows.dataset, rows.global_index))
+        if built is not None:
+            restricted.append(len(rows))
+            every = pending(self, datasets, committed)
+            assert keys <= set(zip(every.dataset, every.global_index)) <= keys | found
+        found.update(keys)
+        return rows
+
+    monkeypatch.setattr(CatalogWriter, "pending_selections", compared)
+    config = filtered_config(corpus, tmp_path)
+    build(config, scheduler=dask_scheduler, progress=False)
+    assert len(restricted) > 3
+    tables = ("SELECT * FROM selections ORDER BY ALL",
+              "SELECT dataset, global_index, status, num_docs, num_tokens, path FROM chunks ORDER BY ALL")
+    for query in tables:
+        pd.testing.assert_frame_equal(open_lake(config).sql(query), open_lake(built).sql(query))

@@ -728,12 +728,16 @@ class CatalogWriter:
         """Those of ``datasets`` defined by a filter: name, source_dataset, where."""
         return self._run("filtered_datasets", {"datasets": list(datasets)}).df()
 
-    def pending_selections(self, datasets: Sequence[str], committed: bool = False) -> pd.DataFrame:
+    def pending_selections(self, datasets: Sequence[str], committed: bool = False,
+                           built: Sequence[tuple[str, int]] | None = None) -> pd.DataFrame:
         """Chunks of the filtered ``datasets`` whose source chunk is committed, not committed
         themselves (or, with ``committed``, committed ones), by global index: dataset,
         source_dataset, where, global_index and the source chunk's path, num_bytes, checksum and
-        num_records."""
-        return self._run("pending_selections", {"datasets": list(datasets), "committed": committed}).df()
+        num_records; with ``built`` (``(dataset, global_index)`` of source chunks just committed),
+        only those of the shards of ``built``: what their commit made ready."""
+        keys = None if built is None else [{"dataset": d, "global_index": i} for d, i in built]
+        return self._run("pending_selections", {"datasets": list(datasets), "committed": committed,
+                                                "built": keys}).df()
 
     def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""

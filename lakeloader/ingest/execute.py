@@ -181,7 +181,7 @@ def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], s
     names = sorted({name for result in built for name in batch.filters.get(result.dataset, ())})
     if not names:
         return 0
-    rows = run.writer.pending_selections(names)
+    rows = run.writer.pending_selections(names, built=[(result.dataset, result.global_index) for result in built])
     keys = [(d, int(i)) for d, i in zip(rows.dataset, rows.global_index)]
     rows = rows[[key not in submitted for key in keys]]
     submitted.update(keys)
