@@ -529,10 +529,14 @@ INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 -- Every chunk folder the catalog reads: each plan's in force, and each folder a planned chunk's
 -- file lies in (a filtered dataset reads its source's files as they were when it was selected,
 -- which may be an older plan's of its source). Any other folder of a dataset is stale.
+-- (A chunk's file in its own plan's folder, as every chunk of a dataset built from sources, is
+-- matched by a prefix comparison: only the others' folders are extracted.)
 SELECT DISTINCT folder FROM (
     SELECT chunk_dir AS folder FROM dataset_plans
     UNION ALL
-    SELECT regexp_extract(path, '^(.*)/[^/]*$', 1) AS folder FROM chunks
+    SELECT regexp_extract(c.path, '^(.*)/[^/]*$', 1) AS folder
+    FROM chunks c JOIN dataset_plans d ON d.name = c.dataset
+    WHERE NOT starts_with(c.path, d.chunk_dir || '/') OR contains(c.path[length(d.chunk_dir) + 2:], '/')
 ) ORDER BY folder;
 
 -- name: running_builds
@@ -572,17 +576,31 @@ SELECT count(*) = 2 FROM (SELECT table_name AS name, database_name FROM duckdb_t
 WHERE database_name = current_database() AND name IN ('document_index_files', 'document_index_chunks');
 
 -- name: document_index_files_of
-SELECT path, dataset, num_bytes, checksum FROM document_index_files WHERE list_contains($paths, path) ORDER BY path;
+SELECT path, dataset, num_bytes, checksum, num_chunks FROM document_index_files WHERE list_contains($paths, path) ORDER BY path;
 
 -- name: documents_of_index
 -- The documents view's rows of one dataset's chunks held by the documents index. Placeholders:
 -- source, the relation of the index files (INDEX_COLUMNS, per-kind tokens, metadata); chunks,
--- the relation of the chunks it answers for (dataset, chunk, source, line_base, key_name, as
--- documents_of_dataset's per-file constants); columns, as in documents_of_dataset.
-SELECT c.dataset, i.chunk, i.doc, c.source, c.line_base + i.record AS line,
-       ('0x' || left(sha256(c.key_name || chr(10) || (c.line_base + i.record)::VARCHAR), 16))::UBIGINT AS doc_key,
+-- the relation of every global index from the lowest to the highest of the chunks it answers for
+-- (chunk, covered: whether it answers for it, and as documents_of_dataset's per-file constants
+-- dataset, source, line_base, key_name); columns, as in documents_of_dataset. The constants are
+-- looked up by position in lists (a hash join would build its table on the index, whose size
+-- DuckDB cannot estimate), so a query that needs none of them costs a scan of the index.
+-- Placeholder where: the filter to the chunks it answers for (covered), or nothing when it
+-- answers for every chunk of the files.
+SELECT k.dataset, i.chunk, i.doc, k.sources[i.chunk - k.first + 1] AS source,
+       k.line_bases[i.chunk - k.first + 1] + i.record AS line,
+       ('0x' || left(sha256(k.key_names[i.chunk - k.first + 1] || chr(10)
+                            || (k.line_bases[i.chunk - k.first + 1] + i.record)::VARCHAR), 16))::UBIGINT AS doc_key,
        i.num_tokens, i.num_parts{columns}
-FROM {source} i JOIN {chunks} c ON c.chunk = i.chunk
+FROM {source} i,
+     (SELECT any_value(dataset) AS dataset, min(chunk) AS first, list(covered ORDER BY chunk) AS covered,
+             list(source ORDER BY chunk) AS sources, list(line_base ORDER BY chunk) AS line_bases,
+             list(key_name ORDER BY chunk) AS key_names FROM {chunks}) k{where}
+
+-- name: documents_of_index_covered
+
+WHERE k.covered[i.chunk - k.first + 1]
 
 -- name: documents_index_kind_tokens
 {column} AS {name}

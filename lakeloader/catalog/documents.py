@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -253,20 +254,38 @@ def _dataset_relation(lake: LakeLocation, chunks: pd.DataFrame) -> ds.Dataset:
 
 
 def _chunk_constants(chunks: pd.DataFrame) -> pa.Table:
-    """The per-chunk constants (``_FILE_COLUMNS``) of ``chunks`` (rows of ``document_chunks``)."""
-    sources = chunks.source.tolist()
+    """The per-chunk constants (``_FILE_COLUMNS``) of ``chunks`` (rows of ``document_chunks``),
+    one row per global index from their lowest to their highest (``covered``: one of ``chunks``)."""
+    indices = chunks.global_index.astype("int64").to_numpy()
+    first = int(indices.min())
+    at = indices - first
+    size = int(indices.max()) - first + 1
+    covered = np.zeros(size, bool)
+    covered[at] = True
+    sources = np.full(size, None, object)
+    sources[at] = chunks.source.to_numpy(object)
+    names = np.full(size, None, object)
+    names[at] = chunks.source.map({source: key_name(source) for source in chunks.source.unique()}).to_numpy(object)
+    line_bases = np.zeros(size, np.int64)
+    known = chunks.line_base.notna().to_numpy()
+    line_bases[at[known]] = chunks.line_base[known].astype("int64").to_numpy()
+    valid = np.zeros(size, bool)
+    valid[at[known]] = True
     return pa.table({
-        "dataset": pa.array(chunks.dataset.tolist(), pa.string()),
-        "chunk": pa.array(chunks.global_index.astype("int64").to_numpy()),
+        "dataset": pa.array(np.full(size, chunks.dataset.iloc[0], object), pa.string()),
+        "chunk": pa.array(np.arange(first, first + size, dtype=np.int64)),
+        "covered": pa.array(covered),
         "source": pa.array(sources, pa.string()),
-        "line_base": pa.array([None if pd.isna(v) else int(v) for v in chunks.line_base], pa.int64()),
-        "key_name": pa.array([key_name(source) for source in sources], pa.string()),
+        "line_base": pa.array(line_bases, mask=~valid),
+        "key_name": pa.array(names, pa.string()),
     })
 
 
-def _dataset_select(relation: str, fields: list[str], schema: pa.Schema, chunks: str | None = None) -> str:
+def _dataset_select(relation: str, fields: list[str], schema: pa.Schema, chunks: str | None = None,
+                    every: bool = False) -> str:
     """The documents view's select of one dataset's chunk files (``relation``), or with
-    ``chunks`` (the relation of their constants) of its index files."""
+    ``chunks`` (the relation of their constants) of its index files (``every``: it answers for
+    every chunk they hold)."""
     indexed = chunks is not None
     columns = [query("documents_index_kind_tokens").format(column=f"i.{_quoted(KIND_TOKENS_PREFIX + str(kind))}",
                                                            name=_quoted(f"tokens_{name}")) if indexed else
@@ -277,7 +296,8 @@ def _dataset_select(relation: str, fields: list[str], schema: pa.Schema, chunks:
                 for field in schema if field.name.startswith(META_PREFIX)]
     listed = "".join(f",\n       {column}" for column in columns)
     if indexed:
-        return query("documents_of_index").format(source=relation, chunks=chunks, columns=listed)
+        where = "" if every else "\n" + query("documents_of_index_covered")
+        return query("documents_of_index").format(source=relation, chunks=chunks, columns=listed, where=where)
     return query("documents_of_dataset").format(source=relation, columns=listed)
 
 
@@ -312,7 +332,7 @@ def _document_chunks(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 def _index_files(con: duckdb.DuckDBPyConnection, paths: list[str]) -> pd.DataFrame:
     """The records of index files ``paths`` as :func:`_checked_paths` takes them."""
     files = con.execute(query("document_index_files_of"), {"paths": paths}).df()
-    return files.assign(global_index=-1)[["dataset", "global_index", "path", "num_bytes", "checksum"]]
+    return files.assign(global_index=-1)[["dataset", "global_index", "path", "num_bytes", "checksum", "num_chunks"]]
 
 
 def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation,
@@ -340,7 +360,8 @@ def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation,
             dataset = _relation(lake, files, lambda schema: schema)
             con.register(relation, dataset)
             con.register(constants, _chunk_constants(group[indexed]))
-            parts.append((_dataset_select(relation, fields, dataset.schema, constants), dataset.schema))
+            every = int(files.num_chunks.sum()) == int(indexed.sum())   # (no chunk of the files left out)
+            parts.append((_dataset_select(relation, fields, dataset.schema, constants, every), dataset.schema))
             number += 1
         if not indexed.all():
             relation = f"documents_of_dataset_{number}"
