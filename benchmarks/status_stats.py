@@ -15,7 +15,6 @@ change), each measured in its own process, alternated, median of 3 per process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics

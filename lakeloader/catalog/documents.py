@@ -1,13 +1,14 @@
 """The ``documents`` view: one row per document of the lake's committed chunks, for SQL.
 
-A sandboxed catalog connection (``connect_reader``) cannot read files, so the chunk files are
-fed to it from Python: per dataset, a pyarrow Dataset over its committed chunk files (each checked
-against its size and sha256 in the catalog first, every page against its CRC-32 when read, as the
-loader reads them) is registered on the connection, with each file's dataset, chunk, source,
-first line and the source's file name (which ``doc_key`` hashes) as constant columns. DuckDB
-pushes projections and filters into the scan, so a query reads only the columns it needs (never
-the tokens) and skips the files a filter on those constants rules out. The user's SQL can reach
-these files and no other.
+A sandboxed catalog connection (``connect_reader``) cannot read files, so the files are fed to it
+from Python, each checked against its size and sha256 in the catalog first and every page against
+its CRC-32 when read, as the loader reads chunks. Per dataset: a pyarrow Dataset over the
+documents index files holding its chunks' rows (``ingest/document_index.py``), joined to each
+chunk's source, first line and the source's file name (which ``doc_key`` hashes) by position in
+lists; and for its committed chunks the index does not hold, a pyarrow Dataset over their chunk
+files with those values as per-file constant columns. Both give the same rows. DuckDB pushes
+projections and filters into the scans, so a query reads only the columns it needs (never the
+tokens). The user's SQL can reach these files and no other.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 INDEX_DIR = "_documents"
 # Rows per row group of an index file: a query on a few chunks reads a few groups.
 ROW_GROUP_ROWS = 128 * 1024
-# A dataset's files holding fewer documents than this are merged once it has more than
-# COMPACT_FILES of them (and at the build's end), into files of about this many documents.
+# A dataset's files holding fewer than half this many documents are merged once it has more than
+# COMPACT_FILES of them (and at the build's end), into files of at most this many documents.
 COMPACT_DOCS = 8_000_000
 COMPACT_FILES = 32
 
@@ -104,9 +104,10 @@ class DocumentIndexWriter:
                 self.writer.forget_index_files(lost)
 
     def compact(self, dataset: str, final: bool = False) -> int:
-        """Merge ``dataset``'s small index files (under ``COMPACT_DOCS`` documents) into files of
-        about ``COMPACT_DOCS`` documents, if it has more than ``COMPACT_FILES`` of them or, with
-        ``final``, two or more; returns how many files were merged."""
+        """Merge ``dataset``'s small index files (under half ``COMPACT_DOCS`` documents), in
+        chunk order, into files of at most ``COMPACT_DOCS`` documents, if it has more than
+        ``COMPACT_FILES`` of them or, with ``final``, two or more; returns how many files were
+        merged (their rows are checked against their sha256 first)."""
         files = self.writer.index_files(dataset)
         small = files[files.num_docs < COMPACT_DOCS // 2]
         if len(small) < 2 or (not final and len(small) <= COMPACT_FILES):
