@@ -554,7 +554,7 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 WITH lines AS (
     SELECT * FROM chunk_lines(NULL)
 )
-SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source, d.fields, d.selection AS "where",
+SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source,
        coalesce(l.line_base, o.line_base) AS line_base, {index_file} AS index_file
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
@@ -563,6 +563,10 @@ JOIN lines o ON o.dataset = c.dataset AND o.global_index = c.global_index
 LEFT JOIN lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path{index_join}
 WHERE c.status = 'committed'
 ORDER BY c.dataset, c.global_index;
+
+-- name: document_datasets
+-- Per dataset, what the documents view takes of its plan: its part kinds and predicate (NULL: none).
+SELECT name, fields, selection AS "where" FROM dataset_plans ORDER BY name;
 
 -- name: document_chunks_index_join
 

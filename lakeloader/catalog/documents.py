@@ -348,11 +348,11 @@ def register_documents(con: duckdb.DuckDBPyConnection, lake: LakeLocation,
     chunks = _document_chunks(con)
     if datasets is not None:
         chunks = chunks[chunks.dataset.isin(datasets)]
+    plans = {name: (list(fields), where) for name, fields, where in con.execute(query("document_datasets")).fetchall()}
     selects = []
     number = 0
     for name, group in chunks.groupby("dataset", sort=True):
-        fields = list(group.fields.iloc[0])
-        where = group["where"].iloc[0]
+        fields, where = plans[name]
         indexed = group.index_file.notna()
         parts = []
         if indexed.any():

@@ -53,9 +53,12 @@ class DocumentIndexWriter:
         self.lake = lake
         self.writer = writer
 
-    def _write(self, dataset: str, tables: Sequence[pa.Table], chunks: list[int]) -> IndexFile:
-        """An index file of ``dataset`` holding the rows ``tables`` of ``chunks`` (some may have none)."""
-        table = pa.concat_tables(tables).sort_by([("chunk", "ascending"), ("doc", "ascending")])
+    def _write(self, dataset: str, tables: Sequence[pa.Table], chunks: list[int], ordered: bool = False) -> IndexFile:
+        """An index file of ``dataset`` holding the rows ``tables`` of ``chunks`` (some may have
+        none); ``ordered``: ``tables`` are sorted by chunk and doc already, one after the other."""
+        table = pa.concat_tables(tables)
+        if not ordered:
+            table = table.sort_by([("chunk", "ascending"), ("doc", "ascending")])
         data = encode_index_file(table)
         digest = hashlib.sha256(f"{dataset}\n".encode()).hexdigest()[:16]
         path = f"{INDEX_DIR}/{digest}/{min(chunks, default=0)}-{max(chunks, default=0)}-{uuid.uuid4().hex[:12]}.parquet"
@@ -78,7 +81,7 @@ class DocumentIndexWriter:
             committed = self.writer.committed_among(dataset, list(tables))
             fresh = sorted(index for index in tables if index not in committed)
             if fresh:
-                files.append(self._write(dataset, [tables[index] for index in fresh], fresh))
+                files.append(self._write(dataset, [tables[index] for index in fresh], fresh, ordered=True))
         return files
 
     def drop_missing(self, datasets: Sequence[str]) -> None:
