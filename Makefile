@@ -44,6 +44,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/integrity_overhead.py
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/selection.py
+	$(BIN)/python benchmarks/documents_index.py
+	$(BIN)/python benchmarks/status_stats.py
 
 clean:
 	rm -rf demo/lake demo/formats-lake demo/data benchmarks/out

@@ -23,6 +23,7 @@ from lakeloader.ingest.execute import ResultCommitter
 
 from conftest import write_config
 from test_documents import METADATA, Corpus
+from test_page_checksums import copy_lake
 
 EVERYTHING = "SELECT * FROM documents ORDER BY dataset, chunk, doc"
 
@@ -141,10 +142,9 @@ def index_file_of(config: Path) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["missing", "flipped", "cut"])
-def test_a_damaged_index_file_is_an_error_naming_it(
-        corpus: Corpus, tmp_path: Path, dask_scheduler: str, damage: str) -> None:
-    config = filtered_config(corpus, tmp_path)
-    build(config, scheduler=dask_scheduler, progress=False)
+def test_a_damaged_index_file_is_an_error_naming_it(built: Path, tmp_path: Path, dask_scheduler: str,
+                                                    damage: str) -> None:
+    config = copy_lake(built.parent, tmp_path)
     before = open_lake(config).sql(EVERYTHING)
     path = index_file_of(config)
     data = path.read_bytes()
