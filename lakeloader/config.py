@@ -14,6 +14,7 @@ from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
 from lakeloader.contracts.doc_keys import split_predicates
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.media import DEFAULT_MAX_PIXELS
 from lakeloader.contracts.selection import PredicateError, check_predicate, metadata_columns, where_problem
 from lakeloader.contracts.specs import REQUIRED_ROW_FIELDS, ROW_FIELDS, WeightError, check_weights
 from lakeloader.storage import S3_PROTOCOLS, s3_options_problem
@@ -192,6 +193,15 @@ class InterleavedFormat(_Strict):
     image_start: str = Field(default="<|image_start|>", description="Token put before an image's placeholders.")
     image_end: str = Field(default="<|image_end|>", description="Token put after an image's placeholders.")
     max_images: int = Field(default=8, ge=1, description="Images per example.")
+    images: Literal["references", "stored"] = Field(default="references", description=(
+        "references: an image item's value is a reference string kept as it is (no image is read). stored: "
+        "the build reads each image (bytes in the record, a {bytes, path} struct as Hugging Face datasets "
+        "write them, {\"bytes\": base64} in JSON Lines, a path or URL resolved through fsspec relative to "
+        "the source file's folder, or a member of a WebDataset tar sample), checks it with Pillow and stores "
+        "its original bytes in the chunk's media file."))
+    max_pixels: int = Field(default=DEFAULT_MAX_PIXELS, ge=1, description=(
+        "images: stored: an image of more pixels (width x height) is bad input (a decompression bomb), "
+        "refused before its pixels are decoded."))
 
 
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "infill", "interleaved")
@@ -337,7 +347,9 @@ class DatasetConfig(_Strict):
         if self.format == "supervised":
             return self.supervised.model_dump(include={"prompt_field", "response_field"})
         if self.format == "interleaved":
-            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key"})
+            # images and max_pixels only when stored: the fingerprints of reference datasets stay as they were.
+            stored = {"images", "max_pixels"} if self.interleaved.images == "stored" else set()
+            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key", *stored})
         if self.format in ("fim", "infill"):
             section = self.fim if self.format == "fim" else self.infill
             return {"text_field": section.text_field or self.text_field}
