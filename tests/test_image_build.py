@@ -11,10 +11,12 @@ import base64
 import hashlib
 import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import boto3
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -22,6 +24,7 @@ from PIL import Image, ImageOps
 from test_s3 import BUCKET, s3_endpoint, storage_options  # noqa: F401  (s3_endpoint: a fixture)
 
 from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.store import connect_reader
 from lakeloader.config import DatasetConfig
 from lakeloader.contracts.errors import ConfigError, InputError
 from lakeloader.contracts.media import MEDIA_SCHEMA, image_id, media_path
@@ -259,6 +262,17 @@ def test_bad_images_skipped_in_a_build_are_rejects_and_nothing_else_is_lost(tmp_
     assert all(reason in found for (_, _, reason), found in zip(cases.values(), rejects.reason))
     assert set(lake.sql("SELECT num_docs FROM datasets").num_docs) == {2}
     assert set(lake.sql("SELECT count(*) AS n FROM images GROUP BY dataset").n) == {2}
+    # A catalog written before chunk_images reads, its images view empty.
+    older = tmp_path / "older.duckdb"
+    shutil.copy(tmp_path / "lake" / "catalog.duckdb", older)
+    with duckdb.connect(str(older)) as con:
+        con.execute("DROP TABLE chunk_images")
+    reader = connect_reader(str(older))
+    try:
+        assert reader.execute("SELECT count(*) FROM images").fetchone() == (0,)
+        assert reader.execute("SELECT count(*) FROM chunks").fetchone() == (len(cases),)
+    finally:
+        reader.close()
 
 
 def test_tars_need_stored_images_and_the_fingerprint_holds_the_decoder(tmp_path: Path,
