@@ -1,8 +1,8 @@
 """Building a lake of stored images (``interleaved.images: stored``) next to a plain Pillow loop.
 
 The corpus is lakeloader/demo/images.py's (real images from matplotlib's sample data and icons,
-Pillow-made ones of every kind the decoder converts) written ``COPIES`` times over, as WebDataset
-tars, Parquet and JSON Lines. Alternating, ``REPEATS`` times each, median:
+Pillow-made ones of every kind the decoder converts) in ``COPIES`` distinct copies (each copy
+flipped or rotated, re-encoded in its format), as WebDataset tars, Parquet and JSON Lines. Alternating, ``REPEATS`` times each, median:
 
 - build: a fresh lake of the corpus on an already started LocalCluster of one single-threaded
   worker (read, check each image once, tokenize the text, write chunk and media files, commit);
@@ -51,14 +51,14 @@ def pillow_loop(images: list[bytes]) -> float:
 def main() -> None:
     root = OUT / "image-bench"
     shutil.rmtree(root, ignore_errors=True)
-    sources = write_image_corpus(root / "data", copies=COPIES)
+    sources = write_image_corpus(root / "data", copies=COPIES, distinct=True)
     stored = {"images": "stored", "image_tokens": 16, "max_images": 8}
     datasets = {form: {"sources": [str(p) for p in paths], "format": "interleaved", "interleaved": stored}
                 for form, paths in sources.items()}
     config = root / "images.yaml"
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=WORKER_ENV) as cluster:
-        builds, loops, occurrences = [], [], []
+        builds, loops, occurrences, task_seconds = [], [], [], []
         for repeat in range(REPEATS):
             lake = root / "lake"
             shutil.rmtree(lake, ignore_errors=True)
@@ -67,6 +67,7 @@ def main() -> None:
             started = time.perf_counter()
             build(config, scheduler=cluster.scheduler_address, progress=False)
             builds.append(time.perf_counter() - started)
+            task_seconds.append(float(open_lake(config).sql("SELECT sum(seconds) AS s FROM chunks").s[0]))
             if not occurrences:   # the bytes of every image occurrence, as the sources hold them
                 ids = open_lake(config).sql("SELECT image_id FROM images ORDER BY ALL").image_id.tolist()
                 by_id = {}
@@ -75,15 +76,25 @@ def main() -> None:
                     by_id.update(zip(table.column("image_id").to_pylist(), table.column("bytes").to_pylist()))
                 occurrences = [by_id[key] for key in ids]
             loops.append(pillow_loop(occurrences))
-    media = sum(p.stat().st_size for p in (root / "lake").rglob("*.media.parquet"))
+    media_files = list((root / "lake").rglob("*.media.parquet"))
+    media = sum(p.stat().st_size for p in media_files)
+    stored_rows = sum(pq.ParquetFile(p).metadata.num_rows for p in media_files)
+    stored_images = sum(sum(map(len, pq.read_table(p, columns=["bytes"]).column("bytes").to_pylist()))
+                        for p in media_files)
     source_bytes = sum(len(data) for data in occurrences)
+    source_files = sum(p.stat().st_size for paths in sources.values() for p in paths)
     build_rate, loop_rate = len(occurrences) / statistics.median(builds), len(occurrences) / statistics.median(loops)
+    task_rate = len(occurrences) / statistics.median(task_seconds)
     report("image_build", {
         "image occurrences": len(occurrences), "distinct images": len(set(map(bytes, occurrences))),
         "build images/s (1 worker)": build_rate, "Pillow open+verify+load images/s (1 core)": loop_rate,
         "build / Pillow loop": build_rate / loop_rate,
+        "build tasks' images/s (their seconds summed)": task_rate, "build tasks / Pillow loop": task_rate / loop_rate,
         "build seconds (median)": statistics.median(builds), "Pillow loop seconds (median)": statistics.median(loops),
-        "source image bytes": source_bytes, "stored media bytes": media, "stored / source": media / source_bytes,
+        "source files' bytes (tars, Parquet, JSONL)": source_files, "image bytes of the sources' occurrences": source_bytes,
+        "media files' bytes": media, "media files / image occurrences' bytes": media / source_bytes,
+        "images stored (media rows)": stored_rows,
+        "media overhead per stored image (bytes)": (media - stored_images) / max(stored_rows, 1),
         "load average (1 min)": os.getloadavg()[0],
     })
 

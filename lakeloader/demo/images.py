@@ -79,6 +79,19 @@ def all_images() -> dict[str, bytes]:
     return {**real_images(), **made_images()}
 
 
+def variant(data: bytes, copy: int) -> bytes:
+    """Copy ``copy`` of an image as other bytes of the same format and mode: copy 0 is the image,
+    copy k > 0 its k-th of Pillow's seven flips and rotations (the first frame, without EXIF),
+    so a corpus of several copies holds as many distinct images of the same kinds."""
+    if copy == 0:
+        return data
+    image = Image.open(io.BytesIO(data))
+    fmt, info = str(image.format), image.info
+    turned = image.transpose(list(Image.Transpose)[(copy - 1) % len(Image.Transpose)])
+    options = {"transparency": info["transparency"]} if "transparency" in info and turned.mode == "P" else {}
+    return _saved(turned, fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}), **options)
+
+
 def _caption(name: str) -> str:
     return f"A picture named {name.rsplit('.', 1)[0].replace('_', ' ').replace('-', ' ')}."
 
@@ -96,12 +109,18 @@ def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
     return path
 
 
-def write_image_corpus(root: Path, copies: int = 1) -> dict[str, list[Path]]:
-    """Write the corpus under ``root`` (each image ``copies`` times over, under other keys) and
-    return its source files by form: ``tar`` (a .tar of captioned images, a .tar.gz of JSON
-    interleaved documents of two images each), ``parquet`` (binary column and structs), ``jsonl``
-    (relative paths into ``root/jsonl/img`` and base64 bytes)."""
-    images = sorted(all_images().items())
+def write_image_corpus(root: Path, copies: int = 1, distinct: bool = False) -> dict[str, list[Path]]:
+    """Write the corpus under ``root`` (each image ``copies`` times over, under other keys; with
+    ``distinct``, each copy as other bytes: :func:`variant`) and return its source files by form:
+    ``tar`` (a .tar of captioned images, a .tar.gz of JSON interleaved documents of two images
+    each), ``parquet`` (binary column and structs), ``jsonl`` (relative paths into
+    ``root/jsonl/img`` and base64 bytes)."""
+    if distinct:
+        originals = sorted(all_images().items())
+        images = [(f"{copy}-{name}", variant(data, copy)) for copy in range(copies) for name, data in originals]
+        copies = 1
+    else:
+        images = sorted(all_images().items())
     names = [name for name, _ in images]
     captioned = [(f"{copy:02d}{i:04d}", {name.rsplit(".", 1)[1].lower(): data,
                                          "txt": _caption(name).encode()})

@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import gzip
+import io
 import posixpath
 import tarfile
 import zlib
@@ -35,7 +37,8 @@ _OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32B
                (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 # Errors of reading or decoding a whole split (the file vanished, is not gzip, fails its CRC, ...):
 # with on_error: skip the split becomes one reject instead of failing the build.
-_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError, tarfile.TarError)
+_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError, tarfile.TarError,
+               gzip.BadGzipFile)
 # Members of a WebDataset sample that are its image (the first of them in the tar, if several).
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
@@ -364,9 +367,11 @@ def _samples(source: SplitSource) -> Iterator[tuple[str, list[tuple[str, bytes]]
     """The samples of a WebDataset tar in order: each key (the member's path up to the first dot of
     its basename) with its consecutive members' (name, bytes)."""
     fs, path = url_to_fs(source.url, **source.storage_options)
-    mode = "r|gz" if source.compression == "gzip" else "r|"
+    data = fs.cat_file(path)   # one read (a tar is one split): tarfile's own reads are of 512 bytes
+    if source.compression == "gzip":
+        data = gzip.decompress(data)
     key, members = None, []
-    with fs.open(path, "rb") as handle, tarfile.open(fileobj=handle, mode=mode) as tar:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         for member in tar:
             if not member.isfile():
                 continue
