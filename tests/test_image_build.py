@@ -32,7 +32,9 @@ from lakeloader.demo.images import all_images, bad_images, write_image_corpus, w
 from lakeloader.images import DECODER, decode_rgb
 from lakeloader.ingest.documents import SplitSource, read_split
 from lakeloader.ingest.driver import build
+from lakeloader.ingest.repair import repair_lake
 from lakeloader.plan.splits import Split
+from lakeloader.read.verify import verify_lake
 
 from conftest import write_config
 
@@ -150,6 +152,21 @@ def test_every_kind_of_image_converts_through_a_real_build(corpus: tuple[Path, d
         assert pixels.mode == "RGB" and pixels.size == (row.width, row.height), row
     rotated = image_id(all_images()["exif-rotated.jpg"])
     assert tuple(kinds.set_index("image_id").loc[rotated, ["width", "height"]]) == (32, 48)   # stored 48x32
+    # A media file is checked and repaired like its chunk file: byte for byte.
+    files = sorted((tmp_path / "lake").rglob("*.media.parquet"))
+    intact = {path: path.read_bytes() for path in files}
+    files[0].unlink()
+    damaged = bytearray(intact[files[1]])
+    damaged[len(damaged) // 2] ^= 1
+    files[1].write_bytes(bytes(damaged))
+    report = verify_lake(config, progress=False)
+    assert sorted(report.status) == ["checksum", "missing"] + ["ok"] * (len(files) - 2)
+    assert all("media file" in detail for detail in report.detail[report.status != "ok"])
+    build(config, scheduler=dask_scheduler, progress=False)   # finds the missing one by listing
+    assert files[0].read_bytes() == intact[files[0]]
+    repair_lake(config, verify_lake(config, progress=False), scheduler=dask_scheduler, progress=False)
+    assert {path: path.read_bytes() for path in files} == intact
+    assert set(verify_lake(config, progress=False).status) == {"ok"}
 
 
 def test_the_lake_is_the_same_for_any_worker_count_and_after_a_failed_build_resumed(
