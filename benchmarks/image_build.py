@@ -2,7 +2,8 @@
 
 The corpus is lakeloader/demo/images.py's (real images from matplotlib's sample data and icons,
 Pillow-made ones of every kind the decoder converts) in ``COPIES`` distinct copies (each copy
-flipped or rotated, re-encoded in its format), as WebDataset tars, Parquet and JSON Lines. Alternating, ``REPEATS`` times each, median:
+flipped or rotated, re-encoded in its format), as WebDataset tars, Parquet and JSON Lines.
+Alternating, ``REPEATS`` times each, median:
 
 - build: a fresh lake of the corpus on an already started LocalCluster of one single-threaded
   worker (read, check each image once, tokenize the text, write chunk and media files, commit);
@@ -91,7 +92,8 @@ def main() -> None:
         "build / Pillow loop": build_rate / loop_rate,
         "build tasks' images/s (their seconds summed)": task_rate, "build tasks / Pillow loop": task_rate / loop_rate,
         "build seconds (median)": statistics.median(builds), "Pillow loop seconds (median)": statistics.median(loops),
-        "source files' bytes (tars, Parquet, JSONL)": source_files, "image bytes of the sources' occurrences": source_bytes,
+        "source files' bytes (tars, Parquet, JSONL)": source_files,
+        "image bytes of the sources' occurrences": source_bytes,
         "media files' bytes": media, "media files / image occurrences' bytes": media / source_bytes,
         "images stored (media rows)": stored_rows,
         "media overhead per stored image (bytes)": (media - stored_images) / max(stored_rows, 1),
