@@ -2,7 +2,8 @@
 
 The corpus is lakeloader/demo/images.py's (real images from matplotlib's sample data and icons,
 Pillow-made ones of every kind the decoder converts) in ``COPIES`` distinct copies (each copy
-flipped or rotated, re-encoded in its format), as WebDataset tars, Parquet and JSON Lines.
+flipped or rotated, re-encoded in its format), as WebDataset tars, Parquet (256 documents a row
+group, so a chunk) and JSON Lines.
 Alternating, ``REPEATS`` times each, median:
 
 - build: a fresh lake of the corpus on an already started LocalCluster of one single-threaded
@@ -52,7 +53,7 @@ def pillow_loop(images: list[bytes]) -> float:
 def main() -> None:
     root = OUT / "image-bench"
     shutil.rmtree(root, ignore_errors=True)
-    sources = write_image_corpus(root / "data", copies=COPIES, distinct=True)
+    sources = write_image_corpus(root / "data", copies=COPIES, distinct=True, row_group_size=256)
     stored = {"images": "stored", "image_tokens": 16, "max_images": 8}
     datasets = {form: {"sources": [str(p) for p in paths], "format": "interleaved", "interleaved": stored}
                 for form, paths in sources.items()}

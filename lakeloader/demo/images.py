@@ -114,12 +114,14 @@ def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
     return path
 
 
-def write_image_corpus(root: Path, copies: int = 1, distinct: bool = False) -> dict[str, list[Path]]:
+def write_image_corpus(root: Path, copies: int = 1, distinct: bool = False, row_group_size: int = 16
+                       ) -> dict[str, list[Path]]:
     """Write the corpus under ``root`` (each image ``copies`` times over, under other keys; with
     ``distinct``, each copy as other bytes: :func:`variant`) and return its source files by form:
     ``tar`` (a .tar of captioned images, a .tar.gz of JSON interleaved documents of two images
     each), ``parquet`` (binary column and structs), ``jsonl`` (relative paths into
-    ``root/jsonl/img`` and base64 bytes)."""
+    ``root/jsonl/img`` and base64 bytes; Parquet row groups, and so chunks, of ``row_group_size``
+    documents)."""
     if distinct:
         originals = sorted(all_images().items())
         images = [(f"{copy}-{name}", variant(data, copy)) for copy in range(copies) for name, data in originals]
@@ -146,12 +148,14 @@ def write_image_corpus(root: Path, copies: int = 1, distinct: bool = False) -> d
             for _ in range(copies) for name, data in images]
     (root / "parquet").mkdir(parents=True, exist_ok=True)
     structs = root / "parquet" / "structs.parquet"
-    pq.write_table(pa.table({"items": pa.array(rows, pa.list_(item_type))}), structs, row_group_size=16)
+    pq.write_table(pa.table({"items": pa.array(rows, pa.list_(item_type))}), structs,
+                   row_group_size=row_group_size)
     binary_type = pa.struct([("text", pa.string()), ("image", pa.binary())])
     binary = root / "parquet" / "binary.parquet"
-    pq.write_table(pa.table({"items": pa.array(
-        [[{"text": None, "image": data}, {"text": _caption(name), "image": None}]
-         for _ in range(copies) for name, data in images], pa.list_(binary_type))}), binary, row_group_size=16)
+    binary_rows = [[{"text": None, "image": data}, {"text": _caption(name), "image": None}]
+                   for _ in range(copies) for name, data in images]
+    pq.write_table(pa.table({"items": pa.array(binary_rows, pa.list_(binary_type))}), binary,
+                   row_group_size=row_group_size)
     folder = root / "jsonl" / "img"
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in images:
