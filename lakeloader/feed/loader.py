@@ -36,7 +36,8 @@ from lakeloader.feed.run_state import LoaderState, definition_changes
 from lakeloader.feed.settings import loader_settings
 from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
-from lakeloader.index.mixture import Mixer
+from lakeloader.index.growth import EpochSizes
+from lakeloader.index.mixture import Mixer, stage_totals
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
@@ -140,6 +141,8 @@ class Loader:
         have.update((stream.name, stream) for stream in added)
         self.datasets = [have[name] for name in run.spec.names]
         self.dataset_names = run.spec.names
+        for stream in self.datasets:
+            stream.follow_sizes(run.sizes(stream.name))
         self.run = run
         self.mixer = Mixer.of(run.spec)
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
@@ -356,7 +359,9 @@ class Loader:
                 f"loader state has fingerprint {state.fingerprint} but {where} and its lake give {self.fingerprint}: "
                 "the data, mixture or loader settings changed since the state was saved (a state saved before runs "
                 "could be continued does not say what); restore with the same config and lake, or start a new run")
-        continuable, fixed = definition_changes(state.definition, self.definition)
+        grown = self._grown_plans(state)
+        continuable, fixed = definition_changes(state.definition, self.definition,
+                                                {name: words for name, (_, words) in grown.items()})
         if fixed:
             raise LakeloaderError(
                 f"the run saved at step {state.step} cannot be continued under {where}: " + "; ".join(fixed)
@@ -372,13 +377,65 @@ class Loader:
                 "under it from that step (earlier steps keep their batches; each dataset continues where it stopped), "
                 "pass continue_changes=True (lakeloader batches --continue-changes); or restore with the config the "
                 "state was saved with")
+        if grown and "restart" != self.own_mixture.stop:
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) "
+                f"{', '.join(sorted(grown))} grew, and a run over a grown dataset needs mixture.stop: restart (its "
+                f"epochs change size); set it, or put the new files in a dataset of their own")
         try:
             run = continued(state.run, state.step, self.own_mixture)
         except ValueError as error:
             raise LakeloaderError(f"the run saved at step {state.step} cannot be continued under {where}: {error}") from None
+        if grown:
+            self._follow(run)   # (a stream for every dataset of the run first)
+            run = self._with_growth(run, state.step, {name: chunks for name, (chunks, _) in grown.items()})
         log.info("continuing the run at step %d under %s: %s", state.step, where, "; ".join(continuable))
         self._follow(run)
         return state.step
+
+    def _grown_plans(self, state: LoaderState) -> dict[str, tuple[int, str]]:
+        """The datasets of the state's definition whose plan in the lake grew (files added:
+        ``plan/growth.py``) from the one the run read: that plan's chunks and the growth in words.
+        A LakeloaderError for one left out of this config's mixture whose plan changed otherwise
+        (its earlier steps could not be read as the run saw them)."""
+        saved = (state.definition or {}).get("datasets", {})
+        grown = {}
+        for name, older in saved.items():
+            found = self.view.plan_of(name)
+            if found is None or found[0] == older:
+                continue
+            links, plan, chunks = self.view.plan_growth(name), found[0], None
+            while plan != older and plan in links:   # back along the growths, to the state's plan
+                plan, chunks = links[plan]
+            if plan == older and chunks is not None:
+                grown[name] = (chunks, f"its first {chunks} chunks as the run read them, then the added files' chunks")
+            elif name not in self.definition["datasets"]:
+                raise LakeloaderError(
+                    f"the run saved at step {state.step} cannot be continued: the lake's plan of dataset {name!r}, "
+                    "which it drew from, changed other than by files added; restore with the lake the state was "
+                    "saved with, or start a new run")
+        return grown
+
+    def _with_growth(self, run: RunMixture, step: int, grown: dict[str, int]) -> RunMixture:
+        """``run`` taking up at ``step`` the grown plan of each dataset in ``grown`` (its older
+        plan's chunks): the epoch the dataset is in goes on over the examples it had planned, then
+        serves the new ones; later epochs are over all (:mod:`lakeloader.index.growth`). A
+        dataset the run has not drawn from yet simply starts on its grown plan."""
+        totals = stage_totals(list(run.spec.stages), run.spec.batch_size, np.array([step], np.int64))[0]
+        growth = dict(run.growth)
+        for name, chunks in grown.items():
+            if name not in run.spec.names:
+                continue
+            stream = self.datasets[run.spec.names.index(name)]
+            position = int(totals[run.spec.names.index(name)])
+            sizes = growth.get(name)
+            if sizes is None:
+                if position == 0:
+                    continue
+                sizes = EpochSizes(((0, chunks, stream.available_within(chunks)),))
+            examples = stream.train_count()
+            growth[name] = sizes.grown(position, stream.chunks.planned, examples)
+        return dataclasses.replace(run, growth=tuple(sorted(growth.items())))
 
     def _start(self, start: int | LoaderState | dict[str, Any], continue_changes: bool = False) -> int:
         if isinstance(start, (dict, LoaderState)):

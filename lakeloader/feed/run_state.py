@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from lakeloader.contracts.errors import LakeloaderError
@@ -49,10 +50,14 @@ def _shown(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(", ", ": "))
 
 
-def definition_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+def definition_changes(saved: dict[str, Any], current: dict[str, Any],
+                       grown: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
     """What changed from ``saved`` to ``current`` (two loaders' definitions): the changes a run can
-    be continued under (its mixture, datasets added or removed) and those it cannot (anything
-    that decides a dataset's examples or a batch's shape), each as a readable line."""
+    be continued under (its mixture, datasets added or removed, datasets in ``grown``: those
+    whose plan in ``current`` is a growth of the one in ``saved``, each with a line saying how)
+    and those it cannot (anything that decides a dataset's examples or a batch's shape), each as
+    a readable line."""
+    grown = grown or {}
     continuable: list[str] = []
     fixed: list[str] = []
     if saved.get("mode") != current.get("mode"):
@@ -66,10 +71,14 @@ def definition_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[
     old_data, new_data = saved.get("datasets", {}), current.get("datasets", {})
     old_templates, new_templates = saved.get("templates", {}), current.get("templates", {})
     for name in sorted(old_data.keys() & new_data.keys()):
-        if old_data[name] != new_data[name]:
+        if old_data[name] != new_data[name] and name not in grown:
             fixed.append(f"dataset {name!r}: its data (the lake's plan of it: sources, fields, build settings) "
-                         "changed; put new files in a dataset of their own and add that to the mixture")
-        elif old_templates.get(name) != new_templates.get(name):
+                         "changed other than by files added; put new files in a dataset of their own and add "
+                         "that to the mixture")
+            continue
+        if old_data[name] != new_data[name]:
+            continuable.append(f"dataset {name!r} grew: {grown[name]}")
+        if old_templates.get(name) != new_templates.get(name):
             fixed.append(f"dataset {name!r}: its collation (format section, BOS/EOS, tokenizer) changed")
     added, removed = sorted(new_data.keys() - old_data.keys()), sorted(old_data.keys() - new_data.keys())
     if added:

@@ -11,10 +11,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.growing import GrowingChunks
 from lakeloader.feed.locate_spans import SpanLocator
 from lakeloader.feed.rows import Example
 from lakeloader.feed.spans import Span
+from lakeloader.index.growth import EpochSizes
 from lakeloader.index.ranges import cumulative, strided_chunk
 from lakeloader.read.catalog_view import DatasetChunks
 
@@ -54,6 +56,20 @@ class StridedSpans:
         """Spans of an evaluation pass (evaluation reads in the global order)."""
         self.growing.complete()
         return self.locator.eval_count()
+
+    def follow_sizes(self, sizes: EpochSizes | None) -> None:
+        """A LakeloaderError for a grown dataset: each ideal reader loops over its own chunks, so
+        no epoch can go on over the chunks it had planned."""
+        if sizes is not None:
+            raise LakeloaderError(
+                f"dataset {self.name!r} grew, and a run under loader.ordering: strided cannot go on over a grown "
+                "dataset; put the new files in a dataset of their own and add that to the mixture")
+
+    def available_within(self, chunks: int) -> int:
+        """Training spans the first ``chunks`` chunks hold whole (waits for them)."""
+        while self.growing.chunks.committed < chunks:
+            self.growing.wait()
+        return self.locator.available_within(chunks)
 
     def eval(self, js: np.ndarray) -> Sequence[Example]:
         """Spans ``js`` of the evaluation pass (in the global order, as every evaluation)."""
