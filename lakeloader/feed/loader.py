@@ -334,7 +334,8 @@ class Loader:
         continues at ``step``, as ``JaxFeed.state``: the step, the fingerprint and definition of
         this config's batches, and the mixture the run has followed (its revisions included); a
         few KB, whatever the step."""
-        return LoaderState(step, self.fingerprint, self.definition, self.run).to_dict()
+        plans = {d.name: d.fingerprint for d in self.datasets}
+        return LoaderState(step, self.fingerprint, self.definition, self.run, plans).to_dict()
 
     def restore(self, state: dict[str, Any] | LoaderState, *, continue_changes: bool = False) -> Iterator[Batch]:
         """Batches from a saved state on (see :meth:`iter_from`), as ``JaxFeed.restore``."""
@@ -345,11 +346,13 @@ class Loader:
         batches at every step, before and after it, are the run's. A state of this config's
         definition is taken as it is. A state of another definition is refused, saying what
         changed, unless ``continue_changes`` and every change can be continued exactly (the
-        mixture, datasets added or left out): the run then goes on under this config from the
-        state's step (a new revision), each dataset continuing its own order where it stopped."""
+        mixture, datasets added or left out, files added to a dataset): the run then goes on under
+        this config from the state's step (a new revision), each dataset continuing its own order
+        where it stopped (a grown one: :meth:`_with_growth`)."""
         if isinstance(state, dict):
             state = LoaderState.from_dict(state)
-        if state.fingerprint == self.fingerprint:
+        grown = self._grown_plans(state)
+        if state.fingerprint == self.fingerprint and not grown:
             if state.run is not None:
                 self._follow(state.run)
             return state.step
@@ -359,7 +362,6 @@ class Loader:
                 f"loader state has fingerprint {state.fingerprint} but {where} and its lake give {self.fingerprint}: "
                 "the data, mixture or loader settings changed since the state was saved (a state saved before runs "
                 "could be continued does not say what); restore with the same config and lake, or start a new run")
-        grown = self._grown_plans(state)
         continuable, fixed = definition_changes(state.definition, self.definition,
                                                 {name: words for name, (_, words) in grown.items()})
         if fixed:
@@ -398,7 +400,7 @@ class Loader:
         ``plan/growth.py``) from the one the run read: that plan's chunks and the growth in words.
         A LakeloaderError for one left out of this config's mixture whose plan changed otherwise
         (its earlier steps could not be read as the run saw them)."""
-        saved = (state.definition or {}).get("datasets", {})
+        saved = {**(state.definition or {}).get("datasets", {}), **(state.plans or {})}
         grown = {}
         for name, older in saved.items():
             found = self.view.plan_of(name)

@@ -17,12 +17,14 @@ from lakeloader.index.revisions import RunMixture
 class LoaderState:
     """Everything needed to resume: the next step, the fingerprint of what defines batches and,
     for a readable account of what changed and to continue a run under an edited config, that
-    definition and the run's mixture (absent from states saved before runs could be continued)."""
+    definition and the run's mixture (absent from states saved before runs could be continued),
+    and the plan of every dataset the run reads (those its config left out of the mixture too)."""
 
     step: int
     fingerprint: str
     definition: dict[str, Any] | None = None
     run: RunMixture | None = None
+    plans: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (for checkpoints)."""
@@ -31,6 +33,8 @@ class LoaderState:
             found["definition"] = self.definition
         if self.run is not None:
             found["run"] = self.run.to_dict()
+        if self.plans is not None:
+            found["plans"] = self.plans
         return found
 
     @classmethod
@@ -38,8 +42,10 @@ class LoaderState:
         """Inverse of :meth:`to_dict`; a LakeloaderError naming what is wrong with a damaged state."""
         try:
             run = state.get("run")
+            plans = state.get("plans")
             return cls(int(state["step"]), str(state["fingerprint"]), state.get("definition"),
-                       None if run is None else RunMixture.from_dict(run))
+                       None if run is None else RunMixture.from_dict(run),
+                       None if plans is None else {str(k): str(v) for k, v in plans.items()})
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise LakeloaderError(
                 f"loader state is not one Loader.state() saved ({type(error).__name__}: {error}); give the "
@@ -80,6 +86,8 @@ def definition_changes(saved: dict[str, Any], current: dict[str, Any],
             continuable.append(f"dataset {name!r} grew: {grown[name]}")
         if old_templates.get(name) != new_templates.get(name):
             fixed.append(f"dataset {name!r}: its collation (format section, BOS/EOS, tokenizer) changed")
+    continuable += [f"dataset {name!r} grew: {words}" for name, words in sorted(grown.items())
+                    if name not in old_data.keys() & new_data.keys()]   # (read by the run, left out of a mixture)
     added, removed = sorted(new_data.keys() - old_data.keys()), sorted(old_data.keys() - new_data.keys())
     if added:
         continuable.append(f"datasets added: {', '.join(added)}")
