@@ -298,9 +298,9 @@ def test_the_command_line_continues_a_run_and_audits_it(lake: Path, tmp_path: Pa
     capsys.readouterr()
     assert main(["audit", str(second), "--state", str(later), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    revisions = {(r["revision"], r["first_step"], r["stop_step"]) for r in rows}
+    revisions = {(r["segment"], r["first_step"], r["stop_step"]) for r in rows}
     assert revisions == {("0", 0, 6), ("1", 6, 10), ("all", 0, 10)}
-    by = {(r["revision"], r["dataset"]): r for r in rows}
+    by = {(r["segment"], r["dataset"]): r for r in rows}
     assert by["0", "c"]["examples"] == 0 and by["1", "c"]["examples"] > 0
     for name in ("a", "b", "c"):
         assert by["all", name]["examples"] == by["0", name]["examples"] + by["1", name]["examples"]
@@ -323,3 +323,37 @@ def test_worker_processes_follow_the_revised_run(lake: Path, tmp_path: Path) -> 
         found = list(itertools.islice(pooled.iter_from(state, continue_changes=True), 7))
         assert_batches_equal(found, expected[5:], "workers of a revised run", steps=range(5, 12))
         assert pooled.dataset_names == ("a", "b", "c")
+
+
+def test_run_segments_count_what_the_batches_served(lake: Path, tmp_path: Path) -> None:
+    from lakeloader.feed.run_audit import run_segments
+
+    mixtures = [{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0, "c": 1.0}, {"b": 1.0, "c": 3.0}, {"a": 2.0, "c": 1.0}]
+    starts, stop = [0, 7, 15, 22], 30
+    served: list[list[tuple[str, int]]] = []
+    state = None
+    for number, (weights, start, end) in enumerate(zip(mixtures, starts, [*starts[1:], stop])):
+        with Loader(edited(lake, tmp_path, f"segment{number}", {"weights": weights})) as loader:
+            if state is not None:
+                loader.follow(state, continue_changes=True)
+            served += [[(e.dataset, e.epoch) for e in loader.examples(step).examples] for step in range(start, end)]
+            state = loader.state(end)
+    with Loader(tmp_path / "segment3.yaml") as loader:
+        loader.follow(state)
+        table = run_segments(loader, stop)
+        batches = [loader.batch(step)["dataset_ids"] for step in range(stop)]
+    segments = [*zip(map(str, range(4)), starts, [*starts[1:], stop]), ("all", 0, stop)]
+    assert sorted(set(table["segment"])) == sorted(s for s, _, _ in segments)
+    for segment, first, end in segments:
+        rows = table[table["segment"] == segment].set_index("dataset")
+        assert (rows["first_step"] == first).all() and (rows["stop_step"] == end).all()
+        ids = np.concatenate(batches[first:end])
+        for d, name in enumerate(loader.dataset_names):   # what the batches' dataset_ids and examples say
+            epochs = [epoch for step in served[first:end] for dataset, epoch in step if dataset == name]
+            assert rows.loc[name, "examples"] == len(epochs) == int((ids == d).sum())
+            assert (rows.loc[name, "first_epoch"], rows.loc[name, "last_epoch"]) == (
+                (min(epochs), max(epochs)) if epochs else (-1, -1))
+            size = loader.datasets[d].train_count()
+            assert rows.loc[name, "epochs"] == pytest.approx(len(epochs) / size)
+            assert rows.loc[name, "tokens"] == len(epochs) * SEQ_LEN   # (concat: every example is seq_len tokens)
+    assert table[table["segment"] == "all"]["epochs"].max() > 1   # a dataset went round more than once

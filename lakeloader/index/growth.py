@@ -25,11 +25,12 @@ Size = tuple[int, int, int]   # (epoch, chunks, examples)
 
 @dataclasses.dataclass(frozen=True)
 class EpochParts:
-    """Where stream positions lie (int64 arrays, one element per position): the ``epoch``, the
-    part's examples ``[lo, hi)`` and chunks ``[first_chunk, end_chunk)``, and the ``offset``
-    within the part."""
+    """Where stream positions lie (int64 arrays, one element per position): the ``epoch`` and its
+    ``length`` (examples), the part's examples ``[lo, hi)`` and chunks ``[first_chunk, end_chunk)``,
+    and the ``offset`` within the part (a part's positions follow the earlier parts' in its epoch)."""
 
     epoch: np.ndarray
+    length: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
     first_chunk: np.ndarray
@@ -79,8 +80,8 @@ class EpochSizes:
         positions = np.asarray(positions, np.int64)
         epochs, starts, bounds = self._runs()
         run = np.searchsorted(starts, positions, side="right") - 1
-        out = {k: np.zeros(len(positions), np.int64) for k in ("epoch", "lo", "hi", "first_chunk", "end_chunk",
-                                                                 "offset")}
+        out = {k: np.zeros(len(positions), np.int64) for k in ("epoch", "length", "lo", "hi", "first_chunk",
+                                                                 "end_chunk", "offset")}
         for r in np.unique(run).tolist():
             mine = run == r
             parts = bounds[r]
@@ -95,12 +96,19 @@ class EpochSizes:
             part = np.where(epoch == epochs[r], np.searchsorted(his, within, side="right"), len(parts) - 1)
             whole = epoch != epochs[r]
             out["epoch"][mine] = epoch
+            out["length"][mine] = length
             out["lo"][mine] = np.where(whole, 0, los[part])
             out["hi"][mine] = his[part]
             out["first_chunk"][mine] = np.where(whole, 0, firsts[part])
             out["end_chunk"][mine] = ends[part]
             out["offset"][mine] = within - out["lo"][mine]
         return EpochParts(**out)
+
+    def progress(self, positions: np.ndarray) -> np.ndarray:
+        """Epochs elapsed before each stream position (float: whole epochs plus the share of the
+        position's epoch before it)."""
+        parts = self.locate(positions)
+        return parts.epoch + (parts.lo + parts.offset) / parts.length
 
     def epoch_of(self, position: int) -> int:
         """The epoch of stream position ``position``."""
