@@ -334,8 +334,9 @@ class Loader:
         continues at ``step``, as ``JaxFeed.state``: the step, the fingerprint and definition of
         this config's batches, and the mixture the run has followed (its revisions included); a
         few KB, whatever the step."""
-        plans = {d.name: d.fingerprint for d in self.datasets}
-        return LoaderState(step, self.fingerprint, self.definition, self.run, plans).to_dict()
+        # (the plans of the datasets the run reads beyond this config's: the definition has the others)
+        plans = {d.name: d.fingerprint for d in self.datasets if d.name not in self.definition["datasets"]}
+        return LoaderState(step, self.fingerprint, self.definition, self.run, plans or None).to_dict()
 
     def restore(self, state: dict[str, Any] | LoaderState, *, continue_changes: bool = False) -> Iterator[Batch]:
         """Batches from a saved state on (see :meth:`iter_from`), as ``JaxFeed.restore``."""

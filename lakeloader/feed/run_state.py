@@ -18,7 +18,8 @@ class LoaderState:
     """Everything needed to resume: the next step, the fingerprint of what defines batches and,
     for a readable account of what changed and to continue a run under an edited config, that
     definition and the run's mixture (absent from states saved before runs could be continued),
-    and the plan of every dataset the run reads (those its config left out of the mixture too)."""
+    and the plans of the datasets the run reads that its config's definition leaves out (those
+    left out of its mixture)."""
 
     step: int
     fingerprint: str

@@ -211,8 +211,7 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
     for name in sorted(config.datasets, key=lambda n: config.datasets[n].from_ is not None):
         source = config.datasets[name].from_
         if source is None:   # files added to a built plan's, unchanged: the plan grows (plan/growth.py)
-            fresh = plan_dataset(name, config, fingerprint, encoder=encoder)
-            plans[name] = grown_plan(fresh, writer.built_plan(name)) or fresh
+            plans[name] = grown_plan(plan_dataset(name, config, fingerprint, encoder=encoder), writer.built_plan(name))
         else:
             plans[name] = filtered_plan(name, config, plans[source])
     for name, plan in plans.items():

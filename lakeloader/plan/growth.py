@@ -54,27 +54,30 @@ def _splits_by_shard(chunks: pd.DataFrame, shards: int) -> list[list[Split]]:
     return splits
 
 
-def grown_plan(fresh: DatasetPlan, built: BuiltPlan | None) -> DatasetPlan | None:
-    """``fresh`` (a plan of the dataset's files as they are now) as a growth of ``built`` (the
-    lake's plan of the name), or None when it is not one: no built plan, the same plan, a filter,
-    other build settings (another chunk folder), or a built file changed or gone."""
+def grown_plan(fresh: DatasetPlan, built: BuiltPlan | None) -> DatasetPlan:
+    """The plan to register for ``fresh`` (a plan of the dataset's files as they are now) over
+    ``built`` (the lake's plan of the name): a growth of ``built`` when the files are its files,
+    unchanged, plus new ones; ``built`` itself when they are its files (a grown plan stays in
+    force); else ``fresh``: no built plan, a filter, other build settings (another chunk folder),
+    or a built file changed or gone."""
     if (built is None or built.filtered or fresh.source is not None or built.fingerprint == fresh.fingerprint
             or built.chunk_dir != fresh.chunk_dir):
-        return None
+        return fresh
     position = {(s.url, s.size, s.version): k for k, s in enumerate(fresh.shards)}
     kept = [position.get(tuple(f)) for f in built.files]   # type: ignore[arg-type]
-    if any(k is None for k in kept) or len(kept) == len(fresh.shards):
-        return None
+    if any(k is None for k in kept):
+        return fresh
     old = set(kept)
     added = [k for k in range(len(fresh.shards)) if k not in old]
     shards = [fresh.shards[k] for k in kept] + [fresh.shards[k] for k in added]   # type: ignore[index]
+    old_chunks = built.chunks[CHUNK_COLUMNS].astype(fresh.chunks[CHUNK_COLUMNS].dtypes.to_dict())
+    if not added:
+        return dataclasses.replace(fresh, fingerprint=built.fingerprint, shards=shards, chunks=old_chunks)
     splits = _splits_by_shard(fresh.chunks, len(fresh.shards))
     new = chunk_table([splits[k] for k in added], fresh.chunk_dir,
                       [shard_fingerprint(fresh.shards[k]) for k in added])
-    old_chunks = len(built.chunks)
-    new["global_index"] += old_chunks
+    new["global_index"] += len(old_chunks)
     new["shard_index"] += len(kept)
-    chunks = pd.concat([built.chunks[CHUNK_COLUMNS].astype(new.dtypes.to_dict()), new[CHUNK_COLUMNS]],
-                       ignore_index=True)
+    chunks = pd.concat([old_chunks, new[CHUNK_COLUMNS]], ignore_index=True)
     return dataclasses.replace(fresh, fingerprint=grown_fingerprint(built.fingerprint, [fresh.shards[k] for k in added]),
-                               shards=shards, chunks=chunks, extends=(built.fingerprint, old_chunks))
+                               shards=shards, chunks=chunks, extends=(built.fingerprint, len(old_chunks)))
