@@ -25,14 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from lakeloader.contracts.errors import ConfigError, LakeloaderError
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.specs import MixtureSpec, Stage
 from lakeloader.feed.loader import Loader
 from lakeloader.index.mixture import staged_assignments
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.ingest.driver import build
 
-from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+from conftest import RunLoaders as Loaders
+from conftest import (assert_batches_equal, assert_epochs_whole, read_run, resume_run, stdlib_texts, write_config,
+                      write_jsonl)
 
 SEQ_LEN = 32
 BATCH = 8
@@ -116,30 +118,6 @@ def edited(base: Path, folder: Path, name: str, mixture: dict[str, Any]) -> Path
     return path
 
 
-class Loaders:
-    """A run's global batches from ``count`` processes' loaders."""
-
-    def __init__(self, config: Path, count: int) -> None:
-        self.parts = [Loader(config, process_index=p, process_count=count) for p in range(count)]
-
-    def follow(self, state: dict[str, Any], continue_changes: bool) -> None:
-        for loader in self.parts:
-            loader.follow(state, continue_changes=continue_changes)
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        found = [loader.batch(step) for loader in self.parts]
-        return {k: np.concatenate([f[k] for f in found]) for k in found[0]}
-
-    def consumed(self, step: int) -> list[tuple[str, int, int]]:
-        """(dataset, epoch, example) of each row of ``step``, in row order."""
-        return [(e.dataset, e.epoch, e.example) for loader in self.parts
-                for e in loader.examples(step).examples if e is not None]
-
-    def close(self) -> None:
-        for loader in self.parts:
-            loader.close()
-
-
 class ContinuedRuns(RuleBasedStateMachine):
     """Read, save, edit, resume against the oracle (see the module)."""
 
@@ -161,12 +139,7 @@ class ContinuedRuns(RuleBasedStateMachine):
 
     @rule(k=st.integers(1, 8))
     def read(self, k: int) -> None:
-        for _ in range(k):
-            batch = self.current.batch(self.step)
-            assert_batches_equal(batch, self.straight.batch(self.step), "resumed vs never restarted", [self.step])
-            self.served.append(batch)
-            self.rows.append(self.current.consumed(self.step))
-            self.step += 1
+        self.step = read_run(self.current, self.straight, self.step, k, self.served, self.rows)
 
     @rule(kind=st.sampled_from(["reweight", "add", "leave out", "stage"]), data=st.data())
     def edit(self, kind: str, data: st.DataObject) -> None:
@@ -193,39 +166,16 @@ class ContinuedRuns(RuleBasedStateMachine):
             return
         self.edits += 1
         path = edited(self.config, self.folder, f"run{self.edits}", mixture)
-        state = json.loads(json.dumps(self.current.parts[0].state(self.step)))   # through a checkpoint file
-        resumed = Loaders(path, data.draw(st.sampled_from([1, 2])))
-        with pytest.raises(LakeloaderError, match="continue_changes=True"):
-            resumed.parts[0].follow(state)
-        resumed.follow(state, continue_changes=True)
-        straight = Loader(path)   # in this process, from the state as it is: P = 1, no checkpoint file
-        straight.follow(self.straight.state(self.step), continue_changes=True)
-        self.straight.close()
-        self.straight = straight
-        self.current.close()
-        self.current = resumed
+        self.current, self.straight = resume_run(self.current, self.straight, path, self.step,
+                                                 data.draw(st.sampled_from([1, 2])), self.served, "continue_changes=True")
         self.mixture = mixture
         self.revisions.append((self.step, copy.deepcopy(mixture)))
-        for earlier in sorted({0, self.step // 2, max(0, self.step - 1)}):   # earlier steps keep their batches
-            if earlier < self.step:
-                assert_batches_equal(self.current.batch(earlier), self.served[earlier], "after the edit", [earlier])
 
     @invariant()
     def no_repeat_within_an_epoch_and_no_skip(self) -> None:
-        seen: dict[str, list[tuple[int, int]]] = {}
-        for rows in self.rows:
-            for dataset, epoch, example in rows:
-                seen.setdefault(dataset, []).append((epoch, example))
-        for dataset, taken in seen.items():
-            size = self.straight.datasets[self.straight.dataset_names.index(dataset)].train_count()
-            epochs = [e for e, _ in taken]
-            assert epochs == sorted(epochs), f"{dataset}: epochs out of order"
-            for epoch in sorted(set(epochs)):
-                examples = [k for e, k in taken if e == epoch]
-                assert len(set(examples)) == len(examples), f"{dataset} epoch {epoch}: an example repeats"
-                if epoch < epochs[-1]:
-                    assert sorted(examples) == list(range(size)), f"{dataset} epoch {epoch}: examples skipped"
-                    ContinuedRuns.epochs_crossed = True
+        straight = self.straight
+        if assert_epochs_whole(self.rows, lambda name, _: straight.datasets[straight.dataset_names.index(name)].train_count()):
+            ContinuedRuns.epochs_crossed = True
 
     @invariant()
     def each_revision_holds_its_weights(self) -> None:

@@ -32,7 +32,7 @@ from lakeloader.feed.explain import explain
 from lakeloader.feed.prompts import prompt_batch
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
-from lakeloader.feed.run_state import LoaderState, definition_changes
+from lakeloader.feed.run_state import LoaderState, definition_changes, grown_plans
 from lakeloader.feed.settings import loader_settings
 from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
@@ -352,7 +352,7 @@ class Loader:
         where it stopped (a grown one: :meth:`_with_growth`)."""
         if isinstance(state, dict):
             state = LoaderState.from_dict(state)
-        grown = self._grown_plans(state)
+        grown = grown_plans(state, self.definition, self.view)
         if state.fingerprint == self.fingerprint and not grown:
             if state.run is not None:
                 self._follow(state.run)
@@ -380,7 +380,7 @@ class Loader:
                 "under it from that step (earlier steps keep their batches; each dataset continues where it stopped), "
                 "pass continue_changes=True (lakeloader batches --continue-changes); or restore with the config the "
                 "state was saved with")
-        if grown and "restart" != self.own_mixture.stop:
+        if grown and self.own_mixture.stop != "restart":
             raise LakeloaderError(
                 f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) "
                 f"{', '.join(sorted(grown))} grew, and a run over a grown dataset needs mixture.stop: restart (its "
@@ -395,29 +395,6 @@ class Loader:
         log.info("continuing the run at step %d under %s: %s", state.step, where, "; ".join(continuable))
         self._follow(run)
         return state.step
-
-    def _grown_plans(self, state: LoaderState) -> dict[str, tuple[int, str]]:
-        """The datasets of the state's definition whose plan in the lake grew (files added:
-        ``plan/growth.py``) from the one the run read: that plan's chunks and the growth in words.
-        A LakeloaderError for one left out of this config's mixture whose plan changed otherwise
-        (its earlier steps could not be read as the run saw them)."""
-        saved = {**(state.definition or {}).get("datasets", {}), **(state.plans or {})}
-        grown = {}
-        for name, older in saved.items():
-            found = self.view.plan_of(name)
-            if found is None or found[0] == older:
-                continue
-            links, plan, chunks = self.view.plan_growth(name), found[0], None
-            while plan != older and plan in links:   # back along the growths, to the state's plan
-                plan, chunks = links[plan]
-            if plan == older and chunks is not None:
-                grown[name] = (chunks, f"its first {chunks} chunks as the run read them, then the added files' chunks")
-            elif name not in self.definition["datasets"]:
-                raise LakeloaderError(
-                    f"the run saved at step {state.step} cannot be continued: the lake's plan of dataset {name!r}, "
-                    "which it drew from, changed other than by files added; restore with the lake the state was "
-                    "saved with, or start a new run")
-        return grown
 
     def _with_growth(self, run: RunMixture, step: int, grown: dict[str, int]) -> RunMixture:
         """``run`` taking up at ``step`` the grown plan of each dataset in ``grown`` (its older

@@ -11,6 +11,7 @@ from typing import Any
 
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.index.revisions import RunMixture
+from lakeloader.read.catalog_view import CatalogView
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,31 @@ class LoaderState:
             raise LakeloaderError(
                 f"loader state is not one Loader.state() saved ({type(error).__name__}: {error}); give the "
                 "state dict of the checkpoint as it was saved") from None
+
+
+def grown_plans(state: LoaderState, current: dict[str, Any], view: CatalogView) -> dict[str, tuple[int, str]]:
+    """The datasets the state's run reads whose plan in the lake of ``view`` grew (files added:
+    ``plan/growth.py``) from the one the run read: that plan's chunks and the growth in words.
+    A LakeloaderError for one that ``current`` (a loader's definition) leaves out whose plan
+    changed otherwise (the steps that read it could not be read as the run saw them; the
+    datasets ``current`` defines are compared by :func:`definition_changes`)."""
+    saved = {**(state.definition or {}).get("datasets", {}), **(state.plans or {})}
+    grown = {}
+    for name, older in saved.items():
+        found = view.plan_of(name)
+        if found is None or found[0] == older:
+            continue
+        links, plan, chunks = view.plan_growth(name), found[0], None
+        while plan != older and plan in links:   # back along the growths, to the state's plan
+            plan, chunks = links[plan]
+        if plan == older and chunks is not None:
+            grown[name] = (chunks, f"its first {chunks} chunks as the run read them, then the added files' chunks")
+        elif name not in current["datasets"]:
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued: the lake's plan of dataset {name!r}, "
+                "which it drew from, changed other than by files added; restore with the lake the state was "
+                "saved with, or start a new run")
+    return grown
 
 
 def _shown(value: Any) -> str:
