@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
         "been revised mid-run"))
     batches.add_argument("--continue-changes", action="store_true", help=(
         "with --resume: continue the run under CONFIG although its mixture or datasets changed since the state "
-        "was saved (earlier steps keep their batches; each dataset continues where it stopped)"))
+        "was saved, files added to a dataset included (earlier steps keep their batches; each dataset continues "
+        "where it stopped)"))
     batches.add_argument("--save-state", metavar="STATE.json", help="write the run's state at step B here")
     batches.add_argument("--no-progress", action="store_true", help="no progress bar")
     batches.set_defaults(func=_cmd_batches)

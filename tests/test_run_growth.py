@@ -229,3 +229,21 @@ def test_a_dataset_whose_files_changed_is_refused_in_one_line(dask_scheduler: st
     with Loader(config) as loader, pytest.raises(LakeloaderError, match="changed other than by files added") as error:
         loader.follow(state, continue_changes=True)
     assert "\n" not in str(error.value)
+
+
+def test_growth_under_a_stop_strategy_or_the_strided_ordering_is_refused(dask_scheduler: str, tmp_path: Path) -> None:
+    config = _lake(tmp_path, "none", "concat")
+    raw = yaml.safe_load(config.read_text())
+    strided = tmp_path / "strided.yaml"
+    strided.write_text(yaml.safe_dump({**raw, "loader": {**raw["loader"], "ordering": "strided"}}))
+    stopping = _edited(config, "stopping", {"weights": raw["mixture"]["weights"], "stop": "first_exhausted"})
+    build(config, scheduler=dask_scheduler, progress=False)
+    with Loader(config) as loader, Loader(strided) as along:
+        state, strided_state = loader.state(5), along.state(5)
+    write_jsonl(tmp_path / "data" / "g" / "02.jsonl", TEXTS[4:6])
+    build(config, scheduler=dask_scheduler, progress=False)
+    for path, saved, reason in [(stopping, state, "needs mixture.stop: restart"),
+                                (strided, strided_state, "under loader.ordering: strided")]:
+        with Loader(path) as loader, pytest.raises(LakeloaderError, match=f"dataset.s. g grew, and.*{reason}") as error:
+            loader.follow(saved, continue_changes=True)
+        assert "\n" not in str(error.value)

@@ -380,11 +380,17 @@ class Loader:
                 "under it from that step (earlier steps keep their batches; each dataset continues where it stopped), "
                 "pass continue_changes=True (lakeloader batches --continue-changes); or restore with the config the "
                 "state was saved with")
-        if grown and self.own_mixture.stop != "restart":
+        growing = ", ".join(sorted({*grown, *(name for name, _ in state.run.growth)}))
+        if growing and self.own_mixture.stop != "restart":
             raise LakeloaderError(
-                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) "
-                f"{', '.join(sorted(grown))} grew, and a run over a grown dataset needs mixture.stop: restart (its "
-                f"epochs change size); set it, or put the new files in a dataset of their own")
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) {growing} grew, "
+                "and a run over a grown dataset needs mixture.stop: restart (its epochs change size); set it, or put "
+                "the new files in a dataset of their own")
+        if grown and self.settings.ordering == "strided":
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) {growing} grew, "
+                "and under loader.ordering: strided each ideal reader loops over its own chunks, so no epoch can go "
+                "on over the chunks it had planned; put the new files in a dataset of their own")
         try:
             run = continued(state.run, state.step, self.own_mixture)
         except ValueError as error:

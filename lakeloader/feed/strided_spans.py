@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.growing import GrowingChunks
 from lakeloader.feed.locate_spans import SpanLocator
 from lakeloader.feed.rows import Example
@@ -58,12 +57,10 @@ class StridedSpans:
         return self.locator.eval_count()
 
     def follow_sizes(self, sizes: EpochSizes | None) -> None:
-        """A LakeloaderError for a grown dataset: each ideal reader loops over its own chunks, so
-        no epoch can go on over the chunks it had planned."""
+        """Only None: a run over a dataset grown during it is refused under this ordering (each
+        ideal reader loops over its own chunks; ``Loader.follow`` says so)."""
         if sizes is not None:
-            raise LakeloaderError(
-                f"dataset {self.name!r} grew, and a run under loader.ordering: strided cannot go on over a grown "
-                "dataset; put the new files in a dataset of their own and add that to the mixture")
+            raise AssertionError(f"dataset {self.name!r}: the strided ordering cannot follow a grown dataset")
 
     def available_within(self, chunks: int) -> int:
         """Training spans the first ``chunks`` chunks hold whole (waits for them)."""
