@@ -93,22 +93,33 @@ class ExampleOrder:
 
     def _grown_examples(self, js: np.ndarray, sizes: EpochSizes) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`train_examples` over the epochs of a grown dataset (it waits for the complete
-        dataset): the first part of each epoch ordered as an epoch of its size, the new examples of
-        a growth epoch as one of theirs, keyed by where they start."""
+        dataset), each aligned block of ``SHUFFLE_BLOCK`` positions computed at once and cached."""
         self.growing.complete()
         if self.counts.available() != sizes.examples:
             raise LakeloaderError(
                 f"dataset {self.growing.name!r} has {self.counts.available()} examples, but the run recorded "
                 f"{sizes.examples} when it took its grown plan up: the lake's plan of it is not the run's; "
                 "restore with the lake the state was saved with")
-        parts = sizes.locate(js)
-        examples = np.empty(len(js), np.int64)
-        keys = np.stack([parts.lo, parts.hi])
-        for lo, hi in np.unique(keys, axis=1).T.tolist():
+        blocks = js // SHUFFLE_BLOCK
+        epochs, examples = np.empty(len(js), np.int64), np.empty(len(js), np.int64)
+        for block in np.unique(blocks).tolist():
+            mine = blocks == block
+            key = ("grown", self.growing.name, self.growing.fingerprint, self._shuffle_id, self.key, sizes, block)
+            found = self.cache.get(key, lambda block=block: self._grown_block(block, sizes))
+            epochs[mine], examples[mine] = (a[js[mine] - block * SHUFFLE_BLOCK] for a in found)
+        return epochs, examples
+
+    def _grown_block(self, block: int, sizes: EpochSizes) -> tuple[np.ndarray, np.ndarray]:
+        """(epoch, example) of positions ``[block * SHUFFLE_BLOCK, (block + 1) * SHUFFLE_BLOCK)``
+        of a grown dataset: the first part of each epoch ordered as an epoch of its size, the new
+        examples of a growth epoch as one of theirs, keyed by where they start."""
+        parts = sizes.locate(np.arange(block * SHUFFLE_BLOCK, (block + 1) * SHUFFLE_BLOCK, dtype=np.int64))
+        examples = np.empty(SHUFFLE_BLOCK, np.int64)
+        chunk_starts = self.counts.chunk_starts()
+        for lo, hi in np.unique(np.stack([parts.lo, parts.hi]), axis=1).T.tolist():
             mine = (parts.lo == lo) & (parts.hi == hi)
             size = hi - lo
             positions = parts.epoch[mine] * size + parts.offset[mine]
-            chunk_starts = self.counts.chunk_starts()
             if lo == 0:   # an epoch's examples as it had planned them
                 starts = np.minimum(chunk_starts[:: self.shuffle.window_chunks], size)
                 examples[mine] = self._shuffled(positions, size, starts, self.key)
