@@ -480,6 +480,23 @@ DROP TABLE IF EXISTS adopted_row_groups;
 DROP TABLE IF EXISTS adopted_images;
 DROP TABLE IF EXISTS adopted_rejects;
 
+-- name: insert_plan_growth
+INSERT OR REPLACE INTO plan_growth (dataset, fingerprint, extends, chunks_before, grown_at)
+VALUES ($name, $fingerprint, $extends, $chunks_before, now());
+
+-- name: plan_growth
+-- The growths recorded of a dataset: each grown plan, the plan it extends and that plan's chunks.
+SELECT fingerprint, extends, chunks_before FROM plan_growth WHERE dataset = $name;
+
+-- name: built_plan_files
+-- A dataset's files in shard order as its plan in force recorded them (plan/growth.py).
+SELECT coalesce(source_raw, encode(source)) AS source_raw, size_bytes, version
+FROM shard_plans WHERE dataset = $name ORDER BY shard_index;
+
+-- name: built_plan_chunks
+SELECT global_index, shard_index, split_index, path, split_kind, split_start, split_stop, first_row
+FROM chunks WHERE dataset = $name ORDER BY global_index;
+
 -- name: insert_chunk_plans
 -- From the DataFrame registered as new_chunks (the planner's chunk table plus dataset).
 INSERT INTO chunks (dataset, global_index, shard_index, split_index, path, split_kind,

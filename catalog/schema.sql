@@ -46,6 +46,19 @@ CREATE TABLE IF NOT EXISTS dataset_definitions (
     PRIMARY KEY (dataset, definition)
 );
 
+-- Plans grown append-only (plan/growth.py): a dataset's files were its built plan's, unchanged, plus
+-- new ones, so the grown plan keeps that plan's chunks at their global indexes and appends the new
+-- files' chunks. One row per growth, kept while later plans replace the dataset's (a run that read
+-- an older plan follows the chain from it to the plan in force: feed/run_state.py).
+CREATE TABLE IF NOT EXISTS plan_growth (
+    dataset       VARCHAR NOT NULL,
+    fingerprint   VARCHAR NOT NULL,        -- the grown plan
+    extends       VARCHAR NOT NULL,        -- the plan it grew from
+    chunks_before BIGINT NOT NULL,         -- that plan's chunks: global indexes 0 .. chunks_before - 1
+    grown_at      TIMESTAMP NOT NULL,
+    PRIMARY KEY (dataset, fingerprint)
+);
+
 -- One row per input file of a dataset, in shard order.
 CREATE TABLE IF NOT EXISTS shard_plans (
     dataset     VARCHAR NOT NULL,

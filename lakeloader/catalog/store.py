@@ -27,8 +27,9 @@ from lakeloader.contracts.chunk_file import IMAGE_ROW_FIELDS, ChunkResult, PlanS
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeloaderError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.index.mixture import mixture_rows
+from lakeloader.plan.growth import BuiltPlan
 from lakeloader.plan.planner import DatasetPlan
-from lakeloader.plan.sources import readable_url, url_bytes
+from lakeloader.plan.sources import readable_url, url_bytes, url_from_bytes
 from lakeloader.storage import remove_quietly, write_failure
 
 log = logging.getLogger(__name__)
@@ -593,6 +594,18 @@ class CatalogWriter:
             result = self.con.execute(statement, params) if params else self.con.execute(statement)
         return result
 
+    def built_plan(self, name: str) -> BuiltPlan | None:
+        """The plan in force of dataset ``name`` as the catalog holds it (None: none), for
+        :func:`~lakeloader.plan.growth.grown_plan`."""
+        row = self._run("reader_dataset", {"name": name}).fetchone()
+        if row is None:
+            return None
+        chunk_dir = self._run("chunk_folders", {"datasets": [name]}).fetchone()[0]
+        files = [(url_from_bytes(raw), int(size), str(version))
+                 for raw, size, version in self._run("built_plan_files", {"name": name}).fetchall()]
+        return BuiltPlan(str(row[0]), str(chunk_dir), row[3] is not None, files,
+                         self._run("built_plan_chunks", {"name": name}).df())
+
     def register_plan(self, plan: DatasetPlan, *, tokenizer_path: str, token_type: str,
                       vocab_size: int, split_size: int, on_error: str, definition: str | None = None,
                       config_file: str | None = None) -> bool:
@@ -658,6 +671,9 @@ class CatalogWriter:
                 self._run("drop_adopted_chunks")
             if definition is not None:
                 self._run("record_definition", recorded)
+            if plan.extends is not None:
+                self._run("insert_plan_growth", {"name": plan.name, "fingerprint": plan.fingerprint,
+                                                 "extends": plan.extends[0], "chunks_before": plan.extends[1]})
             for missing in plan.missing:
                 self._run("insert_reject", {
                     "dataset": plan.name, "source": missing.source, "location": "whole file",

@@ -32,11 +32,12 @@ from lakeloader.feed.explain import explain
 from lakeloader.feed.prompts import prompt_batch
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
-from lakeloader.feed.run_state import LoaderState, definition_changes
+from lakeloader.feed.run_state import LoaderState, definition_changes, grown_plans
 from lakeloader.feed.settings import loader_settings
 from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
-from lakeloader.index.mixture import Mixer
+from lakeloader.index.growth import EpochSizes
+from lakeloader.index.mixture import Mixer, stage_totals
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
 from lakeloader.read.chunks import ChunkFiles
@@ -140,6 +141,8 @@ class Loader:
         have.update((stream.name, stream) for stream in added)
         self.datasets = [have[name] for name in run.spec.names]
         self.dataset_names = run.spec.names
+        for stream in self.datasets:
+            stream.follow_sizes(run.sizes(stream.name))
         self.run = run
         self.mixer = Mixer.of(run.spec)
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
@@ -331,7 +334,9 @@ class Loader:
         continues at ``step``, as ``JaxFeed.state``: the step, the fingerprint and definition of
         this config's batches, and the mixture the run has followed (its revisions included); a
         few KB, whatever the step."""
-        return LoaderState(step, self.fingerprint, self.definition, self.run).to_dict()
+        # (the plans of the datasets the run reads beyond this config's: the definition has the others)
+        plans = {d.name: d.fingerprint for d in self.datasets if d.name not in self.definition["datasets"]}
+        return LoaderState(step, self.fingerprint, self.definition, self.run, plans or None).to_dict()
 
     def restore(self, state: dict[str, Any] | LoaderState, *, continue_changes: bool = False) -> Iterator[Batch]:
         """Batches from a saved state on (see :meth:`iter_from`), as ``JaxFeed.restore``."""
@@ -342,11 +347,13 @@ class Loader:
         batches at every step, before and after it, are the run's. A state of this config's
         definition is taken as it is. A state of another definition is refused, saying what
         changed, unless ``continue_changes`` and every change can be continued exactly (the
-        mixture, datasets added or left out): the run then goes on under this config from the
-        state's step (a new revision), each dataset continuing its own order where it stopped."""
+        mixture, datasets added or left out, files added to a dataset): the run then goes on under
+        this config from the state's step (a new revision), each dataset continuing its own order
+        where it stopped (a grown one: :meth:`_with_growth`)."""
         if isinstance(state, dict):
             state = LoaderState.from_dict(state)
-        if state.fingerprint == self.fingerprint:
+        grown = grown_plans(state, self.definition, self.view)
+        if state.fingerprint == self.fingerprint and not grown:
             if state.run is not None:
                 self._follow(state.run)
             return state.step
@@ -356,7 +363,8 @@ class Loader:
                 f"loader state has fingerprint {state.fingerprint} but {where} and its lake give {self.fingerprint}: "
                 "the data, mixture or loader settings changed since the state was saved (a state saved before runs "
                 "could be continued does not say what); restore with the same config and lake, or start a new run")
-        continuable, fixed = definition_changes(state.definition, self.definition)
+        continuable, fixed = definition_changes(state.definition, self.definition,
+                                                {name: words for name, (_, words) in grown.items()})
         if fixed:
             raise LakeloaderError(
                 f"the run saved at step {state.step} cannot be continued under {where}: " + "; ".join(fixed)
@@ -372,13 +380,48 @@ class Loader:
                 "under it from that step (earlier steps keep their batches; each dataset continues where it stopped), "
                 "pass continue_changes=True (lakeloader batches --continue-changes); or restore with the config the "
                 "state was saved with")
+        growing = ", ".join(sorted({*grown, *(name for name, _ in state.run.growth)}))
+        if growing and self.own_mixture.stop != "restart":
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) {growing} grew, "
+                "and a run over a grown dataset needs mixture.stop: restart (its epochs change size); set it, or put "
+                "the new files in a dataset of their own")
+        if grown and self.settings.ordering == "strided":
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) {growing} grew, "
+                "and under loader.ordering: strided each ideal reader loops over its own chunks, so no epoch can go "
+                "on over the chunks it had planned; put the new files in a dataset of their own")
         try:
             run = continued(state.run, state.step, self.own_mixture)
         except ValueError as error:
             raise LakeloaderError(f"the run saved at step {state.step} cannot be continued under {where}: {error}") from None
+        if grown:
+            self._follow(run)   # (a stream for every dataset of the run first)
+            run = self._with_growth(run, state.step, {name: chunks for name, (chunks, _) in grown.items()})
         log.info("continuing the run at step %d under %s: %s", state.step, where, "; ".join(continuable))
         self._follow(run)
         return state.step
+
+    def _with_growth(self, run: RunMixture, step: int, grown: dict[str, int]) -> RunMixture:
+        """``run`` taking up at ``step`` the grown plan of each dataset in ``grown`` (its older
+        plan's chunks): the epoch the dataset is in goes on over the examples it had planned, then
+        serves the new ones; later epochs are over all (:mod:`lakeloader.index.growth`). A
+        dataset the run has not drawn from yet simply starts on its grown plan."""
+        totals = stage_totals(list(run.spec.stages), run.spec.batch_size, np.array([step], np.int64))[0]
+        growth = dict(run.growth)
+        for name, chunks in grown.items():
+            if name not in run.spec.names:
+                continue
+            stream = self.datasets[run.spec.names.index(name)]
+            position = int(totals[run.spec.names.index(name)])
+            sizes = growth.get(name)
+            if sizes is None:
+                if position == 0:
+                    continue
+                sizes = EpochSizes(((0, chunks, stream.available_within(chunks)),))
+            examples = stream.train_count()
+            growth[name] = sizes.grown(position, stream.chunks.planned, examples)
+        return dataclasses.replace(run, growth=tuple(sorted(growth.items())))
 
     def _start(self, start: int | LoaderState | dict[str, Any], continue_changes: bool = False) -> int:
         if isinstance(start, (dict, LoaderState)):

@@ -45,6 +45,7 @@ class DatasetPlan:
     encoder: str = ""   # what encodes the documents, with its version (tokenizer.encoder_name)
     source: str | None = None   # a dataset defined by a filter: its source dataset (whose chunks it uses)
     where: str | None = None    # and its predicate
+    extends: tuple[str, int] | None = None   # a grown plan (plan/growth.py): the plan it extends, its chunks
 
     @property
     def chunk_dir(self) -> str:
@@ -257,8 +258,10 @@ def filtered_plan(name: str, config: Config, source: DatasetPlan) -> DatasetPlan
     if problem is not None:
         raise ConfigError(f"{config.source_file or 'config'}: datasets.{name}.where: {problem} (the metadata "
                           f"types of dataset {source.name!r} as planned: {dict(source.metadata)})")
+    # A filter of a grown source grows with it: its chunks are its source's, in the same order.
+    extends = None if source.extends is None else (filter_fingerprint(source.extends[0], where), source.extends[1])
     return dataclasses.replace(source, name=name, fingerprint=filter_fingerprint(source.fingerprint, where),
-                               missing=[], source=source.name, where=where)
+                               missing=[], source=source.name, where=where, extends=extends)
 
 
 def filter_fingerprint(source_fingerprint: str, where: str) -> str:
