@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 import PIL
-from PIL import Image, ImageOps, features
+from PIL import ExifTags, Image, ImageOps, features
 
 from lakeloader.contracts.media import DEFAULT_MAX_PIXELS
 
@@ -67,8 +67,23 @@ def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInf
     """The size (after EXIF orientation), format and mode of the image in ``data``, decoding all of
     its first frame once; :class:`BadImage` if it is truncated, undecodable or too large."""
     image = _open(data, max_pixels)
-    oriented = _oriented(image)
-    return ImageInfo(oriented.size[0], oriented.size[1], str(image.format), image.mode, len(data))
+    width, height = image.size
+    if _orientation(image) in _TRANSPOSING:
+        width, height = height, width
+    return ImageInfo(width, height, str(image.format), image.mode, len(data))
+
+
+# EXIF orientations that swap width and height (transpose, rotate 90 or 270, transverse).
+_TRANSPOSING = frozenset({5, 6, 7, 8})
+
+
+def _orientation(image: Image.Image) -> int:
+    """The image's EXIF orientation tag (1 when absent), read as ``ImageOps.exif_transpose`` reads
+    it, so an image whose size is recorded at build time decodes at that size in the loader."""
+    try:
+        return int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except (OSError, ValueError, SyntaxError, KeyError, TypeError) as exc:
+        raise BadImage(f"has unreadable EXIF data ({type(exc).__name__}: {exc})") from None
 
 
 def _oriented(image: Image.Image) -> Image.Image:
