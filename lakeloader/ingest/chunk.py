@@ -32,6 +32,7 @@ from lakeloader.contracts.chunk_file import (
     unreadable_chunk,
 )
 from lakeloader.contracts.formats import Document
+from lakeloader.contracts.media import PART_HEIGHTS_COLUMN, PART_WIDTHS_COLUMN
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.index.chunk_packing import plan_stats
 from lakeloader.ingest.documents import SplitSource, read_split
@@ -141,12 +142,15 @@ def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
 
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,
                          specs: tuple[PackingSpec, ...]) -> tuple[int, tuple[PlanStats, ...]]:
-    """Packing counts of an already built chunk (reads only its small part-layout columns)."""
+    """Packing counts of an already built chunk (reads only its small part-layout columns, and its
+    images' sizes where it stores images: a new resolution policy re-plans from these)."""
     fs, path = url_to_fs(chunk_url, **storage_options)
     where = f"chunk {global_index} ({chunk_url})"
     with fs.open(path, "rb") as handle:
         try:
-            table = open_chunk(handle).read(columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
+            parquet = open_chunk(handle)
+            table = parquet.read(columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_WIDTHS_COLUMN,
+                                                      PART_HEIGHTS_COLUMN) if c in parquet.schema_arrow.names])
         except (OSError, pa.ArrowException) as exc:
             raise unreadable_chunk(where, exc) from exc
     parts = table_parts(table)

@@ -1,0 +1,74 @@
+"""Stored images read from a chunk's media file (:mod:`lakeloader.contracts.media`): one image is
+one ranged read of its row group (the file's footer parsed once and kept), its pages' CRC-32
+checked, and the sha256 of its bytes checked against its image id, so a damaged or altered media
+file is a :class:`ChunkIntegrityError` naming it and the image, never other pixels."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lakeloader.catalog.lake import Lake
+from lakeloader.contracts.chunk_file import open_chunk
+from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.contracts.media import MEDIA_BYTES_COLUMN, MEDIA_ID_COLUMN, image_id, media_path
+from lakeloader.read.lru import LRU
+from lakeloader.storage import with_retries
+
+FOOTERS_KEPT = 256   # media files whose footer and id -> row group map are kept
+
+
+class MediaFiles:
+    """Reads images by id from the media files of a lake's chunks."""
+
+    def __init__(self, lake: Lake, io_retry_deadline: float = 0.0) -> None:
+        self.lake = lake
+        self.io_retry_deadline = io_retry_deadline
+        self._footers: LRU[str, tuple[pq.FileMetaData, dict[str, int]]] = LRU(FOOTERS_KEPT)
+
+    def image_bytes(self, chunk_path: str, image: str) -> bytes:
+        """The original bytes of image ``image`` (its id) of the chunk at lake path ``chunk_path``,
+        checked: its row group's page checksums, and the sha256 of the bytes against the id."""
+        path = media_path(chunk_path)
+        where = f"image {image[:16]}… of media file {self.lake.url_of(path)}"
+        try:
+            return with_retries(lambda: self._read(path, image, where), what=f"reading {where}",
+                                deadline=self.io_retry_deadline)
+        except FileNotFoundError:
+            raise ChunkIntegrityError(f"{where}: the media file is missing. The lake is damaged: run "
+                                      "`lakeloader verify CONFIG --repair`") from None
+        except (OSError, pa.ArrowException) as exc:
+            raise ChunkIntegrityError(f"{where} cannot be read ({type(exc).__name__}: {exc}); the damaged data was "
+                                      "not used. Run `lakeloader verify CONFIG --repair`") from exc
+
+    def _read(self, path: str, image: str, where: str) -> bytes:
+        with self.lake.fs.open(self.lake.path_of(path), "rb") as handle:
+            metadata, rows = self._footers.get(path, lambda: _footer(handle))
+            row = rows.get(image)
+            if row is None:
+                raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
+                                          "`lakeloader verify CONFIG --repair`")
+            table = open_chunk(handle, metadata).read_row_group(row, columns=[MEDIA_BYTES_COLUMN], use_threads=False)
+        column = table.column(MEDIA_BYTES_COLUMN)
+        data = column[0].as_py() if len(column) == 1 else None
+        if not isinstance(data, bytes) or image_id(data) != image:
+            raise ChunkIntegrityError(f"{where}: its stored bytes do not hash to its id (the file was altered or "
+                                      "damaged); never decoded. Run `lakeloader verify CONFIG --repair`")
+        return data
+
+
+def _footer(handle: object) -> tuple[pq.FileMetaData, dict[str, int]]:
+    """A media file's footer and where each image id lies (its row group), from the id column's
+    statistics (one value per row group) or, where the writer kept none, the column itself."""
+    parquet = open_chunk(handle)  # type: ignore[arg-type]
+    metadata = parquet.metadata
+    index = parquet.schema_arrow.get_field_index(MEDIA_ID_COLUMN)
+    ids: list[str | None] = []
+    for group in range(metadata.num_row_groups):
+        stats = metadata.row_group(group).column(index).statistics
+        ids.append(stats.min if stats is not None and stats.has_min_max and stats.min == stats.max else None)
+    if None in ids:
+        ids = parquet.read(columns=[MEDIA_ID_COLUMN], use_threads=False).column(MEDIA_ID_COLUMN).to_pylist()
+        if len(ids) != metadata.num_row_groups:
+            raise pa.ArrowInvalid(f"{len(ids)} image ids in {metadata.num_row_groups} row groups, expected one each")
+    return metadata, {image: row for row, image in enumerate(ids) if image is not None}
