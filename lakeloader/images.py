@@ -18,9 +18,10 @@ import numpy as np
 import PIL
 from PIL import Image, ImageOps, features
 
-# Pillow's own check of a decompression bomb, made exact: an image of more pixels than a dataset's
-# ``interleaved.max_pixels`` is refused before its pixels are decoded.
-DEFAULT_MAX_PIXELS = 64 * 1024 * 1024
+from lakeloader.contracts.media import DEFAULT_MAX_PIXELS
+
+__all__ = ["DECODER", "DEFAULT_MAX_PIXELS", "BadImage", "ImageInfo", "decode_rgb", "inspect_image"]
+
 DECODER = f"Pillow {PIL.__version__}; libjpeg {features.version('jpg')}; zlib {features.version('zlib')}; " \
           f"libwebp {features.version('webp')}"
 

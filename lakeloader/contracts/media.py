@@ -33,6 +33,10 @@ MEDIA_SCHEMA = pa.schema([
 PART_WIDTHS_COLUMN = "part_widths"
 PART_HEIGHTS_COLUMN = "part_heights"
 MEDIA_SUFFIX = ".media.parquet"
+# The default of ``interleaved.max_pixels``: an image of more pixels is refused before its pixels are
+# decoded (Pillow's check of a decompression bomb, made exact). Here, not in images.py, so the
+# config (beside images.py in the foundation) can name it.
+DEFAULT_MAX_PIXELS = 64 * 1024 * 1024
 
 
 def image_id(data: bytes) -> str:
