@@ -14,6 +14,7 @@ from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
 from lakeloader.contracts.doc_keys import split_predicates
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.media import DEFAULT_MAX_PIXELS
 from lakeloader.contracts.selection import PredicateError, check_predicate, metadata_columns, where_problem
 from lakeloader.contracts.specs import REQUIRED_ROW_FIELDS, ROW_FIELDS, WeightError, check_weights
 from lakeloader.storage import S3_PROTOCOLS, s3_options_problem
@@ -226,9 +227,25 @@ class InterleavedFormat(_Strict):
     image_start: str = Field(default="<|image_start|>", description="Token put before an image's placeholders.")
     image_end: str = Field(default="<|image_end|>", description="Token put after an image's placeholders.")
     max_images: int = Field(default=8, ge=1, description="Images per example.")
+    images: Literal["references", "stored"] = Field(default="references", description=(
+        "references: an image item's value is a reference string kept as it is (no image is read). stored: "
+        "the build reads each image (bytes in the record, a {bytes, path} struct as Hugging Face datasets "
+        "write them, {\"bytes\": base64} in JSON Lines, a path or URL resolved through fsspec relative to "
+        "the source file's folder, or a member of a WebDataset tar sample), checks it with Pillow and stores "
+        "its original bytes in the chunk's media file."))
+    max_pixels: int = Field(default=DEFAULT_MAX_PIXELS, ge=1, description=(
+        "images: stored: an image of more pixels (width x height) is bad input (a decompression bomb), "
+        "refused before its pixels are decoded."))
     resolution: ImageResolutionConfig = Field(
         default=ImageResolutionConfig(),
         description="Stored images: pixels in the batch and placeholders per image (fixed | patches).")
+
+    @model_validator(mode="after")
+    def _patches_need_stored_images(self) -> InterleavedFormat:
+        if self.resolution.kind == "patches" and self.images != "stored":
+            raise KeyValueError(("resolution", "kind"), "resolution kind 'patches' sizes each image from its stored "
+                                                        "width and height: it needs images: stored")
+        return self
 
 
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "infill", "interleaved")
@@ -464,8 +481,10 @@ class LoaderConfig(_Strict):
         "vocabulary fits 16 bits, least recently used first out."))
     disk_cache_bytes: int = Field(default=10 * 2**30, description=(
         "Bytes of local copies of a remote lake's chunk files (a size)."))
+    image_cache_bytes: int = Field(default=128 * 2**20, description=(
+        "Bytes of decoded and resized stored images kept in memory (a size), least recently used first out."))
 
-    @field_validator("cache_bytes", "disk_cache_bytes", mode="before")
+    @field_validator("cache_bytes", "disk_cache_bytes", "image_cache_bytes", mode="before")
     @classmethod
     def _cache_size(cls, value: Any) -> int:
         return parse_size(value)

@@ -108,6 +108,11 @@ def image_resolution(dataset: DatasetConfig) -> ImageResolution:
     return ImageResolution(r.kind, (r.size[0], r.size[1]), r.patch_size, r.min_pixels, r.max_pixels, r.max_patches)
 
 
+def stores_images(dataset: DatasetConfig) -> bool:
+    """Whether a dataset's images are stored in the lake (their pixels then go in the batch)."""
+    return dataset.format == "interleaved" and dataset.interleaved.images == "stored"
+
+
 def image_run_tokens(dataset: DatasetConfig) -> int:
     """The most placeholder tokens an image of an interleaved dataset takes."""
     resolution = image_resolution(dataset)
