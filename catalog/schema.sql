@@ -91,6 +91,27 @@ CREATE TABLE IF NOT EXISTS chunks (
     PRIMARY KEY (dataset, global_index)
 );
 
+-- A chunk's media file (<chunk>.media.parquet, interleaved.images: stored; NULL: none): its size
+-- and sha256, checked and repaired like the chunk file's.
+ALTER TABLE chunks ADD COLUMN IF NOT EXISTS media_bytes BIGINT;
+ALTER TABLE chunks ADD COLUMN IF NOT EXISTS media_checksum VARCHAR;
+
+-- The images of committed chunks of datasets storing them: one row per image occurrence in a
+-- document (the same image twice is two rows, stored once in the chunk's media file).
+CREATE TABLE IF NOT EXISTS chunk_images (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,
+    doc          BIGINT NOT NULL,          -- the document, within the chunk
+    image        INTEGER NOT NULL,         -- the image, within the document (0, 1, ...)
+    image_id     VARCHAR NOT NULL,         -- sha256 (hex) of the image's original bytes
+    width        INTEGER NOT NULL,         -- after EXIF orientation
+    height       INTEGER NOT NULL,
+    format       VARCHAR NOT NULL,         -- JPEG | PNG | WEBP | GIF | ...
+    mode         VARCHAR NOT NULL,         -- the stored image's mode: RGB, L, P, RGBA, CMYK, I;16, ...
+    num_bytes    BIGINT NOT NULL,          -- of the original (compressed) file
+    PRIMARY KEY (dataset, global_index, doc, image)
+);
+
 -- Row groups of committed chunks: readers seek to a token without opening other row groups.
 CREATE TABLE IF NOT EXISTS row_groups (
     dataset      VARCHAR NOT NULL,

@@ -391,7 +391,9 @@ class DatasetConfig(_Strict):
         if self.format == "supervised":
             return self.supervised.model_dump(include={"prompt_field", "response_field"})
         if self.format == "interleaved":
-            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key"})
+            # images and max_pixels only when stored: the fingerprints of reference datasets stay as they were.
+            stored = {"images", "max_pixels"} if self.interleaved.images == "stored" else set()
+            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key", *stored})
         if self.format in ("fim", "infill"):
             section = self.fim if self.format == "fim" else self.infill
             return {"text_field": section.text_field or self.text_field}

@@ -23,7 +23,7 @@ import pandas as pd
 from lakeloader.catalog.identity import replaced_definitions
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.config import SqlConfig
-from lakeloader.contracts.chunk_file import ChunkResult, PlanStats
+from lakeloader.contracts.chunk_file import IMAGE_ROW_FIELDS, ChunkResult, PlanStats
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeloaderError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.index.mixture import mixture_rows
@@ -387,7 +387,14 @@ def _chunk_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
         "seconds": [float(r.seconds) for r in results],
         "num_parts": [_column_sums(r.row_group_parts) for r in results],
         "part_tokens": [_column_sums(r.row_group_part_tokens) for r in results],
+        "media_bytes": [r.media_bytes for r in results], "media_checksum": [r.media_checksum for r in results],
     }
+
+
+def _image_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
+    """The image occurrences of commit_batch_images: one per image of each chunk's documents."""
+    return _columns(({"dataset": r.dataset, "global_index": r.global_index, **dict(zip(IMAGE_ROW_FIELDS, row))}
+                     for r in results for row in r.images), ("dataset", "global_index", *IMAGE_ROW_FIELDS))
 
 
 def _row_group_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
@@ -726,7 +733,7 @@ class CatalogWriter:
         return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True}).df()
 
     def commit(self, results: Sequence[ChunkResult], build_id: int) -> int:
-        """Commit finished chunks with their row groups, packing counts, selections and rejects
+        """Commit finished chunks with their row groups, images, packing counts, selections and rejects
         in one transaction, by a few statements for the whole batch whatever its size. A chunk
         committed already (a retried task finishing twice, a repaired chunk: same bytes), or
         again later in the batch, only gets the packing counts it lacks. Returns the number of
@@ -752,6 +759,8 @@ class CatalogWriter:
             others = [r for r in results if id(r) not in committed]
             if any(r.row_group_docs for r in fresh):
                 self._run("commit_batch_row_groups", _row_group_columns(fresh))
+            if any(r.images for r in fresh):
+                self._run("commit_batch_images", _image_columns(fresh))
             if any(r.plans for r in fresh):
                 self._run("commit_batch_examples", _example_columns(fresh))
             if any(r.plans for r in others):

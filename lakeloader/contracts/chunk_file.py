@@ -99,6 +99,10 @@ class ChunkParts:
         return np.bincount(self.part_doc, minlength=self.num_docs).astype(np.int64)
 
 
+# The fields of a ChunkResult's image rows (the catalog's chunk_images columns after dataset, global_index).
+IMAGE_ROW_FIELDS = ("doc", "image", "image_id", "width", "height", "format", "mode", "num_bytes")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkResult:
     """What the driver commits to the catalog for one chunk."""
@@ -123,6 +127,11 @@ class ChunkResult:
     # A chunk of a dataset defined by a filter: per row group of the file, (its first document in
     # the file, the selected documents' indices within it, int32 sorted); None for a built chunk.
     selection: tuple[tuple[int, np.ndarray], ...] | None = None
+    # A chunk of a dataset storing its images: its media file's size and sha256, and one row per
+    # image occurrence (IMAGE_ROW_FIELDS: doc, image within the doc, image_id, width, ...).
+    media_bytes: int | None = None
+    media_checksum: str | None = None
+    images: tuple[tuple[object, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

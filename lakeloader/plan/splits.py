@@ -62,7 +62,7 @@ def plan_splits(shard: Shard, split_size: int, storage_options: dict[str, Any],
             splits.append(Split("row_group", group, group + 1, first_row))
             first_row += rows
         return splits
-    if shard.compression is not None:
+    if shard.compression is not None or shard.layout == "tar":   # a tar is read whole: one split
         return [Split("file", 0, shard.size)]
     return [
         Split("bytes", start, min(start + split_size, shard.size))
