@@ -38,16 +38,14 @@ def patch_grids(widths: np.ndarray, heights: np.ndarray, resolution: ImageResolu
     shrink = np.sqrt(h * w / (cap * p * p))
     rows = np.where(big, np.maximum(1, np.floor(h / shrink / p)), rows).astype(np.int64)
     cols = np.where(big, np.maximum(1, np.floor(w / shrink / p)), cols).astype(np.int64)
-    # Too few: scaled up by one factor, rounded up; then a grid over the cap (an extreme aspect)
-    # cut along its long side.
-    small = rows * cols < floor
+    # Too few: scaled up by one factor, rounded up, where that stays within the cap; then a grid
+    # still over it (an extreme aspect, pinned at one patch a side) cut along its long side.
     grow = np.sqrt(floor * p * p / (h * w))
-    rows = np.where(small, np.ceil(h * grow / p), rows).astype(np.int64)
-    cols = np.where(small, np.ceil(w * grow / p), cols).astype(np.int64)
-    over = rows * cols > cap
+    grown_rows, grown_cols = np.ceil(h * grow / p).astype(np.int64), np.ceil(w * grow / p).astype(np.int64)
+    small = (rows * cols < floor) & (grown_rows * grown_cols <= cap)
+    rows, cols = np.where(small, grown_rows, rows), np.where(small, grown_cols, cols)
     wide = cols >= rows
-    cols = np.where(over & wide, np.maximum(1, cap // rows), cols)
-    rows = np.where(over & ~wide, np.maximum(1, cap // cols), rows)
+    cols = np.where((rows * cols > cap) & wide, np.maximum(1, cap // rows), cols)
     rows = np.where(rows * cols > cap, np.maximum(1, cap // cols), rows)
     return rows, cols
 
