@@ -63,27 +63,32 @@ class PixelFill:
         self._images: LRU[str, np.ndarray] = LRU(cache_bytes, lambda pixels: pixels.nbytes)
 
     def empty(self, pool: ArraySource, rows: int) -> Batch:
-        """The pixel fields of a batch of ``rows`` rows from ``pool``, holding no image."""
+        """The pixel fields of a batch of ``rows`` rows from ``pool`` (the pixels' memory left as
+        it is: :meth:`fill` writes every byte of it)."""
         fields: Batch = {}
         if self.resolution.kind == "fixed":
             height, width = self.resolution.size
-            fields["pixel_values"] = pool.full((rows, self.max_images, height, width, 3), 0, np.uint8)
+            fields["pixel_values"] = pool.empty((rows, self.max_images, height, width, 3), np.uint8)
         else:
             p = self.resolution.patch_size
-            fields["pixel_patches"] = pool.full((rows, self.row_patches, p * p * 3), 0, np.uint8)
+            fields["pixel_patches"] = pool.empty((rows, self.row_patches, p * p * 3), np.uint8)
             fields["patch_image"] = pool.full((rows, self.row_patches), -1, np.int32)
             fields["patch_grid"] = pool.full((rows, self.row_patches, 2), -1, np.int32)
         fields["image_mask"] = pool.full((rows, self.max_images), False, np.bool_)
         return fields
 
     def fill(self, batch: Batch, placed: Sequence[PlacedImage]) -> None:
-        """Write the pixels of ``placed`` (in each row, in the order of its ``image_positions``)."""
+        """Write the pixels of ``placed`` (in each row, in the order of its ``image_positions``),
+        and zeros everywhere else (each byte written once: no zeroing pass before)."""
         patches_at = np.zeros(len(batch["image_mask"]), np.int64)
         for image in placed:
             pixels = self.pixels(image)
             if self.resolution.kind == "fixed":
                 height, width = pixels.shape[:2]
-                batch["pixel_values"][image.row, image.number, :height, :width] = pixels
+                slot = batch["pixel_values"][image.row, image.number]
+                slot[:height, :width] = pixels
+                slot[:height, width:] = 0
+                slot[height:] = 0
             else:
                 rows, cols = pixels.shape[0], pixels.shape[1]
                 at = int(patches_at[image.row])
@@ -97,6 +102,11 @@ class PixelFill:
                 grid[:, 1] = np.tile(np.arange(cols, dtype=np.int32), rows)
                 patches_at[image.row] += n
             batch["image_mask"][image.row, image.number] = True
+        if self.resolution.kind == "fixed":
+            batch["pixel_values"][~batch["image_mask"]] = 0
+        else:
+            for row, at in enumerate(patches_at.tolist()):
+                batch["pixel_patches"][row, at:] = 0
 
     def pixels(self, image: PlacedImage) -> np.ndarray:
         """The image resized by the resolution (uint8, read-only, cached): ``[h, w, 3]`` fitted

@@ -5,6 +5,9 @@ file is a :class:`ChunkIntegrityError` naming it and the image, never other pixe
 
 from __future__ import annotations
 
+import zlib
+from typing import Any
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -13,6 +16,7 @@ from lakeloader.contracts.chunk_file import open_chunk
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.contracts.media import MEDIA_BYTES_COLUMN, MEDIA_ID_COLUMN, image_id, media_path
 from lakeloader.read.lru import LRU
+from lakeloader.read.pages import PAGE_DATA, DamagedBytes, PageChecksumError, column_chunk, read_page_header
 from lakeloader.storage import with_retries
 
 FOOTERS_KEPT = 256   # media files whose footer and id -> row group map are kept
@@ -42,19 +46,53 @@ class MediaFiles:
                                       "not used. Run `lakeloader verify CONFIG --repair`") from exc
 
     def _read(self, path: str, image: str, where: str) -> bytes:
-        with self.lake.fs.open(self.lake.path_of(path), "rb") as handle:
+        where_on_disk = self.lake.path_of(path)
+        # (a local lake's file opened directly: fsspec's open costs about as much as the read)
+        with (open(where_on_disk, "rb") if self.lake.is_local else self.lake.fs.open(where_on_disk, "rb")) as handle:
             metadata, rows = self._footers.get(path, lambda: _footer(handle))
             row = rows.get(image)
             if row is None:
                 raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
                                           "`lakeloader verify CONFIG --repair`")
-            table = open_chunk(handle, metadata).read_row_group(row, columns=[MEDIA_BYTES_COLUMN], use_threads=False)
-        column = table.column(MEDIA_BYTES_COLUMN)
-        data = column[0].as_py() if len(column) == 1 else None
+            data = _page_value(handle, metadata, row)
+            if data is None:   # stored otherwise than this contract's writer stores it: pyarrow reads it
+                table = open_chunk(handle, metadata).read_row_group(row, columns=[MEDIA_BYTES_COLUMN],
+                                                                    use_threads=False)
+                column = table.column(MEDIA_BYTES_COLUMN)
+                data = column[0].as_py() if len(column) == 1 else None
         if not isinstance(data, bytes) or image_id(data) != image:
             raise ChunkIntegrityError(f"{where}: its stored bytes do not hash to its id (the file was altered or "
                                       "damaged); never decoded. Run `lakeloader verify CONFIG --repair`")
         return data
+
+
+def _page_value(handle: Any, metadata: pq.FileMetaData, row: int) -> bytes | None:
+    """The one value of the ``bytes`` column in row group ``row``, read as this contract's writer
+    stores it (one uncompressed PLAIN data page, no dictionary) in one read of its column chunk,
+    the page's CRC-32 checked; None for a column stored any other way."""
+    column = metadata.schema.names.index(MEDIA_BYTES_COLUMN)
+    chunk = column_chunk(metadata, row, column)
+    if (chunk.compression != "UNCOMPRESSED" or chunk.has_dictionary_page or chunk.physical_type != "BYTE_ARRAY"
+            or chunk.max_repetition_level or chunk.num_values != 1):
+        return None
+    handle.seek(chunk.data_page_offset)
+    raw = memoryview(handle.read(chunk.total_compressed_size))
+    try:
+        header, start = read_page_header(raw, 0)
+    except Exception:   # a header this parser does not take: pyarrow reads it (and names any damage)
+        return None
+    if header.type != PAGE_DATA or header.data_page_header is None or header.data_page_header.encoding != 0:
+        return None
+    page = raw[start : start + header.compressed_page_size]
+    if len(page) != header.compressed_page_size or start + len(page) != len(raw):
+        raise DamagedBytes(f"row group {row}: its page does not fill its column chunk")
+    if header.crc is not None and zlib.crc32(page) != header.crc & 0xFFFFFFFF:
+        raise PageChecksumError(f"row group {row}: CRC checksum verification failed")
+    at = 4 + int.from_bytes(page[:4], "little") if chunk.max_definition_level else 0   # (the levels: one value)
+    length = int.from_bytes(page[at : at + 4], "little")
+    if at + 4 + length != len(page):
+        raise DamagedBytes(f"row group {row}: a value of {length} bytes does not fill its page")
+    return bytes(page[at + 4 :])
 
 
 def _footer(handle: object) -> tuple[pq.FileMetaData, dict[str, int]]:
