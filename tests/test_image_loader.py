@@ -253,3 +253,13 @@ def test_a_damaged_media_file_is_an_error_naming_it(tmp_path: Path, patches_lake
     with Loader(copy) as loader, pytest.raises(ChunkIntegrityError, match="media file"):
         for step in range(STEPS):
             loader.batch(step)
+
+
+def test_audit_and_explain_count_the_images(patches_lake: Path, reference: list[dict[str, Any]]) -> None:
+    from lakeloader.catalog.audit import audit
+
+    frame = audit(patches_lake, 0, STEPS)
+    assert int(frame["images"].iloc[0]) > 0 and 0 < float(frame["image_token_share"].iloc[0]) < 1
+    with Loader(patches_lake) as loader:
+        for step in (0, STEPS - 1):
+            assert int(loader.explain(step)["images"].sum()) == int(reference[step]["image_mask"].sum())
