@@ -610,6 +610,18 @@ SELECT {by}, count(*)::BIGINT AS documents, coalesce(sum(num_tokens), 0)::BIGINT
        quantile_disc(num_tokens, 0.99)::BIGINT AS p99, max(num_tokens)::BIGINT AS max
 FROM documents GROUP BY {by} ORDER BY {by};
 
+-- name: image_stats
+-- Image occurrences, distinct images, their stored bytes and size percentiles per dataset of the
+-- images view (datasets storing their images).
+SELECT dataset, count(*)::BIGINT AS images, count(DISTINCT image_id)::BIGINT AS distinct_images,
+       sum(num_bytes)::BIGINT AS image_bytes,
+       quantile_disc(width, 0.5)::INTEGER AS width_p50, max(width)::INTEGER AS width_max,
+       quantile_disc(height, 0.5)::INTEGER AS height_p50, max(height)::INTEGER AS height_max,
+       quantile_disc(width::BIGINT * height, 0.5)::BIGINT AS pixels_p50,
+       quantile_disc(width::BIGINT * height, 0.99)::BIGINT AS pixels_p99,
+       quantile_disc(num_bytes, 0.5)::BIGINT AS bytes_p50, max(num_bytes)::BIGINT AS bytes_max
+FROM images GROUP BY dataset ORDER BY dataset;
+
 -- name: document_length_histogram
 -- Documents per length bin of each dataset (and placeholder value: a column of the view, or
 -- NULL): bin b holds lengths in [2^(b/k), 2^((b+1)/k)) tokens, k = per_octave (0 joins bin 0).

@@ -41,6 +41,9 @@ _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
 _TABLE_BODY = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+) \((.*?)^\);", re.MULTILINE | re.DOTALL)
 _COLUMN = re.compile(r"^\s*(\w+)\s+[A-Z]")
 _CONSTRAINTS = {"PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT"}
+# Tables a catalog written before them lacks, read as empty (their CREATE TABLE of schema.sql run
+# in the reader's own in-memory database): views of views.sql read them.
+_LATER_TABLES = ("chunk_images",)
 _ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
@@ -238,8 +241,9 @@ def _generated(path: str, columns: Iterable[tuple[str, str]]) -> CatalogError:
 def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, set[str]]) -> str:
     """The reader's view of each table of ``stored`` (its stored columns): schema.sql's columns by
     name, so no other column of the file is read; a column schema.sql added after the catalog was
-    written reads NULL (so lakes built before it still read). A column of schema.sql that the file
-    lacks, or has as a generated column, is a CatalogError naming it."""
+    written reads NULL (so lakes built before it still read), and a table of ``_LATER_TABLES`` it
+    lacks is empty. A column of schema.sql that the file lacks, or has as a generated column, is a
+    CatalogError naming it."""
     statements = []
     for name, columns in stored.items():
         missing = [column for column in schema_columns()[name] if column.lower() not in columns]
@@ -255,6 +259,8 @@ def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, 
         selected = [column if column not in missing else f"NULL::{kinds[column]} AS {column}"
                     for column in schema_columns()[name]]
         statements.append(query("reader_table").format(table=name, columns=", ".join(selected)))
+    statements += [f"CREATE TABLE {name} ({body});" for name, body in _TABLE_BODY.findall(sql_file("schema"))
+                   if name in _LATER_TABLES and name not in stored]
     return "".join(statements)
 
 

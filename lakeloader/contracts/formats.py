@@ -259,7 +259,8 @@ def _stored_image(value: Any, where: str) -> str | bytes:
             try:
                 data = base64.b64decode(data, validate=True)
             except (binascii.Error, ValueError):
-                raise RecordError(f"{where}.bytes is not base64 (JSON Lines holds an image's bytes as base64 text)") from None
+                raise RecordError(f"{where}.bytes is not base64 (JSON holds an image's bytes as base64 text)"
+                                  ) from None
         if data:
             return bytes(data)
         if data is not None and not data:

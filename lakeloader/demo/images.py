@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import sys
 import tarfile
 from pathlib import Path
 
@@ -79,6 +80,23 @@ def all_images() -> dict[str, bytes]:
     return {**real_images(), **made_images()}
 
 
+def variant(data: bytes, copy: int) -> bytes:
+    """Copy ``copy`` of an image as other bytes of the same format and mode: copy 0 is the image,
+    copy k > 0 its k-th of Pillow's seven flips and rotations (the first frame, without EXIF),
+    so a corpus of several copies holds as many distinct images of the same kinds."""
+    if copy == 0:
+        return data
+    image = Image.open(io.BytesIO(data))
+    fmt, info = str(image.format), image.info
+    turned = image.transpose(list(Image.Transpose)[(copy - 1) % len(Image.Transpose)])
+    options = {"transparency": info["transparency"]} if "transparency" in info and turned.mode == "P" else {}
+    return _saved(turned, fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}), **options)
+
+
+def _extension(name: str) -> str:
+    return name.rsplit(".", 1)[1].lower()
+
+
 def _caption(name: str) -> str:
     return f"A picture named {name.rsplit('.', 1)[0].replace('_', ' ').replace('-', ' ')}."
 
@@ -96,48 +114,56 @@ def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
     return path
 
 
-def write_image_corpus(root: Path, copies: int = 1) -> dict[str, list[Path]]:
-    """Write the corpus under ``root`` (each image ``copies`` times over, under other keys) and
-    return its source files by form: ``tar`` (a .tar of captioned images, a .tar.gz of JSON
-    interleaved documents of two images each), ``parquet`` (binary column and structs), ``jsonl``
-    (relative paths into ``root/jsonl/img`` and base64 bytes)."""
-    images = sorted(all_images().items())
-    names = [name for name, _ in images]
-    captioned = [(f"{copy:02d}{i:04d}", {name.rsplit(".", 1)[1].lower(): data,
-                                         "txt": _caption(name).encode()})
+def write_image_corpus(root: Path, copies: int = 1, distinct: bool = False, row_group_size: int = 16
+                       ) -> dict[str, list[Path]]:
+    """Write the corpus under ``root`` (each image ``copies`` times over, under other keys; with
+    ``distinct``, each copy as other bytes: :func:`variant`) and return its source files by form:
+    ``tar`` (a .tar of captioned images, a .tar.gz of JSON interleaved documents of two images
+    each), ``parquet`` (binary column and structs), ``jsonl`` (relative paths into
+    ``root/jsonl/img`` and base64 bytes; Parquet row groups, and so chunks, of ``row_group_size``
+    documents)."""
+    if distinct:
+        originals = sorted(all_images().items())
+        images = [(f"{copy}-{name}", variant(data, copy)) for copy in range(copies) for name, data in originals]
+        copies = 1
+    else:
+        images = sorted(all_images().items())
+    captioned = [(f"{copy:02d}{i:04d}", {_extension(name): data, "txt": _caption(name).encode()})
                  for copy in range(copies) for i, (name, data) in enumerate(images)
-                 if name.rsplit(".", 1)[1].lower() in ("jpg", "png", "webp")]
+                 if _extension(name) in ("jpg", "png", "webp")]
     interleaved = []
     for copy in range(copies):
         for i in range(0, len(images) - 1, 2):
             (a, da), (b, db) = images[i], images[i + 1]
-            document = {"items": [{"text": f"First {_caption(a)}"}, {"image": f"first.{a.rsplit('.', 1)[1].lower()}"},
-                                  {"text": f"Then {_caption(b)}"}, {"image": f"second.{b.rsplit('.', 1)[1].lower()}"}]}
-            interleaved.append((f"doc{copy:02d}{i:04d}", {"json": json.dumps(document).encode(),
-                                                           f"first.{a.rsplit('.', 1)[1].lower()}": da,
-                                                           f"second.{b.rsplit('.', 1)[1].lower()}": db}))
+            first, second = f"first.{_extension(a)}", f"second.{_extension(b)}"
+            document = {"items": [{"text": f"First {_caption(a)}"}, {"image": first},
+                                  {"text": f"Then {_caption(b)}"}, {"image": second}]}
+            interleaved.append((f"doc{copy:02d}{i:04d}", {"json": json.dumps(document).encode(), first: da,
+                                                           second: db}))
     tars = [write_tar(root / "tar" / "captioned-000.tar", captioned),
             write_tar(root / "tar" / "interleaved-000.tar.gz", interleaved)]
-    item_type = pa.struct([("text", pa.string()), ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())]))])
+    hf_image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])   # a Hugging Face Image feature
+    item_type = pa.struct([("text", pa.string()), ("image", hf_image)])
     rows = [[{"text": _caption(name), "image": None}, {"text": None, "image": {"bytes": data, "path": name}}]
             for _ in range(copies) for name, data in images]
     (root / "parquet").mkdir(parents=True, exist_ok=True)
     structs = root / "parquet" / "structs.parquet"
-    pq.write_table(pa.table({"items": pa.array(rows, pa.list_(item_type))}), structs, row_group_size=16)
+    pq.write_table(pa.table({"items": pa.array(rows, pa.list_(item_type))}), structs,
+                   row_group_size=row_group_size)
     binary_type = pa.struct([("text", pa.string()), ("image", pa.binary())])
     binary = root / "parquet" / "binary.parquet"
-    pq.write_table(pa.table({"items": pa.array(
-        [[{"text": None, "image": data}, {"text": _caption(name), "image": None}]
-         for _ in range(copies) for name, data in images], pa.list_(binary_type))}), binary, row_group_size=16)
+    binary_rows = [[{"text": None, "image": data}, {"text": _caption(name), "image": None}]
+                   for _ in range(copies) for name, data in images]
+    pq.write_table(pa.table({"items": pa.array(binary_rows, pa.list_(binary_type))}), binary,
+                   row_group_size=row_group_size)
     folder = root / "jsonl" / "img"
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in images:
         (folder / name).write_bytes(data)
     lines = []
     for copy in range(copies):
-        for i, name in enumerate(names):
-            image = ({"image": f"img/{name}"} if i % 2 == 0
-                     else {"image": {"bytes": base64.b64encode(dict(images)[name]).decode()}})
+        for i, (name, data) in enumerate(images):
+            image = ({"image": f"img/{name}"} if i % 2 == 0 else {"image": {"bytes": base64.b64encode(data).decode()}})
             lines.append(json.dumps({"items": [{"text": _caption(name)}, image, {"text": f"(copy {copy})"}]}))
     jsonl = root / "jsonl" / "docs.jsonl"
     jsonl.write_text("\n".join(lines) + "\n")
@@ -146,8 +172,6 @@ def write_image_corpus(root: Path, copies: int = 1) -> dict[str, list[Path]]:
 
 def main() -> None:
     """Write the corpus of configs/images.yaml (``python -m lakeloader.demo.images [FOLDER]``)."""
-    import sys
-
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "data/images")
     written = write_image_corpus(root)
     print(f"wrote {sum(len(v) for v in written.values())} source files under {root}")

@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import gzip
+import io
 import posixpath
 import tarfile
 import zlib
@@ -35,7 +37,8 @@ _OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32B
                (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 # Errors of reading or decoding a whole split (the file vanished, is not gzip, fails its CRC, ...):
 # with on_error: skip the split becomes one reject instead of failing the build.
-_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError, tarfile.TarError)
+_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError, tarfile.TarError,
+               gzip.BadGzipFile)
 # Members of a WebDataset sample that are its image (the first of them in the tar, if several).
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
@@ -360,29 +363,48 @@ def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy
             out.records.append(index)
 
 
-def _samples(source: SplitSource) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """The samples of a WebDataset tar in order: each key (the member's path up to the first dot of
-    its basename) with its consecutive members' (name, bytes)."""
+def _samples(source: SplitSource) -> Iterator[tuple[int, str, list[tuple[str, bytes]]]]:
+    """The samples of a WebDataset tar split in order: each one's number in the file (from 0), key
+    (the member's path up to the first dot of its basename) and consecutive members' (name, bytes).
+    A byte-range split holds the samples whose first member's header starts in its range: the
+    headers before it are read (their data skipped) to count and place them."""
+    split = source.split
     fs, path = url_to_fs(source.url, **source.storage_options)
-    mode = "r|gz" if source.compression == "gzip" else "r|"
-    key, members = None, []
-    with fs.open(path, "rb") as handle, tarfile.open(fileobj=handle, mode=mode) as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            folder, base = posixpath.split(member.name)
-            if base.startswith(".") or "." not in base:
-                continue   # hidden files and names without an extension belong to no sample
-            name_key = posixpath.join(folder, base.split(".", 1)[0])
-            reader = tar.extractfile(member)
-            data = reader.read() if reader is not None else b""
-            if name_key != key and members:
-                yield str(key), members
+    if split.kind == "bytes":
+        with fs.open(path, "rb") as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
+            yield from _tar_samples(tar, split.start, split.stop)
+        return
+    data = fs.cat_file(path)   # one read of a whole tar: tarfile's own reads are of 512 bytes
+    if source.compression == "gzip":
+        data = gzip.decompress(data)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        yield from _tar_samples(tar, 0, len(data) + 1)
+
+
+def _tar_samples(tar: tarfile.TarFile, start: int, stop: int
+                 ) -> Iterator[tuple[int, str, list[tuple[str, bytes]]]]:
+    """The samples of ``tar`` whose first member's header starts in ``[start, stop)``."""
+    number, key, members = -1, None, []
+    for member in tar:
+        if not member.isfile():
+            continue
+        folder, base = posixpath.split(member.name)
+        if base.startswith(".") or "." not in base:
+            continue   # hidden files and names without an extension belong to no sample
+        name_key = posixpath.join(folder, base.split(".", 1)[0])
+        if name_key != key:
+            if members:
+                yield number, str(key), members
                 members = []
-            key = name_key
-            members.append((base, data))
+            number, key = number + 1, name_key
+            if member.offset >= stop:
+                return
+            within = member.offset >= start
+        if within:
+            reader = tar.extractfile(member)
+            members.append((base, reader.read() if reader is not None else b""))
     if members:
-        yield str(key), members
+        yield number, str(key), members
 
 
 def _member(members: list[tuple[str, bytes]], name: str) -> tuple[str, bytes] | None:
@@ -446,10 +468,12 @@ def _tar_documents(source: SplitSource, policy: _Policy, out: _Collected) -> tup
     record_format = source.record_format
     values_of = record_format.metadata_values if record_format.metadata else None
     count = nbytes = 0
-    for index, (key, members) in enumerate(_samples(source)):
+    for index, (number, key, members) in enumerate(_samples(source)):
         count += 1
         nbytes += sum(len(data) for _, data in members)
-        location = out.locations[index] = f"sample {index + 1} ({key})"
+        location = out.locations[index] = f"sample {number + 1} ({key})"
+        if index == 0:   # line numbers of rejects count the samples before the split
+            policy.line_base = lambda before=number: before
         try:
             record, meta, images = _sample_record(record_format, key, members)
             document = record_format.parts(record)

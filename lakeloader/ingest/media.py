@@ -166,8 +166,6 @@ def encode_media_file(images: StoredImages) -> bytes:
     sink = io.BytesIO()
     with pq.ParquetWriter(sink, MEDIA_SCHEMA, compression="none", use_dictionary=False, write_statistics=False,
                           store_schema=True, write_page_checksum=True) as writer:
-        if not len(table):
-            writer.write_table(table)
         for row in range(len(table)):
             writer.write_table(table.slice(row, 1), row_group_size=1)
     return sink.getvalue()
