@@ -10,8 +10,9 @@ into a numpy array. The pixel fill alone (the loader's part that reads, checks, 
 resizes the images into the batch) is timed too. All are timed in CPU seconds of this process (images per second of one
 core: the loader's whole batch, tokens included, against the loop's decoding alone), so other
 load on the machine shifts them less. Rounds alternate; medians are reported with the load average. Then the same
-steps with ``loader.workers`` 1 and 2 (steady state: after each worker's first block), and the
-peak RSS of this process and of its children.
+steps in wall-clock time with ``loader.workers`` 0, 1 and 2 (steady state: after each worker's
+first block; the figures to compare with each other), and the peak RSS of this process and of its
+children.
 
     .venv/bin/python benchmarks/image_loader.py [--copies 8] [--steps 24] [--repeat 3]
 """
@@ -102,12 +103,14 @@ def pillow_round(data: list[bytes]) -> float:
 
 
 def workers_round(config: Path, steps: int) -> float:
-    """Images/s of a loader with workers, after the first ``2 * 4`` steps (each worker's first block)."""
+    """Images/s of a loader with workers over ``steps`` batches, once the workers have started
+    (their spawn and imports take seconds on a loaded machine): after 8 steps and 3 s."""
     warm = 8
     with Loader(config) as loader:
         iterator = loader.iter_from(0)
         for _ in range(warm):
             next(iterator)
+        time.sleep(3)
         started, images = time.perf_counter(), 0
         for _ in range(steps):
             images += int(next(iterator)["image_mask"].sum())
@@ -140,9 +143,9 @@ def main() -> None:
             "ratio pixel fill / Pillow": statistics.median(a / b for a, b in zip(fill_rates, pillow_rates)),
             "ratio whole batches / Pillow": statistics.median(a / b for a, b in zip(loader_rates, pillow_rates)),
         }
-        for workers in (1, 2):
+        for workers in (0, 1, 2):
             rates = [workers_round(with_workers(config, workers), args.steps) for _ in range(args.repeat)]
-            figures[f"loader images/s (workers {workers})"] = statistics.median(rates)
+            figures[f"loader images/s, wall (workers {workers})"] = statistics.median(rates)
         figures["peak RSS MB (this process)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         figures["peak RSS MB (largest child)"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         figures["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
