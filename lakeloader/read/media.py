@@ -6,7 +6,7 @@ file is a :class:`ChunkIntegrityError` naming it and the image, never other pixe
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,7 +16,14 @@ from lakeloader.contracts.chunk_file import open_chunk
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.contracts.media import MEDIA_BYTES_COLUMN, MEDIA_ID_COLUMN, image_id, media_path
 from lakeloader.read.lru import LRU
-from lakeloader.read.pages import PAGE_DATA, DamagedBytes, PageChecksumError, column_chunk, read_page_header
+from lakeloader.read.pages import (
+    PAGE_DATA,
+    ColumnChunk,
+    DamagedBytes,
+    PageChecksumError,
+    column_chunk,
+    read_page_header,
+)
 from lakeloader.storage import with_retries
 
 FOOTERS_KEPT = 256   # media files whose footer and id -> row group map are kept
@@ -28,7 +35,7 @@ class MediaFiles:
     def __init__(self, lake: Lake, io_retry_deadline: float = 0.0) -> None:
         self.lake = lake
         self.io_retry_deadline = io_retry_deadline
-        self._footers: LRU[str, tuple[pq.FileMetaData, dict[str, int]]] = LRU(FOOTERS_KEPT)
+        self._footers: LRU[str, MediaFooter] = LRU(FOOTERS_KEPT)
 
     def image_bytes(self, chunk_path: str, image: str) -> bytes:
         """The original bytes of image ``image`` (its id) of the chunk at lake path ``chunk_path``,
@@ -49,14 +56,15 @@ class MediaFiles:
         where_on_disk = self.lake.path_of(path)
         # (a local lake's file opened directly: fsspec's open costs about as much as the read)
         with (open(where_on_disk, "rb") if self.lake.is_local else self.lake.fs.open(where_on_disk, "rb")) as handle:
-            metadata, rows = self._footers.get(path, lambda: _footer(handle))
-            row = rows.get(image)
+            footer = self._footers.get(path, lambda: _footer(handle))
+            row = footer.rows.get(image)
             if row is None:
                 raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
                                           "`lakeloader verify CONFIG --repair`")
-            data = _page_value(handle, metadata, row)
+            chunk = footer.chunks[row]
+            data = None if chunk is None else _page_value(handle, chunk)
             if data is None:   # stored otherwise than this contract's writer stores it: pyarrow reads it
-                table = open_chunk(handle, metadata).read_row_group(row, columns=[MEDIA_BYTES_COLUMN],
+                table = open_chunk(handle, footer.metadata).read_row_group(row, columns=[MEDIA_BYTES_COLUMN],
                                                                     use_threads=False)
                 column = table.column(MEDIA_BYTES_COLUMN)
                 data = column[0].as_py() if len(column) == 1 else None
@@ -66,15 +74,19 @@ class MediaFiles:
         return data
 
 
-def _page_value(handle: Any, metadata: pq.FileMetaData, row: int) -> bytes | None:
-    """The one value of the ``bytes`` column in row group ``row``, read as this contract's writer
-    stores it (one uncompressed PLAIN data page, no dictionary) in one read of its column chunk,
-    the page's CRC-32 checked; None for a column stored any other way."""
-    column = metadata.schema.names.index(MEDIA_BYTES_COLUMN)
-    chunk = column_chunk(metadata, row, column)
-    if (chunk.compression != "UNCOMPRESSED" or chunk.has_dictionary_page or chunk.physical_type != "BYTE_ARRAY"
-            or chunk.max_repetition_level or chunk.num_values != 1):
-        return None
+class MediaFooter(NamedTuple):
+    """What reading a media file's images needs of its footer, taken out once."""
+
+    metadata: pq.FileMetaData
+    rows: dict[str, int]                # image id -> its row group
+    chunks: list[ColumnChunk | None]    # per row group: its bytes column chunk, None if not stored as
+                                        # this contract's writer stores it (one uncompressed PLAIN page)
+
+
+def _page_value(handle: Any, chunk: ColumnChunk) -> bytes | None:
+    """The one value of a ``bytes`` column chunk stored as this contract's writer stores it, in
+    one read of the chunk, its page's CRC-32 checked; None for a page this parser does not take."""
+    row = chunk.group
     handle.seek(chunk.data_page_offset)
     raw = memoryview(handle.read(chunk.total_compressed_size))
     try:
@@ -95,7 +107,15 @@ def _page_value(handle: Any, metadata: pq.FileMetaData, row: int) -> bytes | Non
     return bytes(page[at + 4 :])
 
 
-def _footer(handle: object) -> tuple[pq.FileMetaData, dict[str, int]]:
+def _plain_chunk(metadata: pq.FileMetaData, row: int, column: int) -> ColumnChunk | None:
+    chunk = column_chunk(metadata, row, column)
+    if (chunk.compression != "UNCOMPRESSED" or chunk.has_dictionary_page or chunk.physical_type != "BYTE_ARRAY"
+            or chunk.max_repetition_level or chunk.num_values != 1):
+        return None
+    return chunk
+
+
+def _footer(handle: object) -> MediaFooter:
     """A media file's footer and where each image id lies (its row group), from the id column's
     statistics (one value per row group) or, where the writer kept none, the column itself."""
     parquet = open_chunk(handle)  # type: ignore[arg-type]
@@ -109,4 +129,6 @@ def _footer(handle: object) -> tuple[pq.FileMetaData, dict[str, int]]:
         ids = parquet.read(columns=[MEDIA_ID_COLUMN], use_threads=False).column(MEDIA_ID_COLUMN).to_pylist()
         if len(ids) != metadata.num_row_groups:
             raise pa.ArrowInvalid(f"{len(ids)} image ids in {metadata.num_row_groups} row groups, expected one each")
-    return metadata, {image: row for row, image in enumerate(ids) if image is not None}
+    column = metadata.schema.names.index(MEDIA_BYTES_COLUMN)
+    return MediaFooter(metadata, {image: row for row, image in enumerate(ids) if image is not None},
+                       [_plain_chunk(metadata, row, column) for row in range(metadata.num_row_groups)])
