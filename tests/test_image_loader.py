@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.contracts.media import media_path
 from lakeloader.contracts.specs import ImageResolution
 from lakeloader.demo.images import all_images, write_image_corpus
+from lakeloader.feed.slots import Slots, field_of
 from lakeloader.images import decode_rgb
 from lakeloader.index.image_tokens import fit_sizes, image_token_counts, patch_grids
 from lakeloader.ingest.driver import build
@@ -158,6 +160,26 @@ def test_batches_are_bitwise_the_same_for_any_process_count(patches_lake: Path,
         assert_batches_equal(global_batches(patches_lake, processes, range(STEPS)), reference, f"P={processes}")
 
 
+def test_pixels_built_in_a_workers_slot_over_its_previous_batch_are_the_same(
+        patches_lake: Path, reference: list[dict[str, Any]]) -> None:
+    """A worker builds each batch in its shared-memory slot, over the slot's previous batch (the
+    pixels' memory is not zeroed first: every byte of it is written)."""
+    slots = Slots(f"lakeloader_{os.getpid()}_pixeltest", 0, 2)
+    try:
+        with Loader(patches_lake) as loader:
+            for step in list(range(STEPS)) + list(reversed(range(STEPS))):
+                built = slots.pool(step % 2)
+                batch = loader.batch(step, built)
+                assert step < 2 or np.shares_memory(batch["pixel_patches"], slots.memory[step % 2])
+                _, layout, objects = slots.write(step % 2, batch, built)
+                got = {f: field_of(slots.memory[step % 2], at, np.dtype(dtype), shape).copy()  # type: ignore[arg-type]
+                       for f, dtype, shape, at in layout}
+                del batch, built   # (nothing may refer to a slot when its segment closes)
+                assert_batches_equal({**got, **objects}, reference[step], f"slot, step {step}")
+    finally:
+        slots.unlink_all()
+
+
 def test_worker_processes_and_every_resume_step_give_the_same_batches(patches_lake: Path, tmp_path: Path,
                                                                      reference: list[dict[str, Any]]) -> None:
     config = yaml.safe_load(patches_lake.read_text())
@@ -166,8 +188,11 @@ def test_worker_processes_and_every_resume_step_give_the_same_batches(patches_la
     with_workers.write_text(yaml.safe_dump(config))
     with Loader(with_workers) as loader:
         iterator = loader.iter_from(0)
-        assert_batches_equal([next(iterator) for _ in range(STEPS)], reference, "workers=2")
+        got = [next(iterator)]
+        time.sleep(4)   # the workers start meanwhile: they build the steps after this one
+        got += [next(iterator) for _ in range(STEPS - 1)]
         iterator.close()
+    assert_batches_equal(got, reference, "workers=2")
     with Loader(patches_lake) as loader:
         for step in range(STEPS):
             resumed = Loader(patches_lake)
