@@ -11,8 +11,10 @@ import base64
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageOps
+from test_resume import chunk_files, read_catalog, running_build, snapshot_counts, wait_until
 from test_s3 import BUCKET, s3_endpoint, storage_options  # noqa: F401  (s3_endpoint: a fixture)
 
 from lakeloader.catalog.lake import open_lake
@@ -201,6 +204,45 @@ def test_the_lake_is_the_same_for_any_worker_count_and_after_a_failed_build_resu
     assert lake_files(first / "lake") == lake_files(second / "lake")
     assert images_view(config) == images_view(other)
     assert len(lake_files(first / "lake")) == 2 * open_lake(config).sql("SELECT count(*) AS n FROM chunks").n[0]
+
+
+def test_a_build_killed_mid_way_resumes_to_the_same_lake(tmp_path: Path, dask_scheduler: str) -> None:
+    images = all_images()
+    data = tmp_path / "data"
+    (data / "img").mkdir(parents=True)
+    for name, payload in images.items():
+        (data / "img" / name).write_bytes(payload)
+    names = sorted(images)
+    for part in range(4):   # ~90 chunks of a few documents, each with two images (one shared)
+        lines = [{"items": [{"text": f"doc {part}.{i}: " + "words " * 20}, {"image": f"img/{names[i % len(names)]}"},
+                            {"image": f"img/{names[part]}"}]} for i in range(100)]
+        (data / f"{part}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    datasets = {"j": interleaved([str(data / "*.jsonl")])}
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    build(write_config(reference, datasets, build={"split_size": "1KB"}), scheduler=dask_scheduler, progress=False)
+    total = open_lake(reference / "config.yaml").sql("SELECT count(*) AS n FROM chunks").n[0]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    config = write_config(killed, datasets, build={"split_size": "1KB", "publish_interval": 0.25})
+    lake = killed / "lake"
+
+    def some_committed() -> bool:
+        counts = snapshot_counts(lake)
+        return counts is not None and counts[1] > 0 and len(chunk_files(lake)) >= total // 2
+
+    log = killed / "build.log"
+    with running_build(config, log) as proc:
+        wait_until(some_committed, proc, log, "some chunks were committed")
+        os.kill(proc.pid, signal.SIGKILL)   # the driver: its workers follow it
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    before = read_catalog(lake, "SELECT path FROM chunks WHERE status = 'committed'").path.tolist()
+    assert 0 < len(before) < total, "the driver must be killed mid-build"
+    kept = {path: os.stat(lake / media_path(path)).st_ino for path in before}
+    build(config, scheduler=dask_scheduler, progress=False)
+    assert {path: os.stat(lake / media_path(path)).st_ino for path in before} == kept   # not rebuilt
+    assert lake_files(lake) == lake_files(reference / "lake")
+    assert images_view(config) == images_view(reference / "config.yaml")
 
 
 # The bad-image table: each case, the record it sits in, and what the error names.

@@ -67,11 +67,11 @@ class _Resolver:
     def __init__(self, source_url: str, storage_options: dict[str, Any], max_pixels: int) -> None:
         self.source_url, self.storage_options, self.max_pixels = source_url, storage_options, max_pixels
         self.fetched: dict[str, bytes] = {}
-        self.checked: dict[str, ImageInfo | BadImage] = {}
-        self.bytes_of: dict[str, bytes] = {}
+        self.good: dict[str, tuple[bytes, ImageInfo]] = {}   # image id -> its bytes and facts
+        self.bad: dict[str, str] = {}                        # image id -> why it cannot be used
 
-    def image(self, ref: str | bytes) -> tuple[str, ImageInfo]:
-        """The id and facts of the image ``ref`` holds or names; BadImage if it is not usable."""
+    def image(self, ref: str | bytes) -> str:
+        """The id of the image ``ref`` holds or names; BadImage if it is not usable."""
         if isinstance(ref, str):
             data = self.fetched.get(ref)
             if data is None:
@@ -79,17 +79,14 @@ class _Resolver:
         else:
             data = ref
         key = image_id(data)
-        found = self.checked.get(key)
-        if found is None:
+        if key not in self.good and key not in self.bad:
             try:
-                found = inspect_image(data, self.max_pixels)
-                self.bytes_of[key] = data
+                self.good[key] = data, inspect_image(data, self.max_pixels)
             except BadImage as exc:
-                found = exc
-            self.checked[key] = found
-        if isinstance(found, BadImage):
-            raise BadImage(str(found))
-        return key, found
+                self.bad[key] = str(exc)
+        if key in self.bad:
+            raise BadImage(self.bad[key])
+        return key
 
 
 def _describe(ref: str | bytes) -> str:
@@ -101,8 +98,8 @@ def resolve_images(documents: list[Document], source_url: str, storage_options: 
                    ) -> tuple[list[Document], np.ndarray, StoredImages]:
     """Read and check every image part of ``documents``; a document with an image that cannot be
     used is dropped after ``reject(document index, item index, the image described, why)`` (which
-    raises under ``on_error: raise``). Returns the kept documents with each image part's ref its image id, the
-    kept documents' indices, and the chunk's images."""
+    raises under ``on_error: raise``). Returns the kept documents, each image part's ref its image
+    id, the kept documents' indices, and the chunk's images."""
     resolver = _Resolver(source_url, storage_options, max_pixels)
     kept: list[Document] = []
     kept_index: list[int] = []
@@ -113,7 +110,7 @@ def resolve_images(documents: list[Document], source_url: str, storage_options: 
                 parts.append(part)
                 continue
             try:
-                key, _ = resolver.image(part.ref)
+                key = resolver.image(part.ref)
             except BadImage as exc:
                 reject(index, item, _describe(part.ref), str(exc))
                 break
@@ -121,7 +118,7 @@ def resolve_images(documents: list[Document], source_url: str, storage_options: 
         else:
             kept.append(tuple(parts))
             kept_index.append(index)
-    return kept, np.array(kept_index, dtype=np.int64), _stored(kept, resolver)
+    return kept, np.array(kept_index, dtype=np.int64), _stored(kept, resolver.good)
 
 
 def no_images() -> StoredImages:
@@ -130,7 +127,8 @@ def no_images() -> StoredImages:
     return StoredImages([], [], [], empty, empty, ())
 
 
-def _stored(documents: list[Document], resolver: _Resolver) -> StoredImages:
+def _stored(documents: list[Document], checked: dict[str, tuple[bytes, ImageInfo]]) -> StoredImages:
+    """The images of the kept ``documents`` (image parts holding ids of ``checked``)."""
     order: dict[str, int] = {}
     widths, heights, rows = [], [], []
     for doc, document in enumerate(documents):
@@ -141,16 +139,14 @@ def _stored(documents: list[Document], resolver: _Resolver) -> StoredImages:
                 heights.append(0)
                 continue
             key = str(part.ref)
-            info = resolver.checked[key]
-            assert isinstance(info, ImageInfo)
+            info = checked[key][1]
             order.setdefault(key, len(order))
             widths.append(info.width)
             heights.append(info.height)
             rows.append((doc, image, key, info.width, info.height, info.format, info.mode, info.num_bytes))
             image += 1
     ids = list(order)
-    infos = [resolver.checked[key] for key in ids]
-    return StoredImages(ids, [resolver.bytes_of[key] for key in ids], infos,  # type: ignore[misc]
+    return StoredImages(ids, [checked[key][0] for key in ids], [checked[key][1] for key in ids],
                         np.array(widths, dtype=np.int32), np.array(heights, dtype=np.int32), tuple(rows))
 
 
