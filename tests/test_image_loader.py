@@ -17,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from test_s3 import BUCKET, s3_endpoint, storage_options  # noqa: F401  (s3_endpoint: a fixture)
+
 from conftest import (
     DEMO_TOKENIZER,
     assert_batches_equal,
@@ -288,3 +290,14 @@ def test_audit_and_explain_count_the_images(patches_lake: Path, reference: list[
     with Loader(patches_lake) as loader:
         for step in (0, STEPS - 1):
             assert int(loader.explain(step)["images"].sum()) == int(reference[step]["image_mask"].sum())
+
+
+def test_a_lake_in_an_object_store_gives_the_same_pixels(
+        tmp_path: Path, corpus: list[Path], reference: list[dict[str, Any]], s3_endpoint: str,  # noqa: F811
+        dask_scheduler: str) -> None:
+    config = _config(tmp_path, corpus, PATCHES)
+    raw = yaml.safe_load(config.read_text())
+    raw.update(lake=f"s3://{BUCKET}/pixels-lake", storage_options=storage_options(s3_endpoint))
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    build(config, scheduler=dask_scheduler, progress=False)
+    assert_batches_equal(global_batches(config, 2, range(STEPS)), reference, "S3 lake, P=2")
