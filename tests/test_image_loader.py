@@ -301,3 +301,23 @@ def test_a_lake_in_an_object_store_gives_the_same_pixels(
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     build(config, scheduler=dask_scheduler, progress=False)
     assert_batches_equal(global_batches(config, 2, range(STEPS)), reference, "S3 lake, P=2")
+
+
+def test_patches_need_stored_images_and_a_mixture_one_resolution(tmp_path: Path, corpus: list[Path]) -> None:
+    from lakeloader.config import load_config
+    from lakeloader.contracts.errors import ConfigError
+    from lakeloader.feed.settings import check_combination
+
+    raw = yaml.safe_load(_config(tmp_path, corpus, PATCHES).read_text())
+    raw["datasets"]["images"]["interleaved"]["images"] = "references"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"interleaved\.resolution\.kind: .*needs images: stored"):
+        load_config(path)
+    raw["datasets"]["images"]["interleaved"]["images"] = "stored"
+    raw["datasets"]["other"] = {**raw["datasets"]["images"], "interleaved": {
+        **raw["datasets"]["images"]["interleaved"], "resolution": FIXED}}
+    raw["mixture"] = {"weights": {"images": 1, "other": 1}}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="differ in interleaved.resolution"):
+        check_combination(load_config(path), "train")
