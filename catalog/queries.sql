@@ -661,3 +661,8 @@ DELETE FROM {table} WHERE dataset = $name;
 -- Chunk i of the grown dataset is a copy of chunk i % base (its rows; its file is shared).
 INSERT INTO {table} SELECT r.* REPLACE (g.i AS global_index)
 FROM range($chunks) g(i) JOIN demo_rows r ON r.global_index = g.i % $base;
+
+-- name: image_sizes
+-- Width and height of every image occurrence of a dataset's committed chunks (the audit's image
+-- tokens, counted under the config's resolution).
+SELECT width, height FROM images WHERE dataset = $name;

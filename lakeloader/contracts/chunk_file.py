@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.contracts.media import PART_HEIGHTS_COLUMN, PART_WIDTHS_COLUMN
 
 # Columns of a chunk file (one row per document). Tokens are stored without special tokens.
 RECORD_COLUMN = "record"              # the document's line/row index from its split's first record
@@ -76,6 +77,16 @@ class ChunkParts:
     part_kinds: np.ndarray      # int64 per part
     part_doc: np.ndarray        # int64 per part: its document, from 0
     num_docs: int
+    # Stored images (contracts/media.py): each part's image size, 0 for a text part; None when the
+    # file has no such columns.
+    part_widths: np.ndarray | None = None
+    part_heights: np.ndarray | None = None
+
+    def take(self, parts: np.ndarray | slice, part_doc: np.ndarray, num_docs: int) -> ChunkParts:
+        """The layout of parts ``parts`` (a mask, indices or a slice) with their documents
+        renumbered as ``part_doc``, ``num_docs`` of them."""
+        sizes = [None if a is None else a[parts] for a in (self.part_widths, self.part_heights)]
+        return ChunkParts(self.part_lengths[parts], self.part_kinds[parts], part_doc, num_docs, *sizes)
 
     @functools.cached_property
     def content_lengths(self) -> np.ndarray:
@@ -160,8 +171,7 @@ def select_parts(parts: ChunkParts, docs: np.ndarray) -> tuple[ChunkParts, np.nd
     keep[docs] = True
     mask = keep[parts.part_doc]
     renumber = np.cumsum(keep) - 1
-    return ChunkParts(parts.part_lengths[mask], parts.part_kinds[mask], renumber[parts.part_doc[mask]],
-                      len(docs)), mask
+    return parts.take(mask, renumber[parts.part_doc[mask]], len(docs)), mask
 
 
 def table_parts(table: pa.Table) -> ChunkParts:
@@ -170,8 +180,10 @@ def table_parts(table: pa.Table) -> ChunkParts:
     kinds = table.column(PART_KINDS_COLUMN).combine_chunks()
     per_doc = np.diff(lengths.offsets.to_numpy())
     docs = len(per_doc)
+    sizes = [table.column(name).combine_chunks().values.to_numpy().astype(np.int64)
+             if name in table.column_names else None for name in (PART_WIDTHS_COLUMN, PART_HEIGHTS_COLUMN)]
     return ChunkParts(lengths.values.to_numpy().astype(np.int64), kinds.values.to_numpy().astype(np.int64),
-                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
+                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs, *sizes)
 
 
 def open_chunk(source: pa.NativeFile | io.IOBase | str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:

@@ -29,6 +29,8 @@ from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.explain import explain
+from lakeloader.feed.packed import PackedExample
+from lakeloader.feed.pixels import PixelFill, PlacedImage
 from lakeloader.feed.prompts import prompt_batch
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
@@ -40,8 +42,19 @@ from lakeloader.index.growth import EpochSizes
 from lakeloader.index.mixture import Mixer, stage_totals
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
+from lakeloader.images import DECODER
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.specs import evaluation_config, mixture_spec, packing_spec, template_for, token_id, token_weights
+from lakeloader.read.media import MediaFiles
+from lakeloader.specs import (
+    evaluation_config,
+    image_resolution,
+    mixture_spec,
+    packing_spec,
+    stores_images,
+    template_for,
+    token_id,
+    token_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +116,7 @@ class Loader:
         self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
+        self.media = MediaFiles(self.lake, config.io_retry_deadline)
         self.dataset_names = names = settings.names
         self.view.check_own_plans(config, names)   # the lake's plan of each name is this config's definition
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
@@ -153,6 +167,10 @@ class Loader:
         mixed = [self.config.datasets[name] for name in self.mixer.names]
         self._seq2seq = any(d.seq2seq for d in mixed)
         self._max_images = max((d.interleaved.max_images for d in mixed if d.format == "interleaved"), default=0)
+        stored = [d for d in mixed if stores_images(d)]   # (check_combination: one resolution for them all)
+        self._pixels = None if not stored else PixelFill(
+            self.media, image_resolution(stored[0]), self._max_images, self.config.loader.seq_len,
+            self.config.loader.image_cache_bytes, stored[0].interleaved.max_pixels)
 
     def _warn_if_beyond_the_cache(self) -> None:
         """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
@@ -181,11 +199,12 @@ class Loader:
         mixture, the loader settings that shape examples and batches, the padding id and the
         mode. The fingerprint hashes it; a saved state keeps it to say what changed."""
         loader = self.config.loader.model_dump(
-            exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields"})
+            exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields",
+                     "image_cache_bytes"})
         # (loader.pack.open_examples under its name from before it was renamed, so that the
         # fingerprints of states saved then still match)
         loader["pack"]["window"] = loader["pack"].pop("open_examples")
-        return {
+        definition = {
             "datasets": {d.name: d.fingerprint for d in self.datasets},
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
             "loader": loader,
@@ -193,6 +212,13 @@ class Loader:
             "pad": self.pad_id,
             "mode": self.mode,
         }
+        # Stored images' pixels depend on the decoder and the resolution too (only then: the
+        # fingerprints of other configs stay as they were): a decoder upgrade is never silent.
+        stored = {d.name: image_resolution(self.config.datasets[d.name]).payload for d in self.datasets
+                  if stores_images(self.config.datasets[d.name])}
+        if stored:
+            definition["images"] = {"decoder": DECODER, "resolution": stored}
+        return definition
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -303,12 +329,31 @@ class Loader:
         owners, examples = self._row_examples(step)
         arrays = self._empty_batch(self._arrays if pool is None else pool, whole=self._whole_rows)
         fill_batch(arrays, examples)
+        if self._pixels is not None:
+            self._pixels.fill(arrays, self._placed_images(owners, examples))
         arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
             if self.config.evaluation is not None and self.config.evaluation.prompts:
                 return prompt_batch(arrays, self.pad_id)
         return arrays
+
+    def _placed_images(self, owners: np.ndarray, examples: Sequence[Example | None]) -> list[PlacedImage]:
+        """The stored images the rows place, each row's in the order of its ``image_positions``."""
+        placed = []
+        for owner in np.unique(owners[owners >= 0]).tolist():
+            stream = self.datasets[owner]
+            if not stores_images(self.config.datasets[stream.name]):
+                continue
+            for row in np.flatnonzero(owners == owner).tolist():
+                example = examples[row]
+                assert isinstance(example, PackedExample)   # (interleaved: packed, item by item)
+                number = 0
+                for item in example.items:
+                    for _, image in item.images:
+                        placed.append(PlacedImage(row, number, stream.chunks.record(item.chunk).path, image))
+                        number += 1
+        return placed
 
     def _empty_batch(self, pool: ArraySource, whole: bool = False) -> Batch:
         """The batch's arrays from ``pool``, padding in every row; ``whole``: every row field is
@@ -327,6 +372,8 @@ class Loader:
         if self._max_images:
             arrays["image_positions"] = np.full((self.rows, self._max_images), -1, np.int32)
             arrays["image_refs"] = np.full((self.rows, self._max_images), "", dtype=object)
+        if self._pixels is not None:
+            arrays.update(self._pixels.empty(pool, self.rows))
         return arrays
 
     def state(self, step: int) -> dict[str, Any]:

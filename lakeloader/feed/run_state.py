@@ -101,6 +101,13 @@ def definition_changes(saved: dict[str, Any], current: dict[str, Any],
             fixed.append(f"loader.{key}: {_shown(old_loader.get(key))} -> {_shown(new_loader.get(key))}")
     if saved.get("pad") != current.get("pad"):
         fixed.append(f"the padding token's id: {saved.get('pad')} -> {current.get('pad')}")
+    old_images, new_images = saved.get("images") or {}, current.get("images") or {}
+    if old_images.get("decoder") != new_images.get("decoder"):
+        fixed.append(f"the image decoder: {old_images.get('decoder')} -> {new_images.get('decoder')} (stored images' "
+                     "pixels may differ)")
+    if old_images.get("resolution") != new_images.get("resolution"):
+        fixed.append(f"interleaved.resolution: {_shown(old_images.get('resolution'))} -> "
+                     f"{_shown(new_images.get('resolution'))}")
     old_data, new_data = saved.get("datasets", {}), current.get("datasets", {})
     old_templates, new_templates = saved.get("templates", {}), current.get("templates", {})
     for name in sorted(old_data.keys() & new_data.keys()):

@@ -147,12 +147,15 @@ def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
 
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,
                          specs: tuple[PackingSpec, ...]) -> tuple[int, tuple[PlanStats, ...]]:
-    """Packing counts of an already built chunk (reads only its small part-layout columns)."""
+    """Packing counts of an already built chunk (reads only its small part-layout columns, and its
+    images' sizes where it stores images: a new resolution policy re-plans from these)."""
     fs, path = url_to_fs(chunk_url, **storage_options)
     where = f"chunk {global_index} ({chunk_url})"
     with fs.open(path, "rb") as handle:
         try:
-            table = open_chunk(handle).read(columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
+            parquet = open_chunk(handle)
+            table = parquet.read(columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_WIDTHS_COLUMN,
+                                                      PART_HEIGHTS_COLUMN) if c in parquet.schema_arrow.names])
         except (OSError, pa.ArrowException) as exc:
             raise unreadable_chunk(where, exc) from exc
     parts = table_parts(table)
@@ -211,6 +214,9 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
                 data = earlier
                 break
     media = encode_media_file(images) if images is not None else None
+    parts = encoded.parts if images is None else dataclasses.replace(   # (sizes: a patches resolution's tokens)
+        encoded.parts, part_widths=np.asarray(images.part_widths, np.int64),
+        part_heights=np.asarray(images.part_heights, np.int64))
     try:
         if media is not None:   # first: a committed chunk's media file is always there
             write_atomically(media_path(task.chunk_url), media, options)
@@ -239,7 +245,7 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         media_bytes=None if media is None else len(media),
         media_checksum=None if media is None else hashlib.sha256(media).hexdigest(),
         images=images.rows if images is not None else (),
-        plans=tuple(plan_stats(spec, encoded.parts, task.global_index,
+        plans=tuple(plan_stats(spec, parts, task.global_index,
                                f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.name})")
                     for spec in task.packing),
     )
