@@ -614,6 +614,12 @@ SELECT count(*) = 2 FROM (SELECT table_name AS name, database_name FROM duckdb_t
                           UNION ALL SELECT view_name, database_name FROM duckdb_views())
 WHERE database_name = current_database() AND name IN ('document_index_files', 'document_index_chunks');
 
+-- name: document_index_paths
+SELECT path FROM document_index_files;
+
+-- name: dataset_plan_names
+SELECT name FROM dataset_plans ORDER BY name;
+
 -- name: document_index_files_of
 SELECT path, dataset, num_bytes, checksum, num_chunks FROM document_index_files WHERE list_contains($paths, path) ORDER BY path;
 

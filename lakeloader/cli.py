@@ -69,13 +69,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from lakeloader.catalog.gc import remove_stale_chunk_folders
+    from lakeloader.catalog.gc import remove_stale
     from lakeloader.catalog.lake import open_lake
 
-    stale = remove_stale_chunk_folders(open_lake(args.target), dry_run=args.dry_run)
+    stale = remove_stale(open_lake(args.target), dry_run=args.dry_run)
     _print_frame(stale, args.format)
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{verb} {len(stale)} stale chunk folders: {int(stale['files'].sum())} files, "
+    print(f"{verb} {len(stale)} stale chunk folders and documents index files: {int(stale['files'].sum())} files, "
           f"{int(stale['bytes'].sum()):,} bytes", file=sys.stderr)
     return 0
 
@@ -394,11 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit.set_defaults(func=_cmd_audit)
 
     gc = commands.add_parser(
-        "gc", help="remove the chunk folders of replaced dataset plans",
+        "gc", help="remove the chunk folders of replaced dataset plans and replaced documents index files",
         description="A dataset whose build settings changed (tokenizer, format, fields or "
         "build.split_size) is rebuilt into a new chunk folder; the old one is never read again. "
         "`lakeloader status` lists such stale folders; this removes them (never the folders of "
-        "the plans in force). Refuses while a build holds the catalog, and keeps builds out while "
+        "the plans in force), and the documents index files a compaction replaced or a killed build "
+        "left. Refuses while a build holds the catalog, and keeps builds out while "
         "it runs. Readers still using a replaced plan lose its files.")
     gc.add_argument("target", metavar="CONFIG|LAKE")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from lakeloader.catalog import documents
+from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.contracts.errors import CatalogIntegrityError
@@ -219,3 +220,25 @@ def test_selections_follow_only_the_shards_just_committed(
               "SELECT dataset, global_index, status, num_docs, num_tokens, path FROM chunks ORDER BY ALL")
     for query in tables:
         pd.testing.assert_frame_equal(open_lake(config).sql(query), open_lake(built).sql(query))
+
+
+def test_gc_removes_the_index_files_a_compaction_replaced(
+        corpus: Corpus, tmp_path: Path, dask_scheduler: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compaction keeps the files it replaced (readers of earlier snapshots may read them);
+    `lakeloader gc` lists and removes exactly those, and the view answers as before."""
+    monkeypatch.setattr(document_index, "COMPACT_FILES", 3)
+    config = filtered_config(corpus, tmp_path)
+    build(config, scheduler=dask_scheduler, progress=False)
+    lake = open_lake(config)
+    expected = lake.sql(EVERYTHING)
+    recorded = set(lake.sql("SELECT path FROM document_index_files").path)
+    on_disk = {str(p.relative_to(Path(lake.path_of("_documents")).parent)) for p in Path(lake.path_of("_documents")).rglob("*") if p.is_file()}
+    assert recorded < on_disk   # compactions left files behind
+    listed = remove_stale(lake, dry_run=True)
+    assert set(listed.folder) == on_disk - recorded and set(listed.dataset) <= {"meta", "sft"}
+    assert (listed.files == 1).all() and listed.bytes.sum() > 0
+    removed = remove_stale(lake)
+    assert set(removed.folder) == on_disk - recorded
+    assert {str(p.relative_to(Path(lake.path_of("_documents")).parent)) for p in Path(lake.path_of("_documents")).rglob("*") if p.is_file()} == recorded
+    assert remove_stale(lake, dry_run=True).empty
+    pd.testing.assert_frame_equal(open_lake(config).sql(EVERYTHING), expected)

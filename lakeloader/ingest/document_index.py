@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lakeloader.catalog.lake import Lake
+from lakeloader.catalog.stale import index_folder
 from lakeloader.catalog.store import CatalogWriter, IndexFile
 from lakeloader.contracts.chunk_file import ChunkResult, open_chunk
 from lakeloader.contracts.errors import CatalogIntegrityError
@@ -28,7 +29,6 @@ from lakeloader.storage import write_atomically, write_failure
 
 log = logging.getLogger(__name__)
 
-INDEX_DIR = "_documents"
 # Rows per row group of an index file: a query on a few chunks reads a few groups.
 ROW_GROUP_ROWS = 128 * 1024
 # A dataset's files holding fewer than half this many documents are merged once it has more than
@@ -60,8 +60,7 @@ class DocumentIndexWriter:
         if not ordered:
             table = table.sort_by([("chunk", "ascending"), ("doc", "ascending")])
         data = encode_index_file(table)
-        digest = hashlib.sha256(f"{dataset}\n".encode()).hexdigest()[:16]
-        path = f"{INDEX_DIR}/{digest}/{min(chunks, default=0)}-{max(chunks, default=0)}-{uuid.uuid4().hex[:12]}.parquet"
+        path = f"{index_folder(dataset)}/{min(chunks, default=0)}-{max(chunks, default=0)}-{uuid.uuid4().hex[:12]}.parquet"
         url = self.lake.url_of(path)
         try:
             write_atomically(url, data, self.lake.storage_options)
