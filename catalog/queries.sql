@@ -614,6 +614,9 @@ SELECT count(*) = 2 FROM (SELECT table_name AS name, database_name FROM duckdb_t
                           UNION ALL SELECT view_name, database_name FROM duckdb_views())
 WHERE database_name = current_database() AND name IN ('document_index_files', 'document_index_chunks');
 
+-- name: document_index_records
+SELECT dataset, path, num_bytes, checksum FROM document_index_files ORDER BY dataset, first_chunk, path;
+
 -- name: document_index_paths
 SELECT path FROM document_index_files;
 

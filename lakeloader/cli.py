@@ -105,7 +105,8 @@ def _report_verify(report: pd.DataFrame, output_format: str, prefix: str = "") -
     if len(bad):
         _print_frame(bad, output_format)
     counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
-    print(f"{prefix}verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
+    print(f"{prefix}verified {len(report)} files (chunks and documents index files): {counts or 'none'}",
+          file=sys.stderr)
     return len(bad)
 
 

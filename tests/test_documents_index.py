@@ -20,7 +20,9 @@ from lakeloader.catalog.store import CatalogWriter
 from lakeloader.contracts.errors import CatalogIntegrityError
 from lakeloader.ingest import document_index
 from lakeloader.ingest.driver import build
+from lakeloader.ingest.repair import repair_lake
 from lakeloader.ingest.execute import ResultCommitter
+from lakeloader.read.verify import verify_lake
 
 from conftest import write_config
 from test_documents import METADATA, Corpus
@@ -160,10 +162,17 @@ def test_a_damaged_index_file_is_an_error_naming_it(built: Path, tmp_path: Path,
     message = str(caught.value)
     assert "\n" not in message and str(path) in message and "lakeloader build" in message
     assert {"missing": "is missing", "flipped": "sha256", "cut": "bytes, the catalog says"}[damage] in message
-    if damage == "flipped":   # the right size: found only by its checksum, so deleted first
-        path.unlink()
-    build(config, scheduler=dask_scheduler, progress=False)   # forgets it: those chunks read from their files
+    report = verify_lake(config, progress=False)
+    found = report[report.status != "ok"]
+    assert len(found) == 1 and found.global_index.iloc[0] == -1 and str(path).endswith(found.path.iloc[0])
+    assert found.status.iloc[0] == {"missing": "missing", "flipped": "checksum", "cut": "size"}[damage]
+    if damage == "flipped":   # the right size: found only by its checksum, so removed by verify --repair
+        report = repair_lake(config, report, scheduler=dask_scheduler, progress=False)
+        assert (report.status == "ok").all() and not path.exists()
+    else:
+        build(config, scheduler=dask_scheduler, progress=False)   # forgets it: those chunks read from their files
     pd.testing.assert_frame_equal(open_lake(config).sql(EVERYTHING), before)
+    assert (verify_lake(config, progress=False).status == "ok").all()
 
 
 def test_a_lake_without_the_index_reads_as_before(corpus: Corpus, built: Path, tmp_path: Path,
