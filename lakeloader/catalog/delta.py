@@ -66,7 +66,8 @@ def write_delta(con: duckdb.DuckDBPyConnection, keys: dict[str, set[int]], targe
         con.unregister("delta_keys")
     parts[_KEYS] = key_rows
     row = pa.table({name: _column(rows) for name, rows in parts.items()})
-    with pa.OSFile(target, "wb") as sink, pa.ipc.new_file(sink, row.schema) as writer:
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.OSFile(target, "wb") as sink, pa.ipc.new_file(sink, row.schema, options=options) as writer:
         writer.write_table(row)
 
 

@@ -107,10 +107,11 @@ def catalog_identity(con: duckdb.DuckDBPyConnection) -> tuple[str | None, int]:
 
 
 def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_id: int | None,
-                     changes: ChangeLog | None = None) -> int:
+                     changes: ChangeLog | None = None, whole: bool = False) -> int:
     """Publish the writer's catalog as the lake's next snapshot version: a delta of the chunks
     ``changes`` recorded since this writer's previous publish where that is the lake's current
-    version and its base has few enough deltas (``_delta_fits``), else a full snapshot (a new base).
+    version and its base has few enough deltas (``_delta_fits``), else (or with ``whole``) a full
+    snapshot, the new base.
 
     The copy records its own version, and the pointer the lake id, so that a build can tell
     whether a local catalog belongs to this lake and is as new as its newest snapshot.
@@ -119,7 +120,8 @@ def publish_snapshot(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_i
     version = (pointer["version"] + 1) if pointer else 1
     keys = changes.take() if changes is not None else None
     try:
-        if keys is not None and changes is not None and pointer is not None and _delta_fits(pointer, changes):
+        if not whole and keys is not None and changes is not None and pointer is not None \
+                and _delta_fits(pointer, changes):
             size, published = _publish_delta(con, lake, build_id, pointer, keys)
             changes.published_delta(version, size)
         else:

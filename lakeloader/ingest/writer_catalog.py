@@ -110,7 +110,9 @@ def prepare_writer_catalog(lake: Lake, recover: bool) -> None:
     _adopt(lake, pointer, why)
 
 
-def publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config) -> None:
-    """Publish the writer catalog as the lake's newest snapshot (retried on transient errors)."""
-    with_retries(lambda: publish_snapshot(writer.con, lake, build_id, writer.changes),
+def publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config, whole: bool = False) -> None:
+    """Publish the writer catalog as the lake's newest snapshot (retried on transient errors): a
+    delta of what changed since the writer's last publish where it can, a full snapshot with
+    ``whole`` (a build's end: a finished lake is one full snapshot)."""
+    with_retries(lambda: publish_snapshot(writer.con, lake, build_id, writer.changes, whole),
                  what=f"publishing the catalog snapshot of {lake.describe()}", deadline=config.io_retry_deadline)
