@@ -1,20 +1,25 @@
 """Catalog publishes and reads as the lake grows: incremental snapshots (a base plus deltas)
 against full snapshots, in the same run.
 
-For each size, a copy of the demo lake's catalog grown to that many chunks
+For each size, a copy of the demo lake's catalog grown to that many chunks and some more
 (:mod:`lakeloader.demo.many_chunks`; the chunk files are shared, so loaders read real tokens) is
-opened by a writer, which then publishes, ``--rounds`` times alternating the order:
+opened by a writer, which sets the chunks after the first ``size`` back to planned, then commits
+``--new`` of them (their chunk, row-group and packing rows, as a build's commits write them) before
+each publish, ``--rounds`` times alternating the order:
 
 - old: a full snapshot (``publish_snapshot(..., whole=True)``: the DuckDB copy and its reader
   index, as every publish did before deltas);
-- new: a delta of ``--new`` chunks recorded as changed (the rows of that many chunks, as a
-  publish after committing them carries).
+- new: a delta (the rows of the chunks committed since the previous publish).
 
-Printed per size (medians): seconds and bytes of each publish (the bytes a remote reader then
-downloads), seconds of a following reader's refresh (``CatalogView.refresh`` and its dataset's
-counts), and on the lake left as a base plus deltas: a fresh reader's first open, a ``Loader``'s
-open + first batch at step 0 (shuffle none and full; in this process, hash records made), and
-``lakeloader status LAKE`` (which reads the published catalog while the writer holds it).
+Printed per size (medians), old / new and their ratio: seconds and bytes of each publish (the
+bytes a remote reader then downloads), seconds of a following reader's refresh
+(``CatalogView.refresh`` and its dataset's counts), and, on a full snapshot (old) and on a base
+with four deltas of ``--new`` chunks each (new, as a build leaves the lake between publishes;
+every chunk committed, so these deltas carry chunks whose rows are as the base has them): a fresh
+reader's first open,
+a ``Loader``'s open + first batch at step 0 (shuffle none and full; in this process, hash records
+made), and ``lakeloader status LAKE`` (which reads the published catalog while the writer holds
+it).
 Targets: publish and refresh flat across sizes for a fixed number of new chunks; first open at
 10^6 chunks under 1 s.
 
@@ -46,6 +51,9 @@ from lakeloader.feed.loader import Loader
 from lakeloader.read.catalog_view import CatalogView
 
 
+DELTAS_READ = 4   # deltas on the base when the reads are measured
+
+
 def timed(call: Callable[[], Any]) -> float:
     started = time.perf_counter()
     call()
@@ -59,6 +67,22 @@ def version_bytes(lake: Lake, before: set[str]) -> int:
                if name not in before and name != "CURRENT")
 
 
+# The chunks after the first ``chunks`` of the grown catalog are set back to planned (their rows
+# kept aside), then committed ``new`` at a time as a build commits them.
+_SET_ASIDE = [
+    "CREATE TEMP TABLE later_row_groups AS FROM row_groups WHERE dataset = 'code' AND global_index >= $chunks",
+    "CREATE TEMP TABLE later_examples AS FROM chunk_examples WHERE dataset = 'code' AND global_index >= $chunks",
+    "DELETE FROM row_groups WHERE dataset = 'code' AND global_index >= $chunks",
+    "DELETE FROM chunk_examples WHERE dataset = 'code' AND global_index >= $chunks",
+    "UPDATE chunks SET status = 'planned' WHERE dataset = 'code' AND global_index >= $chunks",
+]
+_COMMIT = [
+    "UPDATE chunks SET status = 'committed' WHERE dataset = 'code' AND global_index >= $a AND global_index < $b",
+    "INSERT INTO row_groups FROM later_row_groups WHERE global_index >= $a AND global_index < $b",
+    "INSERT INTO chunk_examples FROM later_examples WHERE global_index >= $a AND global_index < $b",
+]
+
+
 def measure(config_none: Path, config_full: Path, chunks: int, new: int, rounds: int) -> dict[str, Any]:
     lake = Lake(yaml.safe_load(config_none.read_text())["lake"])
     samples: dict[str, list[float]] = {}
@@ -67,41 +91,59 @@ def measure(config_none: Path, config_full: Path, chunks: int, new: int, rounds:
         samples.setdefault(key, []).append(value)
 
     with CatalogWriter(lake.writer_catalog_path) as writer:
+        for statement in _SET_ASIDE:
+            writer.con.execute(statement, {"chunks": chunks})
+        committed = chunks
+
+        def commit_next() -> None:
+            nonlocal committed
+            with writer.transaction():
+                for statement in _COMMIT:
+                    writer.con.execute(statement, {"a": committed, "b": committed + new})
+            writer.changes.chunks(("code", i) for i in range(committed, committed + new))
+            committed += new
+
         publish_snapshot(writer.con, lake, None, writer.changes, whole=True)
         view = CatalogView(lake)
         view.dataset("code")
         for round_ in range(rounds):
             for code in (("old", "new") if round_ % 2 == 0 else ("new", "old")):
-                first = (round_ * 2 * new + (code == "new") * new) % max(1, chunks - new)
-                writer.changes.chunks(("code", i) for i in range(first, first + new))
+                commit_next()
                 before = set(os.listdir(lake.path_of(SNAPSHOT_DIR)))
                 sample(f"{code} publish s", timed(lambda: publish_snapshot(
                     writer.con, lake, None, writer.changes, whole=code == "old")))
                 sample(f"{code} publish bytes", version_bytes(lake, before))
                 sample(f"{code} refresh s", timed(lambda: (view.refresh(), view.dataset("code"))))
-        for _ in range(3):   # the lake as a build leaves it between publishes: a base and deltas
-            writer.changes.chunks(("code", i) for i in range(new))
-            publish_snapshot(writer.con, lake, None, writer.changes)
         view.close()
-        deltas = len(delta_versions(read_pointer(lake)))
+        deltas = 0
         for _ in range(rounds):
-            sample("first open s", timed(lambda: CatalogView(lake).dataset("code")))
-            for kind, config in (("none", config_none), ("full", config_full)):
-                def open_and_batch() -> None:
-                    with Loader(config) as loader:
-                        loader.batch(0)
-                sample(f"loader open + batch 0 ({kind}) s", timed(open_and_batch))
-            with contextlib.redirect_stdout(io.StringIO()):
-                sample("status s", timed(lambda: cli(["status", lake.root])))
+            # Read a full snapshot (old), then the lake as a build leaves it between publishes (new):
+            # a base and DELTAS_READ deltas.
+            for code in ("old", "new"):
+                if code == "old":
+                    publish_snapshot(writer.con, lake, None, writer.changes, whole=True)
+                for k in range(DELTAS_READ if code == "new" else 0):
+                    # Every chunk is committed by now (a loader's full shuffle waits for the whole
+                    # dataset): deltas of as many chunks recorded as changed, their rows as they are.
+                    writer.changes.chunks(("code", i) for i in range(k * new, (k + 1) * new))
+                    publish_snapshot(writer.con, lake, None, writer.changes)
+                deltas = max(deltas, len(delta_versions(read_pointer(lake))))
+                sample(f"{code} first open s", timed(lambda: CatalogView(lake).dataset("code")))
+                for kind, config in (("none", config_none), ("full", config_full)):
+                    def open_and_batch() -> None:
+                        with Loader(config) as loader:
+                            loader.batch(0)
+                    sample(f"{code} loader open + batch 0 ({kind}) s", timed(open_and_batch))
+                with contextlib.redirect_stdout(io.StringIO()):
+                    sample(f"{code} status s", timed(lambda: cli(["status", lake.root])))
     medians = {key: statistics.median(values) for key, values in samples.items()}
-    figures: dict[str, Any] = {"chunks": chunks, "deltas at the reads": deltas}
-    for what in ("publish s", "publish bytes", "refresh s"):
+    figures: dict[str, Any] = {"deltas read": deltas, "chunks committed at the end": committed}
+    for what in ("publish s", "publish bytes", "refresh s", "first open s", "loader open + batch 0 (none) s",
+                 "loader open + batch 0 (full) s", "status s"):
         old, new_ = medians[f"old {what}"], medians[f"new {what}"]
         shown = (lambda v: f"{int(v):,}") if "bytes" in what else (lambda v: f"{v * 1e3:.1f} ms")
-        figures[f"{what.split()[0]} {what.split()[1]}: full / incremental"] = (
-            f"{shown(old)} / {shown(new_)} (x{old / max(new_, 1e-9):.1f})")
-    for key in ("first open s", "loader open + batch 0 (none) s", "loader open + batch 0 (full) s", "status s"):
-        figures[key.removesuffix(" s")] = f"{medians[key] * 1e3:.1f} ms"
+        figures[f"{what.removesuffix(' s')}: full / incremental"] = (
+            f"{shown(old)} / {shown(new_)} (x{old / max(new_, 1e-9):.2f})")
     return figures
 
 
@@ -115,8 +157,9 @@ def main() -> None:
     figures: dict[str, Any] = {"new chunks per publish": args.new, "rounds": args.rounds,
                                "load average before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     for chunks in args.chunks:
-        config_none = grown_config(base_none, "none", chunks)
-        config_full = grown_config(base_full, "full", chunks)
+        grown = chunks + args.new * args.rounds * 2   # the chunks committed as publishes are measured
+        config_none = grown_config(base_none, "none", grown)
+        config_full = grown_config(base_full, "full", grown)
         for key, value in measure(config_none, config_full, chunks, args.new, args.rounds).items():
             figures[f"{chunks:>9,} chunks: {key}"] = value
         print(f"{chunks} chunks measured", flush=True)

@@ -306,14 +306,22 @@ class ReaderIndex:
     still checked as :class:`_Layer` checks them."""
 
     def __init__(self, paths: dict[str, str], added: dict[str, pa.Table] | None = None,
-                 changed: dict[str, np.ndarray] | None = None, added_where: str = "") -> None:
+                 changed: dict[str, np.ndarray] | None = None, added_where: str = "",
+                 previous: ReaderIndex | None = None, base_identity: Any = None) -> None:
         """``added``: the rows of each part (``PARTS``) the deltas carry, newest per chunk;
-        ``changed``: per dataset, the global indexes (ascending) of the chunks whose rows they replace."""
+        ``changed``: per dataset, the global indexes (ascending) of the chunks whose rows they
+        replace; ``previous``: a reader's index before a refresh, whose checked base is taken as it
+        is if its ``base_identity`` (what names the base's bytes: the lake and their sha256) is
+        this one's."""
         where = f"{paths['chunks'].removesuffix('.chunks.arrow')}.*.arrow"
-        try:
-            self._base = _Layer({table: _mapped(paths[table]) for table in TABLES}, where)
-        except _INDEX_ERRORS as exc:
-            raise _altered(where, exc) from exc
+        self.paths, self.base_identity = paths, base_identity
+        if previous is not None and base_identity is not None and previous.base_identity == base_identity:
+            self._base = previous._base
+        else:
+            try:
+                self._base = _Layer({table: _mapped(paths[table]) for table in TABLES}, where)
+            except _INDEX_ERRORS as exc:
+                raise _altered(where, exc) from exc
         self._top: _Layer | None = None
         self._changed = changed or {}
         if added is not None:

@@ -9,6 +9,7 @@ pointer gives each of those files' sha256 and is sealed by a checksum of its own
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -23,11 +24,12 @@ import duckdb
 import pyarrow as pa
 
 from lakeloader.catalog.changes import ChangeLog
-from lakeloader.catalog.delta import Merged, apply_deltas, merge, read_delta, write_delta
+from lakeloader.catalog.delta import Delta, Merged, apply_deltas, merge, read_delta, write_delta
 from lakeloader.catalog.hash_records import HashRecords
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.pointer import (
     CATALOG_FILE,
+    MAX_DELTAS,
     POINTER,
     base_version,
     delta_file,
@@ -302,21 +304,28 @@ def connect_pointer(lake: LakeLocation, pointer: dict[str, Any], analyst_views: 
     return connect_reader(path, analyst_views, sql, (merged.keys, merged.tables), _deltas_named(lake, pointer))
 
 
-def open_reader_index(lake: LakeLocation) -> tuple[dict[str, Any], ReaderIndex | None]:
+def open_reader_index(lake: LakeLocation, previous: ReaderIndex | None = None
+                      ) -> tuple[dict[str, Any], ReaderIndex | None]:
     """The CURRENT pointer of the lake's newest snapshot and its reader index: its base's files
     memory-mapped, with the rows its deltas add (None for a snapshot without one this lakeloader
     reads: published before the index, or by a newer lakeloader in another format). Remote lakes'
     files are copied into the local cache first (a cached base is kept: a reader following a
-    build fetches only the deltas it lacks). Retried once, as :func:`open_snapshot`."""
+    build fetches only the deltas it lacks; with the ``previous`` index of the same base, its
+    memory-mapped and checked base is reused). Retried once, as :func:`open_snapshot`."""
     def open_index(pointer: dict[str, Any]) -> tuple[dict[str, Any], ReaderIndex | None]:
         index = pointer.get("reader_index")
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
             return pointer, None   # an older lakeloader's snapshot, or a newer one's format: SQL
-        files = {table: local_snapshot(lake, pointer, table) for table in TABLES}
+        identity = (pointer.get("lake_id"), *(pointer.get("sha256", {}).get(table) for table in TABLES))
+        if previous is not None and previous.base_identity == identity:   # checked when first opened
+            files = previous.paths
+        else:
+            files = {table: local_snapshot(lake, pointer, table) for table in TABLES}
         merged = published_deltas(lake, pointer)
         if merged is None:
-            return pointer, ReaderIndex(files)
-        return pointer, ReaderIndex(files, merged.index, merged.changed(), _deltas_named(lake, pointer))
+            return pointer, ReaderIndex(files, previous=previous, base_identity=identity)
+        return pointer, ReaderIndex(files, merged.index, merged.changed(), _deltas_named(lake, pointer),
+                                    previous, identity)
 
     return _newest(lake, open_index)
 
@@ -339,13 +348,20 @@ def published_deltas(lake: LakeLocation, pointer: dict[str, Any]) -> Merged | No
     for version in versions:
         path = local_snapshot(lake, pointer, delta_key(version))
         try:
-            deltas.append(read_delta(path))
+            deltas.append(_read_delta(path, pointer["sha256"][delta_key(version)]))
         except (pa.ArrowException, ValueError, KeyError, TypeError) as exc:
             raise _altered_delta(lake, version, exc) from exc
     try:
         return merge(deltas)
     except (pa.ArrowException, ValueError, KeyError, TypeError) as exc:
         raise _altered_delta(lake, versions[-1], exc) from exc
+
+
+@functools.lru_cache(maxsize=2 * MAX_DELTAS)
+def _read_delta(path: str, sha256: str) -> Delta:
+    """``read_delta`` of the file at ``path`` whose bytes were just found to have ``sha256``: kept,
+    so a reader following a build parses each delta once."""
+    return read_delta(path)
 
 
 def _altered_delta(lake: LakeLocation, version: int, exc: Exception) -> CatalogIntegrityError:
