@@ -643,18 +643,18 @@ FROM {name}.{table};
 -- name: delta_schema
 -- A reader's in-memory copy of what a published version's deltas add to its base snapshot
 -- (lakeloader/catalog/delta.py): the chunks they replace (keys) and each carried table's rows.
-CREATE SCHEMA lakeloader_delta;
+CREATE SCHEMA lakeloader_delta
 
 -- name: delta_keys_table
 CREATE TABLE lakeloader_delta.keys AS SELECT dataset::VARCHAR AS dataset, global_index::BIGINT AS global_index
-FROM delta_rows;
+FROM delta_rows_keys
 
 -- name: delta_table
 -- {table}: a table the deltas carry, of {columns}: the columns the base file stores for it, typed
--- as there; the deltas' rows inserted by name (a column the file lacks, or of another type that
--- does not cast, fails).
+-- as there; the deltas' rows (the view delta_rows_{table}) inserted by name (a column the file
+-- lacks, or of another type that does not cast, fails).
 CREATE TABLE lakeloader_delta.{table} AS SELECT {columns} FROM lake.main.{table} LIMIT 0;
-INSERT INTO lakeloader_delta.{table} BY NAME FROM delta_rows;
+INSERT INTO lakeloader_delta.{table} BY NAME FROM delta_rows_{table}
 
 -- name: reader_keyed_table
 -- reader_table of a keyed table under deltas: the base file's rows of the chunks no delta

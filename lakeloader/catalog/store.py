@@ -273,18 +273,18 @@ def _load_overlay(con: duckdb.DuckDBPyConnection, stored: dict[str, set[str]], o
     rows) into the reader's in-memory database (schema ``lakeloader_delta``), each table of the
     columns the attached file stores; a CatalogIntegrityError naming ``where`` if they do not fit."""
     keys, tables = overlay
-    con.execute(query("delta_schema"))
+    statements = [query("delta_schema"), query("delta_keys_table")]
+    for name in tables:
+        columns = ", ".join(c for c in schema_columns().get(name, ()) if c.lower() in stored.get(name, ()))
+        statements.append(query("delta_table").format(table=name, columns=columns))
     try:
         for name, rows in [("keys", keys), *tables.items()]:
-            con.register("delta_rows", rows)
-            try:
-                if name == "keys":
-                    con.execute(query("delta_keys_table"))
-                else:
-                    columns = ", ".join(c for c in schema_columns()[name] if c.lower() in stored.get(name, ()))
-                    con.execute(query("delta_table").format(table=name, columns=columns))
-            finally:
-                con.unregister("delta_rows")
+            con.register(f"delta_rows_{name}", rows)
+        try:
+            con.execute(";\n".join(statements))   # one call: ~5 ms, not ~5 ms per table
+        finally:
+            for name in ["keys", *tables]:
+                con.unregister(f"delta_rows_{name}")
         missing = set(stored) - set(tables) - set(STATIC_TABLES)
         if missing:
             raise ValueError(f"no rows of {', '.join(sorted(missing))}")
