@@ -18,8 +18,8 @@ import pytest
 
 from lakeloader.catalog import snapshot
 from lakeloader.catalog.lake import Lake
-from lakeloader.catalog.pointer import delta_file, delta_versions
-from lakeloader.catalog.reader_index import ReaderIndex
+from lakeloader.catalog.pointer import delta_file, delta_versions, parse_pointer, seal_pointer
+from lakeloader.catalog.reader_index import INDEX_FORMAT, TABLES, ReaderIndex
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, materialise, open_reader_index, publish_snapshot, read_pointer
 from lakeloader.catalog.store import CatalogWriter, catalog_tables, connect_reader
 from lakeloader.cli import main
@@ -264,3 +264,23 @@ def test_a_loader_following_a_build_reads_deltas_as_the_finished_lake(tmp_path: 
     with Loader(config) as loader:
         assert_batches_equal([loader.batch(step) for step in range(3)], during)
         assert loader.view.dataset("d").committed >= max(seen.values())
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"base": 4}, "base"),
+    ({"base": 0}, "base"),
+    ({"base": "2"}, "base"),
+    ({"deltas": [4, 3]}, "deltas"),
+    ({"deltas": []}, "deltas"),
+    ({"file": "catalog-000004.duckdb"}, "file"),
+    ({"reader_index": {"prefix": "catalog-000004", "format": INDEX_FORMAT}}, "reader_index"),
+    ({"sha256": {key: "a" * 64 for key in ("catalog", *TABLES, "delta-3")}}, "delta-4"),
+])
+def test_a_pointer_naming_other_deltas_than_its_versions_is_refused(changes: dict[str, Any], why: str) -> None:
+    payload = {"version": 4, "base": 2, "deltas": [3, 4], "file": "catalog-000002.duckdb",
+               "reader_index": {"prefix": "catalog-000002", "format": INDEX_FORMAT},
+               "sha256": {key: "a" * 64 for key in ("catalog", *TABLES, "delta-3", "delta-4")},
+               "published_at": 1.0, "build_id": 1, "lake_id": "0" * 32}
+    assert delta_versions(parse_pointer(seal_pointer(payload), "CURRENT", TABLES, INDEX_FORMAT)) == [3, 4]
+    with pytest.raises(CatalogIntegrityError, match=f"CURRENT is damaged or was altered.*{why}"):
+        parse_pointer(seal_pointer(payload | changes), "CURRENT", TABLES, INDEX_FORMAT)
