@@ -1,10 +1,12 @@
-"""Published read-only copies of the catalog in the lake, for readers in other processes/hosts.
+"""Published read-only versions of the catalog in the lake, for readers in other processes/hosts.
 
-Layout: ``<lake>/_catalog/catalog-<version>.duckdb``, its reader index
-``catalog-<version>.<table>.arrow`` (catalog/reader_index.py), plus ``<lake>/_catalog/CURRENT``, a
-small JSON pointer replaced atomically after the snapshot and index it names are complete. The
-pointer gives each of those files' sha256 and is sealed by a checksum of its own
-(catalog/pointer.py): a reader opens only files whose bytes are those published.
+Layout: a version is a base, a full snapshot (``<lake>/_catalog/catalog-<version>.duckdb`` and its
+reader index ``catalog-<version>.<table>.arrow``, catalog/reader_index.py), plus the deltas of the
+versions after it (``catalog-<version>.delta.arrow``, catalog/delta.py: what changed since the
+previous version); ``<lake>/_catalog/CURRENT`` is a small JSON pointer replaced atomically after
+the files it names are complete. The pointer gives each of those files' sha256 and is sealed by a
+checksum of its own (catalog/pointer.py): a reader opens only files whose bytes are those
+published, and sees the version as a full snapshot of it would show it.
 """
 
 from __future__ import annotations
