@@ -335,10 +335,6 @@ class ReaderIndex:
         self._where = added_where or where
         self._meta = self._top or self._base   # the deltas carry the plans whole
 
-    @property
-    def datasets(self) -> dict[str, IndexedDataset]:
-        return self._meta.datasets
-
     def plan(self, name: str) -> tuple[str, str, list[str], str | None] | None:
         """Dataset ``name``'s (fingerprint, token_type, part kinds, source dataset), as the
         catalog query reader_dataset returns them; None if the snapshot has no such dataset."""

@@ -11,6 +11,7 @@ published, and sees the version as a full snapshot of it would show it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import logging
@@ -19,7 +20,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import duckdb
@@ -149,6 +150,24 @@ def _delta_fits(pointer: dict[str, Any], changes: ChangeLog) -> bool:
             and changes.delta_bytes <= DELTA_SHARE * changes.base_bytes)
 
 
+@contextlib.contextmanager
+def _publishing(target: str, leftovers: list[str]) -> Iterator[None]:
+    """Publishing to ``target`` (a file of the lake's ``_catalog/``): its errors made clear, a
+    transient one left for the caller to retry; ``leftovers`` (local files) removed whatever
+    happens, so none is left half-written."""
+    try:
+        yield
+    except duckdb.Error as exc:
+        raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
+    except OSError as exc:
+        if is_transient(exc):
+            raise  # retried by the caller
+        raise write_failure("publishing the catalog snapshot", target, exc) from exc
+    finally:
+        for leftover in leftovers:
+            remove_quietly(leftover)
+
+
 def _staging(lake: LakeLocation, target: str) -> str:
     staging = os.path.dirname(target) if lake.is_local else os.path.join(lake.cache_dir, "publish")
     os.makedirs(staging, exist_ok=True)
@@ -168,7 +187,7 @@ def _publish_base(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_id: 
     temporary = {key: os.path.join(staging, f"{file}.tmp-{os.getpid()}") for key, file in files.items()}
     for path in temporary.values():
         remove_quietly(path)
-    try:
+    with _publishing(target, [*temporary.values(), f"{temporary[CATALOG_FILE]}.wal"]):
         _copy_catalog(con, temporary[CATALOG_FILE], temporary.__getitem__)
         checksums = {key: _sha256_file(path) for key, path in temporary.items()}
         size = sum(os.path.getsize(path) for path in temporary.values())
@@ -177,15 +196,6 @@ def _publish_base(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_id: 
         payload = {"version": version, "file": name, "reader_index": {"prefix": prefix, "format": INDEX_FORMAT},
                    "sha256": checksums, "published_at": time.time(), "build_id": build_id, "lake_id": lake_id}
         write_atomically(lake.url_of(POINTER), seal_pointer(payload), lake.storage_options)
-    except duckdb.Error as exc:
-        raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
-    except OSError as exc:
-        if is_transient(exc):
-            raise  # retried by the caller
-        raise write_failure("publishing the catalog snapshot", target, exc) from exc
-    finally:
-        for leftover in [*temporary.values(), f"{temporary[CATALOG_FILE]}.wal"]:  # never left half-written
-            remove_quietly(leftover)
     log.debug("published catalog snapshot %s", name)
     return size, payload
 
@@ -200,7 +210,7 @@ def _publish_delta(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_id:
     target = lake.path_of(f"{SNAPSHOT_DIR}/{name}")
     temporary = os.path.join(_staging(lake, target), f"{name}.tmp-{os.getpid()}")
     remove_quietly(temporary)
-    try:
+    with _publishing(target, [temporary]):
         write_delta(con, keys, temporary)
         checksum, size = _sha256_file(temporary), os.path.getsize(temporary)
         _place(lake, temporary, f"{SNAPSHOT_DIR}/{name}")
@@ -210,14 +220,6 @@ def _publish_delta(con: duckdb.DuckDBPyConnection, lake: LakeLocation, build_id:
                    "sha256": {**pointer["sha256"], delta_key(version): checksum},
                    "published_at": time.time(), "build_id": build_id}
         write_atomically(lake.url_of(POINTER), seal_pointer(payload), lake.storage_options)
-    except duckdb.Error as exc:
-        raise catalog_failure(target, exc, "publishing the catalog snapshot") or exc
-    except OSError as exc:
-        if is_transient(exc):
-            raise  # retried by the caller
-        raise write_failure("publishing the catalog snapshot", target, exc) from exc
-    finally:
-        remove_quietly(temporary)
     log.debug("published catalog delta %s (%d chunks)", name, sum(len(v) for v in keys.values()))
     return size, payload
 
