@@ -17,6 +17,7 @@ SELECT fingerprint FROM dataset_plans WHERE name = $name;
 
 -- name: forget_dataset
 DELETE FROM selections WHERE dataset = $name;
+DELETE FROM chunk_images WHERE dataset = $name;
 DELETE FROM row_groups WHERE dataset = $name;
 DELETE FROM chunk_examples WHERE dataset = $name;
 DELETE FROM packing_plans WHERE dataset = $name;
@@ -52,7 +53,7 @@ ORDER BY recorded_at DESC, definition;
 SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
        c.split_kind, c.split_start, c.split_stop, c.first_row,
        s.source, s.layout, s.compression, s.source_raw, c.num_bytes, c.checksum,
-       coalesce(d.encoder, '') AS encoder
+       coalesce(d.encoder, '') AS encoder, c.media_bytes, c.media_checksum
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
@@ -72,12 +73,14 @@ UPDATE chunks SET
     num_records = b.num_records, num_bytes = b.num_bytes, checksum = b.checksum,
     num_rejects = b.num_rejects, source_bytes = b.source_bytes, build_id = $build_id,
     worker = b.worker, seconds = b.seconds, committed_at = now()::TIMESTAMP,
-    num_parts = b.num_parts, part_tokens = b.part_tokens
+    num_parts = b.num_parts, part_tokens = b.part_tokens, media_bytes = b.media_bytes,
+    media_checksum = b.media_checksum
 FROM (SELECT unnest($dataset) AS dataset, unnest($global_index) AS global_index, unnest($num_docs) AS num_docs,
              unnest($num_tokens) AS num_tokens, unnest($num_records) AS num_records,
              unnest($num_bytes) AS num_bytes, unnest($checksum) AS checksum, unnest($num_rejects) AS num_rejects,
              unnest($source_bytes) AS source_bytes, unnest($worker) AS worker, unnest($seconds) AS seconds,
-             unnest($num_parts) AS num_parts, unnest($part_tokens) AS part_tokens) b
+             unnest($num_parts) AS num_parts, unnest($part_tokens) AS part_tokens,
+             unnest($media_bytes::BIGINT[]) AS media_bytes, unnest($media_checksum::VARCHAR[]) AS media_checksum) b
 WHERE chunks.dataset = b.dataset AND chunks.global_index = b.global_index AND chunks.status <> 'committed'
   AND list_contains($global_index, chunks.global_index) AND chunks.global_index BETWEEN $lo AND $hi
 RETURNING chunks.dataset, chunks.global_index, chunks.shard_index, chunks.split_index;
@@ -90,7 +93,8 @@ UPDATE chunks SET
     num_records = $num_records, num_bytes = $num_bytes, checksum = $checksum,
     num_rejects = $num_rejects, source_bytes = $source_bytes, build_id = $build_id,
     worker = $worker, seconds = $seconds, committed_at = now()::TIMESTAMP,
-    num_parts = $num_parts, part_tokens = $part_tokens
+    num_parts = $num_parts, part_tokens = $part_tokens, media_bytes = $media_bytes::BIGINT,
+    media_checksum = $media_checksum::VARCHAR
 WHERE dataset = $dataset AND global_index = $global_index AND status <> 'committed'
 RETURNING dataset, global_index, shard_index, split_index;
 
@@ -98,6 +102,11 @@ RETURNING dataset, global_index, shard_index, split_index;
 INSERT INTO row_groups
 SELECT unnest($dataset), unnest($global_index), unnest($row_group), unnest($first_doc), unnest($num_docs),
        unnest($first_token), unnest($num_tokens), unnest($num_parts), unnest($part_tokens);
+
+-- name: commit_batch_images
+INSERT INTO chunk_images
+SELECT unnest($dataset), unnest($global_index), unnest($doc), unnest($image), unnest($image_id), unnest($width),
+       unnest($height), unnest($format), unnest($mode), unnest($num_bytes);
 
 -- name: commit_batch_examples
 INSERT INTO chunk_examples
@@ -432,6 +441,10 @@ CREATE OR REPLACE TEMP TABLE adopted_row_groups AS
 SELECT a.new_index, r.* FROM row_groups r
 JOIN adopted_chunks a ON r.dataset = a.dataset AND r.global_index = a.global_index
 WHERE r.dataset = $name;
+CREATE OR REPLACE TEMP TABLE adopted_images AS
+SELECT a.new_index, i.* FROM chunk_images i
+JOIN adopted_chunks a ON i.dataset = a.dataset AND i.global_index = a.global_index
+WHERE i.dataset = $name;
 CREATE OR REPLACE TEMP TABLE adopted_rejects AS
 SELECT a.new_index, a.new_shard, a.new_split, r.* FROM rejects r
 JOIN adopted_chunks a ON r.dataset = a.dataset AND r.global_index = a.global_index
@@ -446,9 +459,13 @@ UPDATE chunks SET
     num_records = a.num_records, num_bytes = a.num_bytes, checksum = a.checksum,
     num_rejects = a.num_rejects, source_bytes = a.source_bytes, build_id = a.build_id,
     worker = a.worker, seconds = a.seconds, committed_at = a.committed_at,
-    num_parts = a.num_parts, part_tokens = a.part_tokens
+    num_parts = a.num_parts, part_tokens = a.part_tokens, media_bytes = a.media_bytes,
+    media_checksum = a.media_checksum
 FROM adopted_chunks a
 WHERE chunks.dataset = $name AND chunks.global_index = a.new_index;
+INSERT INTO chunk_images
+SELECT dataset, new_index, doc, image, image_id, width, height, format, mode, num_bytes
+FROM adopted_images WHERE dataset = $name;
 INSERT INTO row_groups
 SELECT dataset, new_index, row_group, first_doc, num_docs, first_token, num_tokens, num_parts, part_tokens
 FROM adopted_row_groups WHERE dataset = $name;
@@ -460,7 +477,25 @@ SELECT count(*) FROM adopted_chunks WHERE dataset = $name;
 -- name: drop_adopted_chunks
 DROP TABLE IF EXISTS adopted_chunks;
 DROP TABLE IF EXISTS adopted_row_groups;
+DROP TABLE IF EXISTS adopted_images;
 DROP TABLE IF EXISTS adopted_rejects;
+
+-- name: insert_plan_growth
+INSERT OR REPLACE INTO plan_growth (dataset, fingerprint, extends, chunks_before, grown_at)
+VALUES ($name, $fingerprint, $extends, $chunks_before, now());
+
+-- name: plan_growth
+-- The growths recorded of a dataset: each grown plan, the plan it extends and that plan's chunks.
+SELECT fingerprint, extends, chunks_before FROM plan_growth WHERE dataset = $name;
+
+-- name: built_plan_files
+-- A dataset's files in shard order as its plan in force recorded them (plan/growth.py).
+SELECT coalesce(source_raw, encode(source)) AS source_raw, size_bytes, version
+FROM shard_plans WHERE dataset = $name ORDER BY shard_index;
+
+-- name: built_plan_chunks
+SELECT global_index, shard_index, split_index, path, split_kind, split_start, split_stop, first_row
+FROM chunks WHERE dataset = $name ORDER BY global_index;
 
 -- name: insert_chunk_plans
 -- From the DataFrame registered as new_chunks (the planner's chunk table plus dataset).
@@ -486,7 +521,7 @@ GROUP BY d.name, d.num_rejects, p.source_dataset, p.selection ORDER BY d.name;
 
 -- name: committed_chunk_files
 -- (Chunks of datasets defined by a filter are their source's files, checked as the source's.)
-SELECT dataset, global_index, path, num_bytes, checksum, num_docs FROM chunks
+SELECT dataset, global_index, path, num_bytes, checksum, num_docs, media_bytes, media_checksum FROM chunks
 WHERE status = 'committed'
   AND dataset NOT IN (SELECT name FROM dataset_plans WHERE source_dataset IS NOT NULL)
 ORDER BY dataset, global_index;
@@ -592,6 +627,18 @@ SELECT {by}, count(*)::BIGINT AS documents, coalesce(sum(num_tokens), 0)::BIGINT
        quantile_disc(num_tokens, 0.99)::BIGINT AS p99, max(num_tokens)::BIGINT AS max
 FROM documents GROUP BY {by} ORDER BY {by};
 
+-- name: image_stats
+-- Image occurrences, distinct images, their stored bytes and size percentiles per dataset of the
+-- images view (datasets storing their images).
+SELECT dataset, count(*)::BIGINT AS images, count(DISTINCT image_id)::BIGINT AS distinct_images,
+       sum(num_bytes)::BIGINT AS image_bytes,
+       quantile_disc(width, 0.5)::INTEGER AS width_p50, max(width)::INTEGER AS width_max,
+       quantile_disc(height, 0.5)::INTEGER AS height_p50, max(height)::INTEGER AS height_max,
+       quantile_disc(width::BIGINT * height, 0.5)::BIGINT AS pixels_p50,
+       quantile_disc(width::BIGINT * height, 0.99)::BIGINT AS pixels_p99,
+       quantile_disc(num_bytes, 0.5)::BIGINT AS bytes_p50, max(num_bytes)::BIGINT AS bytes_max
+FROM images GROUP BY dataset ORDER BY dataset;
+
 -- name: document_length_histogram
 -- Documents per length bin of each dataset (and placeholder value: a column of the view, or
 -- NULL): bin b holds lengths in [2^(b/k), 2^((b+1)/k)) tokens, k = per_octave (0 joins bin 0).
@@ -682,3 +729,8 @@ DELETE FROM {table};
 -- name: apply_insert
 -- ... then the deltas' rows of it (the view delta_rows).
 INSERT INTO {table} BY NAME FROM delta_rows;
+
+-- name: image_sizes
+-- Width and height of every image occurrence of a dataset's committed chunks (the audit's image
+-- tokens, counted under the config's resolution).
+SELECT width, height FROM images WHERE dataset = $name;

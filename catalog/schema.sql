@@ -46,6 +46,19 @@ CREATE TABLE IF NOT EXISTS dataset_definitions (
     PRIMARY KEY (dataset, definition)
 );
 
+-- Plans grown append-only (plan/growth.py): a dataset's files were its built plan's, unchanged, plus
+-- new ones, so the grown plan keeps that plan's chunks at their global indexes and appends the new
+-- files' chunks. One row per growth, kept while later plans replace the dataset's (a run that read
+-- an older plan follows the chain from it to the plan in force: feed/run_state.py).
+CREATE TABLE IF NOT EXISTS plan_growth (
+    dataset       VARCHAR NOT NULL,
+    fingerprint   VARCHAR NOT NULL,        -- the grown plan
+    extends       VARCHAR NOT NULL,        -- the plan it grew from
+    chunks_before BIGINT NOT NULL,         -- that plan's chunks: global indexes 0 .. chunks_before - 1
+    grown_at      TIMESTAMP NOT NULL,
+    PRIMARY KEY (dataset, fingerprint)
+);
+
 -- One row per input file of a dataset, in shard order.
 CREATE TABLE IF NOT EXISTS shard_plans (
     dataset     VARCHAR NOT NULL,
@@ -89,6 +102,27 @@ CREATE TABLE IF NOT EXISTS chunks (
     num_parts    BIGINT[],                 -- parts of each kind (dataset_plans.fields order)
     part_tokens  BIGINT[],                 -- stored tokens of each kind
     PRIMARY KEY (dataset, global_index)
+);
+
+-- A chunk's media file (<chunk>.media.parquet, interleaved.images: stored; NULL: none): its size
+-- and sha256, checked and repaired like the chunk file's.
+ALTER TABLE chunks ADD COLUMN IF NOT EXISTS media_bytes BIGINT;
+ALTER TABLE chunks ADD COLUMN IF NOT EXISTS media_checksum VARCHAR;
+
+-- The images of committed chunks of datasets storing them: one row per image occurrence in a
+-- document (the same image twice is two rows, stored once in the chunk's media file).
+CREATE TABLE IF NOT EXISTS chunk_images (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,
+    doc          BIGINT NOT NULL,          -- the document, within the chunk
+    image        INTEGER NOT NULL,         -- the image, within the document (0, 1, ...)
+    image_id     VARCHAR NOT NULL,         -- sha256 (hex) of the image's original bytes
+    width        INTEGER NOT NULL,         -- after EXIF orientation
+    height       INTEGER NOT NULL,
+    format       VARCHAR NOT NULL,         -- JPEG | PNG | WEBP | GIF | ...
+    mode         VARCHAR NOT NULL,         -- the stored image's mode: RGB, L, P, RGBA, CMYK, I;16, ...
+    num_bytes    BIGINT NOT NULL,          -- of the original (compressed) file
+    PRIMARY KEY (dataset, global_index, doc, image)
 );
 
 -- Row groups of committed chunks: readers seek to a token without opening other row groups.

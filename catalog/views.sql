@@ -207,3 +207,11 @@ SELECT
 FROM packing_plans p
 LEFT JOIN chunk_examples e ON e.dataset = p.dataset AND e.plan_key = p.plan_key
 GROUP BY p.dataset, p.plan_key, p.mode, p.seq_len, p.spec, p.created_at;
+
+-- The images of committed chunks: one row per image occurrence in a document (datasets with
+-- interleaved.images: stored), its size after EXIF orientation, format and stored bytes.
+CREATE OR REPLACE VIEW images AS
+SELECT i.dataset, i.global_index AS chunk, i.doc, i.image, i.image_id, i.width, i.height, i.format, i.mode,
+       i.num_bytes
+FROM chunk_images i
+JOIN chunks c ON c.dataset = i.dataset AND c.global_index = i.global_index AND c.status = 'committed';

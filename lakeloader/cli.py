@@ -207,17 +207,17 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_audit(args: argparse.Namespace) -> int:
     from lakeloader.catalog.audit import audit
     from lakeloader.feed.loader import Loader
-    from lakeloader.feed.run_audit import run_audit
+    from lakeloader.feed.run_audit import run_segments
     from lakeloader.report.audit_plot import plot_audit
 
     if args.state:
         state = _read_state(args.state)
         with Loader(args.config) as loader:
             step = loader.follow(state)
-            frame = run_audit(loader, args.steps[1] if args.steps else step)
+            frame = run_segments(loader, args.steps[1] if args.steps else step)
         if args.format == "table":
-            print(f"run revised at steps {frame.attrs['revisions']}, steps [0, {frame.attrs['stop_step']}) of "
-                  f"batch {frame.attrs['batch_size']}, from the closed form")
+            print(f"run_segments: the run revised at steps {frame.attrs['revisions']}, steps "
+                  f"[0, {frame.attrs['stop_step']}) of batch {frame.attrs['batch_size']}, from the closed form")
         _print_frame(frame, args.format)
         return 0
     if args.steps is None:
@@ -296,9 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
         "sql", help="run SQL against the catalog",
         description="Query the lake's DuckDB catalog. Allowed: " + ALLOWED_SQL + " Tables: "
         "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
-        "mixture_nodes, packing_plans, chunk_examples; views: committed_prefix, chunk_offsets, packing, "
-        "documents (one row per document of the committed chunks: dataset, chunk, doc, source, line, "
-        "num_tokens, num_parts, tokens_<kind> per part kind, and each metadata field); "
+        "mixture_nodes, packing_plans, chunk_examples, chunk_images; views: committed_prefix, chunk_offsets, "
+        "packing, documents (one row per document of the committed chunks: dataset, chunk, doc, source, line, "
+        "num_tokens, num_parts, tokens_<kind> per part kind, and each metadata field), images (one row per "
+        "image occurrence of the committed chunks: dataset, chunk, doc, image, image_id, width, height, "
+        "format, mode, num_bytes); "
         "table macros: mixture_plan(id, "
         "first_step, stop_step), mixture_proportions(id, first_step, stop_step) over the steps [first_step, "
         "stop_step), as --steps A:B. A query runs within the config's sql section (memory_limit, "
@@ -363,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
         "been revised mid-run"))
     batches.add_argument("--continue-changes", action="store_true", help=(
         "with --resume: continue the run under CONFIG although its mixture or datasets changed since the state "
-        "was saved (earlier steps keep their batches; each dataset continues where it stopped)"))
+        "was saved, files added to a dataset included (earlier steps keep their batches; each dataset continues "
+        "where it stopped)"))
     batches.add_argument("--save-state", metavar="STATE.json", help="write the run's state at step B here")
     batches.add_argument("--no-progress", action="store_true", help="no progress bar")
     batches.set_defaults(func=_cmd_batches)
@@ -382,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--steps", type=_steps, metavar="A:B",
                        help="steps A..B-1 (half-open [A, B), as audit(config, A, B) in Python)")
     audit.add_argument("--state", metavar="STATE.json", help=(
-        "audit the run of a saved loader state instead: its steps so far (or [0, B) of --steps), revision by "
-        "revision and in total, with each dataset's tokens and epochs"))
+        "audit the run of a saved loader state instead: its steps so far (or [0, B) of --steps), segment by "
+        "segment (between the steps its config was revised) and in total, with each dataset's examples, tokens "
+        "and epochs (the run_segments table; --format json for other tools)"))
     audit.add_argument("--format", choices=formats, default="table")
     audit.add_argument("--plot", default=None, metavar="FILE.png",
                        help="also draw realized vs target share over the steps into a PNG (matplotlib)")

@@ -14,6 +14,7 @@ from lakeloader.contracts.chunk_file import DOCUMENT_COLUMNS
 from lakeloader.contracts.doc_keys import split_predicates
 from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.formats import RecordFormat
+from lakeloader.contracts.media import DEFAULT_MAX_PIXELS
 from lakeloader.contracts.selection import PredicateError, check_predicate, metadata_columns, where_problem
 from lakeloader.contracts.specs import REQUIRED_ROW_FIELDS, ROW_FIELDS, WeightError, check_weights
 from lakeloader.storage import S3_PROTOCOLS, s3_options_problem
@@ -179,6 +180,40 @@ class InfillFormat(_Strict):
         return value
 
 
+class ImageResolutionConfig(_Strict):
+    """How stored images become pixels and placeholder tokens (``interleaved.resolution``):
+    ``fixed`` resizes each image to fit ``size`` keeping its aspect and pads it (``image_tokens``
+    placeholders each); ``patches`` resizes it to a grid of ``patch_size`` patches keeping its
+    aspect, within ``min_pixels``..``max_pixels`` and at most ``max_patches`` patches, one
+    placeholder per patch. Decided from the stored width and height alone: changing it re-plans,
+    never rebuilds."""
+
+    kind: Literal["fixed", "patches"] = Field(default="fixed", description="fixed | patches.")
+    size: list[int] = Field(default=[224, 224], description="fixed: [height, width] of pixel_values.")
+    patch_size: int = Field(default=14, ge=1, le=64, description="patches: pixels per patch side.")
+    min_pixels: int = Field(default=56 * 56, ge=0, description="patches: fewest pixels an image is resized to.")
+    max_pixels: int = Field(default=448 * 448, ge=1, description="patches: most pixels an image is resized to.")
+    max_patches: int = Field(default=256, ge=1, description="patches: most patches (placeholder tokens) of an image.")
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: list[int]) -> list[int]:
+        if len(value) != 2 or min(value) < 1 or max(value) > 4096:
+            raise ValueError(f"give [height, width], each in 1..4096, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ImageResolutionConfig:
+        if self.kind == "patches":
+            if self.max_pixels < self.patch_size ** 2:
+                raise KeyValueError(("max_pixels",), f"max_pixels {self.max_pixels} is less than one patch "
+                                                      f"({self.patch_size}x{self.patch_size})")
+            if self.min_pixels > self.max_pixels:
+                raise KeyValueError(("min_pixels",), f"min_pixels {self.min_pixels} is more than max_pixels "
+                                                      f"{self.max_pixels}")
+        return self
+
+
 class InterleavedFormat(_Strict):
     """``format: interleaved``: a list of items, each text or an image reference. Each image
     becomes ``image_start + image_token * image_tokens + image_end`` at collation; its
@@ -192,6 +227,25 @@ class InterleavedFormat(_Strict):
     image_start: str = Field(default="<|image_start|>", description="Token put before an image's placeholders.")
     image_end: str = Field(default="<|image_end|>", description="Token put after an image's placeholders.")
     max_images: int = Field(default=8, ge=1, description="Images per example.")
+    images: Literal["references", "stored"] = Field(default="references", description=(
+        "references: an image item's value is a reference string kept as it is (no image is read). stored: "
+        "the build reads each image (bytes in the record, a {bytes, path} struct as Hugging Face datasets "
+        "write them, {\"bytes\": base64} in JSON Lines, a path or URL resolved through fsspec relative to "
+        "the source file's folder, or a member of a WebDataset tar sample), checks it with Pillow and stores "
+        "its original bytes in the chunk's media file."))
+    max_pixels: int = Field(default=DEFAULT_MAX_PIXELS, ge=1, description=(
+        "images: stored: an image of more pixels (width x height) is bad input (a decompression bomb), "
+        "refused before its pixels are decoded."))
+    resolution: ImageResolutionConfig = Field(
+        default=ImageResolutionConfig(),
+        description="Stored images: pixels in the batch and placeholders per image (fixed | patches).")
+
+    @model_validator(mode="after")
+    def _patches_need_stored_images(self) -> InterleavedFormat:
+        if self.resolution.kind == "patches" and self.images != "stored":
+            raise KeyValueError(("resolution", "kind"), "resolution kind 'patches' sizes each image from its stored "
+                                                        "width and height: it needs images: stored")
+        return self
 
 
 FORMAT_SECTIONS = ("chat", "supervised", "fim", "infill", "interleaved")
@@ -337,7 +391,9 @@ class DatasetConfig(_Strict):
         if self.format == "supervised":
             return self.supervised.model_dump(include={"prompt_field", "response_field"})
         if self.format == "interleaved":
-            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key"})
+            # images and max_pixels only when stored: the fingerprints of reference datasets stay as they were.
+            stored = {"images", "max_pixels"} if self.interleaved.images == "stored" else set()
+            return self.interleaved.model_dump(include={"items_field", "text_key", "image_key", *stored})
         if self.format in ("fim", "infill"):
             section = self.fim if self.format == "fim" else self.infill
             return {"text_field": section.text_field or self.text_field}
@@ -427,8 +483,10 @@ class LoaderConfig(_Strict):
         "vocabulary fits 16 bits, least recently used first out."))
     disk_cache_bytes: int = Field(default=10 * 2**30, description=(
         "Bytes of local copies of a remote lake's chunk files (a size)."))
+    image_cache_bytes: int = Field(default=128 * 2**20, description=(
+        "Bytes of decoded and resized stored images kept in memory (a size), least recently used first out."))
 
-    @field_validator("cache_bytes", "disk_cache_bytes", mode="before")
+    @field_validator("cache_bytes", "disk_cache_bytes", "image_cache_bytes", mode="before")
     @classmethod
     def _cache_size(cls, value: Any) -> int:
         return parse_size(value)

@@ -11,9 +11,20 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from lakeloader.config import Config, MixtureConfig, load_config
+from lakeloader.config import Config, DatasetConfig, MixtureConfig, load_config
 from lakeloader.contracts.errors import ConfigError
-from lakeloader.contracts.specs import Fim, Infill, MixtureSpec, PackingSpec, Stage, Template, derive_key, make_template
+from lakeloader.contracts.specs import (
+    Fim,
+    ImageResolution,
+    ImageRun,
+    Infill,
+    MixtureSpec,
+    PackingSpec,
+    Stage,
+    Template,
+    derive_key,
+    make_template,
+)
 
 
 def dataset_names(config: Config | str | os.PathLike[str]) -> tuple[str, ...]:
@@ -91,6 +102,23 @@ def _text_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False).ids) if text else []
 
 
+def image_resolution(dataset: DatasetConfig) -> ImageResolution:
+    """The :class:`ImageResolution` of an interleaved dataset's ``interleaved.resolution``."""
+    r = dataset.interleaved.resolution
+    return ImageResolution(r.kind, (r.size[0], r.size[1]), r.patch_size, r.min_pixels, r.max_pixels, r.max_patches)
+
+
+def stores_images(dataset: DatasetConfig) -> bool:
+    """Whether a dataset's images are stored in the lake (their pixels then go in the batch)."""
+    return dataset.format == "interleaved" and dataset.interleaved.images == "stored"
+
+
+def image_run_tokens(dataset: DatasetConfig) -> int:
+    """The most placeholder tokens an image of an interleaved dataset takes."""
+    resolution = image_resolution(dataset)
+    return dataset.interleaved.image_tokens if resolution.kind == "fixed" else resolution.patch_cap
+
+
 def template_for(name: str, config: Config, tokenizer: Any) -> Template:
     """The collation template of dataset ``name``: BOS/EOS from ``loader``, the rest from the
     format's section (chat roles' prefix and suffix, supervised separators, FIM sentinels,
@@ -119,6 +147,10 @@ def template_for(name: str, config: Config, tokenizer: Any) -> Template:
         image = token_id(tokenizer, f"{where}.interleaved.image_token", items.image_token)
         start = token_id(tokenizer, f"{where}.interleaved.image_start", items.image_start)
         end = token_id(tokenizer, f"{where}.interleaved.image_end", items.image_end)
+        resolution = image_resolution(dataset)
+        if resolution.kind == "patches":   # a run of the image's own length, from its stored size
+            return make_template(kinds, bos=bos, eos=eos, part_prefix={"image": [start]}, part_suffix={"image": [end]},
+                                 trains={"text"}, image_kind="image", image_run=ImageRun(image, resolution))
         return make_template(kinds, bos=bos, eos=eos, part_prefix={"image": [start] + [image] * items.image_tokens},
                              part_suffix={"image": [end]}, trains={"text"}, image_kind="image")
     fim = None
@@ -154,12 +186,13 @@ def packing_spec(name: str, config: Config, template: Template) -> PackingSpec |
     max_images = None
     if dataset.format == "interleaved":
         max_images = dataset.interleaved.max_images
-        run = dataset.interleaved.image_tokens + 2
+        run = image_run_tokens(dataset) + 2
         if run > loader.seq_len:
+            key = "image_tokens" if image_resolution(dataset).kind == "fixed" else "resolution.max_patches"
             raise ConfigError(
-                f"datasets.{name}.interleaved.image_tokens = {dataset.interleaved.image_tokens}: an image "
-                f"takes {run} tokens with its boundary tokens, more than loader.seq_len = {loader.seq_len}; "
-                "an image is never split, so lower image_tokens or raise seq_len")
+                f"datasets.{name}.interleaved.{key} = {run - 2}: an image "
+                f"takes up to {run} tokens with its boundary tokens, more than loader.seq_len = {loader.seq_len}; "
+                f"an image is never split, so lower {key} or raise seq_len")
     return PackingSpec(seq_len=loader.seq_len, mode=loader.packing, algorithm=loader.pack.algorithm,
                        open_examples=loader.pack.open_examples, long_documents=loader.pack.long_documents,
                        template=template, max_images=max_images)

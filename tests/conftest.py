@@ -112,6 +112,90 @@ def spawned_workers(before: set[int]) -> set[int]:
     return found
 
 
+class RunLoaders:
+    """A training run's global batches from ``count`` processes' loaders (the tests of runs
+    continued under edited configs)."""
+
+    def __init__(self, config: Path, count: int) -> None:
+        self.parts = [Loader(config, process_index=p, process_count=count) for p in range(count)]
+
+    def follow(self, state: dict[str, Any], continue_changes: bool) -> None:
+        for loader in self.parts:
+            loader.follow(state, continue_changes=continue_changes)
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        found = [loader.batch(step) for loader in self.parts]
+        return {k: np.concatenate([f[k] for f in found]) for k in found[0]}
+
+    def consumed(self, step: int) -> list[tuple[str, int, int]]:
+        """(dataset, epoch, example) of each row of ``step``, in row order."""
+        return [(e.dataset, e.epoch, e.example) for loader in self.parts
+                for e in loader.examples(step).examples if e is not None]
+
+    def close(self) -> None:
+        for loader in self.parts:
+            loader.close()
+
+
+def read_run(current: RunLoaders, straight: Loader, step: int, k: int, served: list[Batch],
+             rows: list[list[tuple[str, int, int]]]) -> int:
+    """Read ``k`` steps of a run from ``step`` on, each equal to ``straight``'s, into ``served``
+    and ``rows`` (the (dataset, epoch, example) of each row); returns the next step."""
+    for step in range(step, step + k):
+        batch = current.batch(step)
+        assert_batches_equal(batch, straight.batch(step), "resumed vs never restarted", [step])
+        served.append(batch)
+        rows.append(current.consumed(step))
+    return step + 1
+
+
+def resume_run(current: RunLoaders, straight: Loader, path: Path, step: int, count: int,
+               served: list[Batch], refusal: str | None) -> tuple[RunLoaders, Loader]:
+    """The run of ``current`` continued at ``step`` under config ``path`` by ``count`` fresh
+    processes' loaders (its state through a checkpoint file, refused first without
+    ``continue_changes`` with a message matching ``refusal`` unless None), and by ``straight``'s
+    state in one loader of this process (the same changes at the same steps, never restarted);
+    the old loaders closed and earlier steps checked against ``served``."""
+    state = json.loads(json.dumps(current.parts[0].state(step)))
+    resumed = RunLoaders(path, count)
+    if refusal is not None:
+        with pytest.raises(LakeloaderError, match=refusal):
+            resumed.parts[0].follow(state)
+    resumed.follow(state, continue_changes=True)
+    twin = Loader(path)
+    twin.follow(straight.state(step), continue_changes=True)
+    straight.close()
+    current.close()
+    for earlier in sorted({0, step // 2, max(0, step - 1)}):   # earlier steps keep their batches
+        if earlier < step:
+            assert_batches_equal(resumed.batch(earlier), served[earlier], "after the change", [earlier])
+    return resumed, twin
+
+
+def assert_epochs_whole(rows: list[list[tuple[str, int, int]]],
+                        size_of: Callable[[str, int], int]) -> list[tuple[str, int]]:
+    """Check the (dataset, epoch, example) of a run's rows, in the order served: each dataset's
+    epochs in order, no example repeated within an epoch or past its size (``size_of(dataset,
+    epoch)``), every example of each epoch that ended. Returns those (dataset, epoch)."""
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for step in rows:
+        for dataset, epoch, example in step:
+            seen.setdefault(dataset, []).append((epoch, example))
+    whole = []
+    for dataset, taken in seen.items():
+        epochs = [e for e, _ in taken]
+        assert epochs == sorted(epochs), f"{dataset}: epochs out of order"
+        for epoch in sorted(set(epochs)):
+            size = size_of(dataset, epoch)
+            examples = [k for e, k in taken if e == epoch]
+            assert len(set(examples)) == len(examples), f"{dataset} epoch {epoch}: an example repeats"
+            assert max(examples) < size, f"{dataset} epoch {epoch}: an example past its {size}"
+            if epoch < epochs[-1]:
+                assert sorted(examples) == list(range(size)), f"{dataset} epoch {epoch}: examples skipped"
+                whole.append((dataset, epoch))
+    return whole
+
+
 def write_config(tmp: Path, datasets: dict[str, Any], **sections: Any) -> Path:
     """A config file in ``tmp`` for a lake in ``tmp/lake`` with the demo tokenizer."""
     config = {"lake": str(tmp / "lake"), "tokenizer": str(DEMO_TOKENIZER), "datasets": datasets}

@@ -15,7 +15,7 @@ PACKAGE = Path(lakeloader.__file__).parent
 # package (stage) without a cycle. The foundation modules sit just above the contracts.
 LAYERS = {
     "contracts": 0,
-    "config": 1, "storage": 1, "tokenizer": 1, "specs": 1,
+    "config": 1, "storage": 1, "tokenizer": 1, "specs": 1, "images": 1,
     "index": 2, "plan": 3, "catalog": 4, "read": 5, "ingest": 6, "feed": 7,
     "report": 8, "demo": 9, "cli": 10, "": 10,
 }

@@ -25,14 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from lakeloader.contracts.errors import ConfigError, LakeloaderError
+from lakeloader.contracts.errors import ConfigError
 from lakeloader.contracts.specs import MixtureSpec, Stage
 from lakeloader.feed.loader import Loader
 from lakeloader.index.mixture import staged_assignments
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.ingest.driver import build
 
-from conftest import assert_batches_equal, stdlib_texts, write_config, write_jsonl
+from conftest import RunLoaders as Loaders
+from conftest import (assert_batches_equal, assert_epochs_whole, read_run, resume_run, stdlib_texts, write_config,
+                      write_jsonl)
 
 SEQ_LEN = 32
 BATCH = 8
@@ -116,30 +118,6 @@ def edited(base: Path, folder: Path, name: str, mixture: dict[str, Any]) -> Path
     return path
 
 
-class Loaders:
-    """A run's global batches from ``count`` processes' loaders."""
-
-    def __init__(self, config: Path, count: int) -> None:
-        self.parts = [Loader(config, process_index=p, process_count=count) for p in range(count)]
-
-    def follow(self, state: dict[str, Any], continue_changes: bool) -> None:
-        for loader in self.parts:
-            loader.follow(state, continue_changes=continue_changes)
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        found = [loader.batch(step) for loader in self.parts]
-        return {k: np.concatenate([f[k] for f in found]) for k in found[0]}
-
-    def consumed(self, step: int) -> list[tuple[str, int, int]]:
-        """(dataset, epoch, example) of each row of ``step``, in row order."""
-        return [(e.dataset, e.epoch, e.example) for loader in self.parts
-                for e in loader.examples(step).examples if e is not None]
-
-    def close(self) -> None:
-        for loader in self.parts:
-            loader.close()
-
-
 class ContinuedRuns(RuleBasedStateMachine):
     """Read, save, edit, resume against the oracle (see the module)."""
 
@@ -161,12 +139,7 @@ class ContinuedRuns(RuleBasedStateMachine):
 
     @rule(k=st.integers(1, 8))
     def read(self, k: int) -> None:
-        for _ in range(k):
-            batch = self.current.batch(self.step)
-            assert_batches_equal(batch, self.straight.batch(self.step), "resumed vs never restarted", [self.step])
-            self.served.append(batch)
-            self.rows.append(self.current.consumed(self.step))
-            self.step += 1
+        self.step = read_run(self.current, self.straight, self.step, k, self.served, self.rows)
 
     @rule(kind=st.sampled_from(["reweight", "add", "leave out", "stage"]), data=st.data())
     def edit(self, kind: str, data: st.DataObject) -> None:
@@ -193,39 +166,16 @@ class ContinuedRuns(RuleBasedStateMachine):
             return
         self.edits += 1
         path = edited(self.config, self.folder, f"run{self.edits}", mixture)
-        state = json.loads(json.dumps(self.current.parts[0].state(self.step)))   # through a checkpoint file
-        resumed = Loaders(path, data.draw(st.sampled_from([1, 2])))
-        with pytest.raises(LakeloaderError, match="continue_changes=True"):
-            resumed.parts[0].follow(state)
-        resumed.follow(state, continue_changes=True)
-        straight = Loader(path)   # in this process, from the state as it is: P = 1, no checkpoint file
-        straight.follow(self.straight.state(self.step), continue_changes=True)
-        self.straight.close()
-        self.straight = straight
-        self.current.close()
-        self.current = resumed
+        self.current, self.straight = resume_run(self.current, self.straight, path, self.step,
+                                                 data.draw(st.sampled_from([1, 2])), self.served, "continue_changes=True")
         self.mixture = mixture
         self.revisions.append((self.step, copy.deepcopy(mixture)))
-        for earlier in sorted({0, self.step // 2, max(0, self.step - 1)}):   # earlier steps keep their batches
-            if earlier < self.step:
-                assert_batches_equal(self.current.batch(earlier), self.served[earlier], "after the edit", [earlier])
 
     @invariant()
     def no_repeat_within_an_epoch_and_no_skip(self) -> None:
-        seen: dict[str, list[tuple[int, int]]] = {}
-        for rows in self.rows:
-            for dataset, epoch, example in rows:
-                seen.setdefault(dataset, []).append((epoch, example))
-        for dataset, taken in seen.items():
-            size = self.straight.datasets[self.straight.dataset_names.index(dataset)].train_count()
-            epochs = [e for e, _ in taken]
-            assert epochs == sorted(epochs), f"{dataset}: epochs out of order"
-            for epoch in sorted(set(epochs)):
-                examples = [k for e, k in taken if e == epoch]
-                assert len(set(examples)) == len(examples), f"{dataset} epoch {epoch}: an example repeats"
-                if epoch < epochs[-1]:
-                    assert sorted(examples) == list(range(size)), f"{dataset} epoch {epoch}: examples skipped"
-                    ContinuedRuns.epochs_crossed = True
+        straight = self.straight
+        if assert_epochs_whole(self.rows, lambda name, _: straight.datasets[straight.dataset_names.index(name)].train_count()):
+            ContinuedRuns.epochs_crossed = True
 
     @invariant()
     def each_revision_holds_its_weights(self) -> None:
@@ -298,9 +248,9 @@ def test_the_command_line_continues_a_run_and_audits_it(lake: Path, tmp_path: Pa
     capsys.readouterr()
     assert main(["audit", str(second), "--state", str(later), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    revisions = {(r["revision"], r["first_step"], r["stop_step"]) for r in rows}
+    revisions = {(r["segment"], r["first_step"], r["stop_step"]) for r in rows}
     assert revisions == {("0", 0, 6), ("1", 6, 10), ("all", 0, 10)}
-    by = {(r["revision"], r["dataset"]): r for r in rows}
+    by = {(r["segment"], r["dataset"]): r for r in rows}
     assert by["0", "c"]["examples"] == 0 and by["1", "c"]["examples"] > 0
     for name in ("a", "b", "c"):
         assert by["all", name]["examples"] == by["0", name]["examples"] + by["1", name]["examples"]
@@ -323,3 +273,37 @@ def test_worker_processes_follow_the_revised_run(lake: Path, tmp_path: Path) -> 
         found = list(itertools.islice(pooled.iter_from(state, continue_changes=True), 7))
         assert_batches_equal(found, expected[5:], "workers of a revised run", steps=range(5, 12))
         assert pooled.dataset_names == ("a", "b", "c")
+
+
+def test_run_segments_count_what_the_batches_served(lake: Path, tmp_path: Path) -> None:
+    from lakeloader.feed.run_audit import run_segments
+
+    mixtures = [{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0, "c": 1.0}, {"b": 1.0, "c": 3.0}, {"a": 2.0, "c": 1.0}]
+    starts, stop = [0, 7, 15, 22], 30
+    served: list[list[tuple[str, int]]] = []
+    state = None
+    for number, (weights, start, end) in enumerate(zip(mixtures, starts, [*starts[1:], stop])):
+        with Loader(edited(lake, tmp_path, f"segment{number}", {"weights": weights})) as loader:
+            if state is not None:
+                loader.follow(state, continue_changes=True)
+            served += [[(e.dataset, e.epoch) for e in loader.examples(step).examples] for step in range(start, end)]
+            state = loader.state(end)
+    with Loader(tmp_path / "segment3.yaml") as loader:
+        loader.follow(state)
+        table = run_segments(loader, stop)
+        batches = [loader.batch(step)["dataset_ids"] for step in range(stop)]
+    segments = [*zip(map(str, range(4)), starts, [*starts[1:], stop]), ("all", 0, stop)]
+    assert sorted(set(table["segment"])) == sorted(s for s, _, _ in segments)
+    for segment, first, end in segments:
+        rows = table[table["segment"] == segment].set_index("dataset")
+        assert (rows["first_step"] == first).all() and (rows["stop_step"] == end).all()
+        ids = np.concatenate(batches[first:end])
+        for d, name in enumerate(loader.dataset_names):   # what the batches' dataset_ids and examples say
+            epochs = [epoch for step in served[first:end] for dataset, epoch in step if dataset == name]
+            assert rows.loc[name, "examples"] == len(epochs) == int((ids == d).sum())
+            assert (rows.loc[name, "first_epoch"], rows.loc[name, "last_epoch"]) == (
+                (min(epochs), max(epochs)) if epochs else (-1, -1))
+            size = loader.datasets[d].train_count()
+            assert rows.loc[name, "epochs"] == pytest.approx(len(epochs) / size)
+            assert rows.loc[name, "tokens"] == len(epochs) * SEQ_LEN   # (concat: every example is seq_len tokens)
+    assert table[table["segment"] == "all"]["epochs"].max() > 1   # a dataset went round more than once

@@ -27,13 +27,23 @@ from lakeloader.contracts.errors import CatalogError, LakeloaderError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.index.mixture import Mixer, Schedule, quantized_weights
 from lakeloader.plan.selection import SelectionTask, evaluate_selection
-from lakeloader.specs import dataset_names, mixture_spec, packing_specs, plan_keys, token_weights
+from lakeloader.index.image_tokens import image_token_counts
+from lakeloader.specs import (
+    dataset_names,
+    image_resolution,
+    mixture_spec,
+    packing_specs,
+    plan_keys,
+    stores_images,
+    token_weights,
+)
 
 __all__ = ["audit", "closed_form_plan", "closed_form_proportions", "mixture_plan", "registered",
            "share_curves"]
 
 AUDIT_COLUMNS = ["dataset", "target_weight", "share", "token_share", "examples", "tokens",
                  "max_deviation", "first_index", "end_index"]
+IMAGE_COLUMNS = ["images", "image_token_share"]   # only for configs with stored images
 _BLOCK = 65_536  # steps per block of the Python closed form
 
 
@@ -264,6 +274,24 @@ def _plan_rows(con: duckdb.DuckDBPyConnection | None, mixer: Mixer, first: int, 
     return frame
 
 
+def _image_figures(config: Config) -> list[str]:
+    """The mixture's datasets that store their images (the audit then counts them)."""
+    return [name for name in dataset_names(config) if stores_images(config.datasets[name])]
+
+
+def _dataset_images(config: Config, con: duckdb.DuckDBPyConnection, name: str) -> tuple[int, float, int]:
+    """(images, image tokens' share of the rendered non-padding tokens, examples) of dataset
+    ``name`` over the lake under the config's packing plan: each image's placeholders (its
+    resolution's count from its stored size) and its two boundary tokens."""
+    sizes = con.execute(query("image_sizes"), {"name": name}).fetchnumpy()
+    dataset = config.datasets[name]
+    counts = image_token_counts(sizes["width"], sizes["height"], image_resolution(dataset),
+                                dataset.interleaved.image_tokens)
+    plan = plan_keys(config, _packing(config, con))[name]
+    tokens, examples, _, _ = con.execute(query("plan_example_tokens"), {"name": name, "plan_key": plan}).fetchone()
+    return len(counts), float((counts.sum() + 2 * len(counts)) / max(tokens, 1)), max(int(examples), 1)
+
+
 def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.DataFrame:
     """Realized vs target proportions of the config's mixture over global steps ``[first, stop)``
     (``stop`` excluded, as ``--steps A:B``), one row per dataset:
@@ -287,6 +315,9 @@ def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.
     dataset at share 1.0. The datasets defined by a filter are checked against a fresh
     evaluation of their predicate (:func:`check_selections`; ``frame.attrs["selections_checked"]``
     chunks), a LakeloaderError if the catalog differs. One catalog connection is opened.
+    Datasets storing their images add ``images`` (the range's examples times the dataset's
+    images per example) and ``image_token_share`` (the share of the dataset's rendered tokens
+    that are its images' placeholder runs, with their boundary tokens).
     """
     config = load_config(config)
     first, last = _check_steps(first, stop)
@@ -300,11 +331,18 @@ def audit(config: Config | str | os.PathLike[str], first: int, stop: int) -> pd.
             frame = con.execute(query("mixture_proportions"), {
                 "mixture_id": mixer.mixture_id, "first_step": first, "stop_step": last + 1}).df()
             source = "catalog"
+        figures = {} if con is None else {name: _dataset_images(config, con, name) for name in _image_figures(config)}
     seq_len = config.loader.seq_len
     frame["examples"] = frame["examples"].astype(np.int64)
     frame["tokens"] = np.round(frame["examples"] * frame["dataset"].map(means)).astype(np.int64)
     frame["token_share"] = frame["tokens"] / frame["tokens"].sum()
-    frame = frame[AUDIT_COLUMNS].reset_index(drop=True)
+    columns = AUDIT_COLUMNS
+    if figures:
+        per_example = {name: images / examples for name, (images, _, examples) in figures.items()}
+        frame["images"] = np.round(frame["examples"] * frame["dataset"].map(per_example).fillna(0)).astype(np.int64)
+        frame["image_token_share"] = frame["dataset"].map({n: f[1] for n, f in figures.items()}).fillna(0.0)
+        columns = AUDIT_COLUMNS + IMAGE_COLUMNS
+    frame = frame[columns].reset_index(drop=True)
     frame.attrs.update(source=source, mixture_id=mixer.mixture_id, first_step=first, stop_step=last + 1,
                        batch_size=mixer.batch_size, seq_len=seq_len, selections_checked=checked)
     return frame

@@ -20,12 +20,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-KEYED_TABLES = ("chunks", "row_groups", "selections", "chunk_examples", "rejects")
+KEYED_TABLES = ("chunks", "row_groups", "chunk_images", "selections", "chunk_examples", "rejects")
 STATIC_TABLES = ("shard_plans",)
 # Statements that change keyed tables only for the chunks their caller records (CatalogWriter.commit,
 # commit_plans).
 KEYED_STATEMENTS = frozenset({
-    "commit_chunk", "commit_batch_chunks", "commit_batch_row_groups", "commit_batch_examples",
+    "commit_chunk", "commit_batch_chunks", "commit_batch_row_groups", "commit_batch_images", "commit_batch_examples",
     "commit_batch_missing_examples", "commit_batch_selections", "commit_batch_rejects", "insert_chunk_examples"})
 # Statements that change whole tables only.
 WHOLE_STATEMENTS = frozenset({
@@ -35,7 +35,8 @@ WHOLE_STATEMENTS = frozenset({
 READ_STATEMENTS = frozenset({
     "begin_transaction", "commit_transaction", "rollback_transaction", "checkpoint", "schema_version",
     "dataset_plan", "chunk_count", "chunk_folders", "chunk_tasks", "chunks_without_plan",
-    "datasets_without_documents", "filtered_datasets", "pending_selections"})
+    "datasets_without_documents", "filtered_datasets", "pending_selections", "reader_dataset", "built_plan_files",
+    "built_plan_chunks"})
 
 
 @dataclasses.dataclass

@@ -312,6 +312,12 @@ def document_stats(con: duckdb.DuckDBPyConnection, by: str | None = None) -> pd.
     return con.execute(query("document_stats").format(by=groups)).df()
 
 
+def image_stats(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Per dataset storing its images: image occurrences, distinct images, stored image bytes,
+    and percentiles of width, height, pixels and bytes (a frame without rows when there are none)."""
+    return con.execute(query("image_stats")).df()
+
+
 def length_histogram(con: duckdb.DuckDBPyConnection, by: str | None = None) -> pd.DataFrame:
     """Documents per length bin of each dataset (and value of ``by``): bin ``b`` holds lengths in
     [2^(b/4), 2^((b+1)/4)) tokens; a few hundred rows, whatever the number of documents."""

@@ -15,6 +15,7 @@ import pandas as pd
 from lakeloader.catalog.documents import (
     DocumentLengths,
     document_stats,
+    image_stats,
     length_histogram,
     mentions_documents,
     register_documents,
@@ -125,9 +126,18 @@ class Lake(LakeLocation):
     def stats(self, by: str | None = None, whole_lake: bool = False) -> pd.DataFrame:
         """Documents, tokens and document-length percentiles (p50, p90, p99, max) per dataset, or
         per dataset and value of ``by`` (a column of the ``documents`` view, e.g. a metadata field):
-        of the config's datasets, or of every dataset of the lake with ``whole_lake``."""
+        of the config's datasets, or of every dataset of the lake with ``whole_lake``. Per dataset
+        (without ``by``), when some dataset stores images: their counts, bytes and sizes too
+        (:func:`image_stats`; 0 and null for the datasets without)."""
         with self._reader(documents=True, whole_lake=whole_lake) as con:
-            return self._bounded(con, lambda: document_stats(con, by))
+            stats = self._bounded(con, lambda: document_stats(con, by))
+            images = self._bounded(con, lambda: image_stats(con)) if by is None else None
+        if images is None or images.empty:
+            return stats
+        merged = stats.merge(images, on="dataset", how="left")
+        counts = ["images", "distinct_images", "image_bytes"]
+        merged[counts] = merged[counts].fillna(0).astype("int64")
+        return merged
 
     def document_lengths(self, by: str | None = None, whole_lake: bool = False) -> DocumentLengths:
         """``stats(by, whole_lake)`` and the histogram of the same documents' lengths (documents

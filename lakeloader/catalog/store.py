@@ -25,12 +25,13 @@ from lakeloader.catalog.changes import KEYED_TABLES, STATIC_TABLES, ChangeLog
 from lakeloader.catalog.identity import replaced_definitions
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.config import SqlConfig
-from lakeloader.contracts.chunk_file import ChunkResult, PlanStats
+from lakeloader.contracts.chunk_file import IMAGE_ROW_FIELDS, ChunkResult, PlanStats
 from lakeloader.contracts.errors import CatalogError, CatalogIntegrityError, CatalogLockedError, LakeloaderError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.index.mixture import mixture_rows
+from lakeloader.plan.growth import BuiltPlan
 from lakeloader.plan.planner import DatasetPlan
-from lakeloader.plan.sources import readable_url, url_bytes
+from lakeloader.plan.sources import readable_url, url_bytes, url_from_bytes
 from lakeloader.storage import remove_quietly, write_failure
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ _TABLE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)", re.MULTILINE)
 _TABLE_BODY = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+) \((.*?)^\);", re.MULTILINE | re.DOTALL)
 _COLUMN = re.compile(r"^\s*(\w+)\s+[A-Z]")
 _CONSTRAINTS = {"PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT"}
+# Tables a catalog written before them lacks, read as empty (their CREATE TABLE of schema.sql run
+# in the reader's own in-memory database): views of views.sql read them.
+_LATER_TABLES = ("chunk_images",)
 _ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
@@ -244,10 +248,10 @@ def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, 
                    overlay: Overlay | None = None) -> str:
     """The reader's view of each table of ``stored`` (its stored columns): schema.sql's columns by
     name, so no other column of the file is read; a column schema.sql added after the catalog was
-    written reads NULL (so lakes built before it still read). A column of schema.sql that the file
-    lacks, or has as a generated column, is a CatalogError naming it. With an ``overlay`` loaded
-    (``_load_overlay``), a keyed table's rows of the chunks it replaces are its rows, and a whole
-    table is its rows."""
+    written reads NULL (so lakes built before it still read), and a table of ``_LATER_TABLES`` it
+    lacks is empty. A column of schema.sql that the file lacks, or has as a generated column, is a
+    CatalogError naming it. With an ``overlay`` loaded (``_load_overlay``), a keyed table's rows of
+    the chunks it replaces are its rows, and a whole table is its rows."""
     statements = []
     for name, columns in stored.items():
         missing = [column for column in schema_columns()[name] if column.lower() not in columns]
@@ -265,6 +269,8 @@ def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, 
         kind = "reader_table" if overlay is None or name in STATIC_TABLES else \
             "reader_keyed_table" if name in KEYED_TABLES else "reader_whole_table"
         statements.append(query(kind).format(table=name, columns=", ".join(selected)))
+    statements += [f"CREATE TABLE {name} ({body});" for name, body in _TABLE_BODY.findall(sql_file("schema"))
+                   if name in _LATER_TABLES and name not in stored]
     return "".join(statements)
 
 
@@ -432,7 +438,14 @@ def _chunk_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
         "seconds": [float(r.seconds) for r in results],
         "num_parts": [_column_sums(r.row_group_parts) for r in results],
         "part_tokens": [_column_sums(r.row_group_part_tokens) for r in results],
+        "media_bytes": [r.media_bytes for r in results], "media_checksum": [r.media_checksum for r in results],
     }
+
+
+def _image_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
+    """The image occurrences of commit_batch_images: one per image of each chunk's documents."""
+    return _columns(({"dataset": r.dataset, "global_index": r.global_index, **dict(zip(IMAGE_ROW_FIELDS, row))}
+                     for r in results for row in r.images), ("dataset", "global_index", *IMAGE_ROW_FIELDS))
 
 
 def _row_group_columns(results: Sequence[ChunkResult]) -> dict[str, list[Any]]:
@@ -627,6 +640,18 @@ class CatalogWriter:
             result = self.con.execute(statement, params) if params else self.con.execute(statement)
         return result
 
+    def built_plan(self, name: str) -> BuiltPlan | None:
+        """The plan in force of dataset ``name`` as the catalog holds it (None: none), for
+        :func:`~lakeloader.plan.growth.grown_plan`."""
+        row = self._run("reader_dataset", {"name": name}).fetchone()
+        if row is None:
+            return None
+        chunk_dir = self._run("chunk_folders", {"datasets": [name]}).fetchone()[0]
+        files = [(url_from_bytes(raw), int(size), str(version))
+                 for raw, size, version in self._run("built_plan_files", {"name": name}).fetchall()]
+        return BuiltPlan(str(row[0]), str(chunk_dir), row[3] is not None, files,
+                         self._run("built_plan_chunks", {"name": name}).df())
+
     def register_plan(self, plan: DatasetPlan, *, tokenizer_path: str, token_type: str,
                       vocab_size: int, split_size: int, on_error: str, definition: str | None = None,
                       config_file: str | None = None) -> bool:
@@ -692,6 +717,9 @@ class CatalogWriter:
                 self._run("drop_adopted_chunks")
             if definition is not None:
                 self._run("record_definition", recorded)
+            if plan.extends is not None:
+                self._run("insert_plan_growth", {"name": plan.name, "fingerprint": plan.fingerprint,
+                                                 "extends": plan.extends[0], "chunks_before": plan.extends[1]})
             for missing in plan.missing:
                 self._run("insert_reject", {
                     "dataset": plan.name, "source": missing.source, "location": "whole file",
@@ -774,7 +802,7 @@ class CatalogWriter:
         return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True}).df()
 
     def commit(self, results: Sequence[ChunkResult], build_id: int) -> int:
-        """Commit finished chunks with their row groups, packing counts, selections and rejects
+        """Commit finished chunks with their row groups, images, packing counts, selections and rejects
         in one transaction, by a few statements for the whole batch whatever its size. A chunk
         committed already (a retried task finishing twice, a repaired chunk: same bytes), or
         again later in the batch, only gets the packing counts it lacks. Returns the number of
@@ -801,6 +829,8 @@ class CatalogWriter:
             others = [r for r in results if id(r) not in committed]
             if any(r.row_group_docs for r in fresh):
                 self._run("commit_batch_row_groups", _row_group_columns(fresh))
+            if any(r.images for r in fresh):
+                self._run("commit_batch_images", _image_columns(fresh))
             if any(r.plans for r in fresh):
                 self._run("commit_batch_examples", _example_columns(fresh))
             if any(r.plans for r in others):

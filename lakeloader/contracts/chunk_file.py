@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lakeloader.contracts.errors import ChunkIntegrityError
+from lakeloader.contracts.media import PART_HEIGHTS_COLUMN, PART_WIDTHS_COLUMN
 
 # Columns of a chunk file (one row per document). Tokens are stored without special tokens.
 RECORD_COLUMN = "record"              # the document's line/row index from its split's first record
@@ -76,6 +77,16 @@ class ChunkParts:
     part_kinds: np.ndarray      # int64 per part
     part_doc: np.ndarray        # int64 per part: its document, from 0
     num_docs: int
+    # Stored images (contracts/media.py): each part's image size, 0 for a text part; None when the
+    # file has no such columns.
+    part_widths: np.ndarray | None = None
+    part_heights: np.ndarray | None = None
+
+    def take(self, parts: np.ndarray | slice, part_doc: np.ndarray, num_docs: int) -> ChunkParts:
+        """The layout of parts ``parts`` (a mask, indices or a slice) with their documents
+        renumbered as ``part_doc``, ``num_docs`` of them."""
+        sizes = [None if a is None else a[parts] for a in (self.part_widths, self.part_heights)]
+        return ChunkParts(self.part_lengths[parts], self.part_kinds[parts], part_doc, num_docs, *sizes)
 
     @functools.cached_property
     def content_lengths(self) -> np.ndarray:
@@ -86,6 +97,10 @@ class ChunkParts:
     def parts_per_doc(self) -> np.ndarray:
         """Parts of each document (int64)."""
         return np.bincount(self.part_doc, minlength=self.num_docs).astype(np.int64)
+
+
+# The fields of a ChunkResult's image rows (the catalog's chunk_images columns after dataset, global_index).
+IMAGE_ROW_FIELDS = ("doc", "image", "image_id", "width", "height", "format", "mode", "num_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +127,11 @@ class ChunkResult:
     # A chunk of a dataset defined by a filter: per row group of the file, (its first document in
     # the file, the selected documents' indices within it, int32 sorted); None for a built chunk.
     selection: tuple[tuple[int, np.ndarray], ...] | None = None
+    # A chunk of a dataset storing its images: its media file's size and sha256, and one row per
+    # image occurrence (IMAGE_ROW_FIELDS: doc, image within the doc, image_id, width, ...).
+    media_bytes: int | None = None
+    media_checksum: str | None = None
+    images: tuple[tuple[object, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +171,7 @@ def select_parts(parts: ChunkParts, docs: np.ndarray) -> tuple[ChunkParts, np.nd
     keep[docs] = True
     mask = keep[parts.part_doc]
     renumber = np.cumsum(keep) - 1
-    return ChunkParts(parts.part_lengths[mask], parts.part_kinds[mask], renumber[parts.part_doc[mask]],
-                      len(docs)), mask
+    return parts.take(mask, renumber[parts.part_doc[mask]], len(docs)), mask
 
 
 def table_parts(table: pa.Table) -> ChunkParts:
@@ -161,8 +180,10 @@ def table_parts(table: pa.Table) -> ChunkParts:
     kinds = table.column(PART_KINDS_COLUMN).combine_chunks()
     per_doc = np.diff(lengths.offsets.to_numpy())
     docs = len(per_doc)
+    sizes = [table.column(name).combine_chunks().values.to_numpy().astype(np.int64)
+             if name in table.column_names else None for name in (PART_WIDTHS_COLUMN, PART_HEIGHTS_COLUMN)]
     return ChunkParts(lengths.values.to_numpy().astype(np.int64), kinds.values.to_numpy().astype(np.int64),
-                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs)
+                      np.repeat(np.arange(docs, dtype=np.int64), per_doc), docs, *sizes)
 
 
 def open_chunk(source: pa.NativeFile | io.IOBase | str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:

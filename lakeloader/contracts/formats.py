@@ -5,6 +5,8 @@ Parts hold only the record's own text; templates and special tokens are added at
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
@@ -12,11 +14,14 @@ from typing import Any, NamedTuple
 
 
 class Part(NamedTuple):
-    """One part of a document: its kind (index into the format's kind names), text and reference."""
+    """One part of a document: its kind (index into the format's kind names), text and reference.
+
+    An image part of an interleaved dataset with ``images: stored`` holds, as read, the image's
+    bytes or a path/URL (str) to read them from; the build replaces it with the image's id."""
 
     kind: int
     text: str
-    ref: str | None = None
+    ref: str | bytes | None = None
 
 
 # A document's parts. A tuple, not a list: tuples of strings and ints leave the garbage
@@ -83,6 +88,16 @@ class RecordFormat:
     def text_only(self) -> bool:
         """Whether documents are one string (text, fim and infill; plain .txt sources allowed)."""
         return self.format in ("text", "fim", "infill")
+
+    @property
+    def stores_images(self) -> bool:
+        """Whether the build reads, checks and stores the images (``interleaved.images: stored``)."""
+        return self._options.get("images") == "stored"
+
+    @property
+    def max_pixels(self) -> int:
+        """``interleaved.max_pixels`` of a dataset that stores its images."""
+        return int(self._options["max_pixels"])
 
     def config_key(self, field: str) -> str:
         """The config key that names build field ``field`` (e.g. ``chat.messages_field``)."""
@@ -222,6 +237,9 @@ def _interleaved(fmt: RecordFormat, record: dict[str, Any]) -> Document:
         if image is None:
             parts.append(Part(0, _string(text, f"{where}.{text_key}")))
             continue
+        if options.get("images") == "stored":
+            parts.append(Part(1, "", _stored_image(image, f"{where}.{image_key}")))
+            continue
         ref = _string(image, f"{where}.{image_key}", "a URI or id string")
         if not ref:
             raise RecordError(f"{where}.{image_key} is empty, expected a URI or id string")
@@ -229,6 +247,33 @@ def _interleaved(fmt: RecordFormat, record: dict[str, Any]) -> Document:
     if not any(part.text or part.kind == 1 for part in parts):
         raise RecordError(f"empty document (every {text_key!r} in {name!r} is empty and there is no {image_key!r})")
     return tuple(parts)
+
+
+def _stored_image(value: Any, where: str) -> str | bytes:
+    """An image item's value under ``images: stored``: its bytes (binary, a ``{bytes, path}``
+    struct as Hugging Face datasets write them, or ``{"bytes": base64}`` in JSON), else the path or
+    URL it names."""
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        if isinstance(data, str):   # JSON has no bytes: base64 text
+            try:
+                data = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise RecordError(f"{where}.bytes is not base64 (JSON holds an image's bytes as base64 text)"
+                                  ) from None
+        if data:
+            return bytes(data)
+        if data is not None and not data:
+            raise RecordError(f"{where}.bytes is empty")
+        value = path
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise RecordError(f"{where} is empty bytes, expected an image")
+        return bytes(value)
+    path = _string(value, where, "image bytes, a {bytes, path} object or a path/URL string")
+    if not path:
+        raise RecordError(f"{where} is empty, expected image bytes or a path/URL")
+    return path
 
 
 _PARSERS: dict[str, Callable[[RecordFormat, dict[str, Any]], Document]] = {

@@ -219,6 +219,47 @@ class Infill:
         return 2 + int(self.start is not None) + int(self.cls is not None and self.cls_each)
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageResolution:
+    """How an image becomes pixels and placeholder tokens (``interleaved.resolution``).
+
+    ``fixed``: every image resized to fit ``size`` (height, width) keeping its aspect, padded, and
+    given the template's fixed count of placeholders. ``patches``: every image resized to a grid
+    of ``patch_size`` patches keeping its aspect, with at least ``min_pixels`` and at most
+    ``max_pixels`` pixels and at most ``max_patches`` patches, one placeholder per patch
+    (:mod:`lakeloader.index.image_tokens`)."""
+
+    kind: str                       # fixed | patches
+    size: tuple[int, int] = (224, 224)
+    patch_size: int = 14
+    min_pixels: int = 0
+    max_pixels: int = 0
+    max_patches: int = 0
+
+    @property
+    def patch_cap(self) -> int:
+        """The most patches an image may have under ``patches`` (at least 1)."""
+        return max(1, min(self.max_patches, self.max_pixels // self.patch_size ** 2))
+
+    @property
+    def payload(self) -> dict[str, object]:
+        """What decides pixels and tokens, as JSON (for fingerprints)."""
+        if self.kind == "fixed":
+            return {"kind": "fixed", "size": list(self.size)}
+        return {"kind": "patches", "patch_size": self.patch_size, "min_pixels": self.min_pixels,
+                "max_pixels": self.max_pixels, "max_patches": self.max_patches}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRun:
+    """An image's placeholder run whose length depends on the image (``patches`` resolution):
+    ``token`` repeated once per patch of the image's grid, between the image kind's prefix and
+    suffix."""
+
+    token: int
+    resolution: ImageResolution
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Template:
     """Token ids added at collation around documents and around each part kind.
@@ -239,6 +280,7 @@ class Template:
     fim: Fim | None = None
     image_kind: int | None = None     # kind whose parts are images (interleaved)
     infill: Infill | None = None
+    image_run: ImageRun | None = None  # placeholders per image from its size (else in part_prefix)
 
     @functools.cached_property
     def doc_overhead(self) -> int:
@@ -266,6 +308,8 @@ class Template:
         }
         if self.infill is not None:   # only then: the fingerprints of the other templates stay as they were
             payload["infill"] = dataclasses.asdict(self.infill)
+        if self.image_run is not None:   # (likewise)
+            payload["image_run"] = {"token": self.image_run.token, **self.image_run.resolution.payload}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -278,7 +322,8 @@ def make_template(kind_names: tuple[str, ...], *, bos: int | None, eos: int,
                   part_prefix: dict[str, list[int]] | None = None,
                   part_suffix: dict[str, list[int]] | None = None,
                   trains: set[str] | None = None, fim: Fim | None = None,
-                  image_kind: str | None = None, infill: Infill | None = None) -> Template:
+                  image_kind: str | None = None, infill: Infill | None = None,
+                  image_run: ImageRun | None = None) -> Template:
     """A :class:`Template` from token ids per kind name (missing kinds add nothing); ``trains``
     None means every token trains (plain text, FIM, and infilling's plain documents)."""
     part_prefix, part_suffix = part_prefix or {}, part_suffix or {}
@@ -290,6 +335,7 @@ def make_template(kind_names: tuple[str, ...], *, bos: int | None, eos: int,
         part_trains=tuple(trains is None or k in trains for k in kind_names),
         train_all=trains is None, fim=fim,
         image_kind=None if image_kind is None else kind_names.index(image_kind), infill=infill,
+        image_run=image_run,
     )
 
 

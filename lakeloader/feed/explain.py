@@ -52,7 +52,8 @@ def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
     dataset, epoch, chunk, shard, source document (file and line/row) and token range fed it;
     ``view`` is the catalog the examples were read from. ``document`` is the document's index in
     its dataset's chunk, ``source_document`` its index in the chunk file (they differ for a
-    dataset defined by a filter, whose chunk holds the selected documents of its source's file)."""
+    dataset defined by a filter, whose chunk holds the selected documents of its source's file).
+    Interleaved datasets add ``images``, the images each segment places."""
     rows = []
     cache: dict[tuple[str, int], tuple[np.ndarray, dict[str, object]]] = {}
     for global_row, dataset_id, example in zip(found.rows.tolist(), found.dataset_ids.tolist(), found.examples):
@@ -77,4 +78,7 @@ def explain(found: StepExamples, view: CatalogView) -> pd.DataFrame:
                 "location": _location(source, records, segment.document),
                 "example_start": segment.example_start, "example_stop": segment.example_stop, **segment.span,
             })
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    if "images" in frame:   # segments of interleaved documents: how many images each places
+        frame["images"] = frame["images"].fillna(0).astype(np.int64)
+    return frame

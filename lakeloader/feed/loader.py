@@ -29,18 +29,32 @@ from lakeloader.catalog.store import LiveCatalog
 from lakeloader.config import Config, load_config
 from lakeloader.contracts.errors import CatalogNotPublishedError, ConfigError, LakeloaderError, StepRangeError
 from lakeloader.feed.explain import explain
+from lakeloader.feed.packed import PackedExample
+from lakeloader.feed.pixels import PixelFill, PlacedImage
 from lakeloader.feed.prompts import prompt_batch
 from lakeloader.feed.read_ahead import ReadAhead
 from lakeloader.feed.rows import ArrayPool, ArraySource, Batch, Example, StepExamples, field_dtype, fill_batch
-from lakeloader.feed.run_state import LoaderState, definition_changes
+from lakeloader.feed.run_state import LoaderState, definition_changes, grown_plans
 from lakeloader.feed.settings import loader_settings
 from lakeloader.feed.stream import ExampleStream, dataset_stream
 from lakeloader.feed.workers import worker_batches
-from lakeloader.index.mixture import Mixer
+from lakeloader.index.growth import EpochSizes
+from lakeloader.index.mixture import Mixer, stage_totals
 from lakeloader.index.revisions import RunMixture, continued
 from lakeloader.read.catalog_view import POLL_SECONDS, CatalogView
+from lakeloader.images import DECODER
 from lakeloader.read.chunks import ChunkFiles
-from lakeloader.specs import evaluation_config, mixture_spec, packing_spec, template_for, token_id, token_weights
+from lakeloader.read.media import MediaFiles
+from lakeloader.specs import (
+    evaluation_config,
+    image_resolution,
+    mixture_spec,
+    packing_spec,
+    stores_images,
+    template_for,
+    token_id,
+    token_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +116,7 @@ class Loader:
         self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
+        self.media = MediaFiles(self.lake, config.io_retry_deadline)
         self.dataset_names = names = settings.names
         self.view.check_own_plans(config, names)   # the lake's plan of each name is this config's definition
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)
@@ -140,6 +155,8 @@ class Loader:
         have.update((stream.name, stream) for stream in added)
         self.datasets = [have[name] for name in run.spec.names]
         self.dataset_names = run.spec.names
+        for stream in self.datasets:
+            stream.follow_sizes(run.sizes(stream.name))
         self.run = run
         self.mixer = Mixer.of(run.spec)
         self._num_batches: tuple[int | None] | None = None   # once computed (None is a count too)
@@ -150,6 +167,10 @@ class Loader:
         mixed = [self.config.datasets[name] for name in self.mixer.names]
         self._seq2seq = any(d.seq2seq for d in mixed)
         self._max_images = max((d.interleaved.max_images for d in mixed if d.format == "interleaved"), default=0)
+        stored = [d for d in mixed if stores_images(d)]   # (check_combination: one resolution for them all)
+        self._pixels = None if not stored else PixelFill(
+            self.media, image_resolution(stored[0]), self._max_images, self.config.loader.seq_len,
+            self.config.loader.image_cache_bytes, stored[0].interleaved.max_pixels)
 
     def _warn_if_beyond_the_cache(self) -> None:
         """Warn when a full shuffle reads datasets much larger than the row-group cache: nearly
@@ -178,11 +199,12 @@ class Loader:
         mixture, the loader settings that shape examples and batches, the padding id and the
         mode. The fingerprint hashes it; a saved state keeps it to say what changed."""
         loader = self.config.loader.model_dump(
-            exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields"})
+            exclude={"wait_timeout", "prefetch", "workers", "verify", "cache_bytes", "disk_cache_bytes", "fields",
+                     "image_cache_bytes"})
         # (loader.pack.open_examples under its name from before it was renamed, so that the
         # fingerprints of states saved then still match)
         loader["pack"]["window"] = loader["pack"].pop("open_examples")
-        return {
+        definition = {
             "datasets": {d.name: d.fingerprint for d in self.datasets},
             "mixture": self.config.mixture.model_dump() if self.config.mixture else None,
             "loader": loader,
@@ -190,6 +212,13 @@ class Loader:
             "pad": self.pad_id,
             "mode": self.mode,
         }
+        # Stored images' pixels depend on the decoder and the resolution too (only then: the
+        # fingerprints of other configs stay as they were): a decoder upgrade is never silent.
+        stored = {d.name: image_resolution(self.config.datasets[d.name]).payload for d in self.datasets
+                  if stores_images(self.config.datasets[d.name])}
+        if stored:
+            definition["images"] = {"decoder": DECODER, "resolution": stored}
+        return definition
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -300,12 +329,31 @@ class Loader:
         owners, examples = self._row_examples(step)
         arrays = self._empty_batch(self._arrays if pool is None else pool, whole=self._whole_rows)
         fill_batch(arrays, examples)
+        if self._pixels is not None:
+            self._pixels.fill(arrays, self._placed_images(owners, examples))
         arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
             if self.config.evaluation is not None and self.config.evaluation.prompts:
                 return prompt_batch(arrays, self.pad_id)
         return arrays
+
+    def _placed_images(self, owners: np.ndarray, examples: Sequence[Example | None]) -> list[PlacedImage]:
+        """The stored images the rows place, each row's in the order of its ``image_positions``."""
+        placed = []
+        for owner in np.unique(owners[owners >= 0]).tolist():
+            stream = self.datasets[owner]
+            if not stores_images(self.config.datasets[stream.name]):
+                continue
+            for row in np.flatnonzero(owners == owner).tolist():
+                example = examples[row]
+                assert isinstance(example, PackedExample)   # (interleaved: packed, item by item)
+                number = 0
+                for item in example.items:
+                    for _, image in item.images:
+                        placed.append(PlacedImage(row, number, stream.chunks.record(item.chunk).path, image))
+                        number += 1
+        return placed
 
     def _empty_batch(self, pool: ArraySource, whole: bool = False) -> Batch:
         """The batch's arrays from ``pool``, padding in every row; ``whole``: every row field is
@@ -324,6 +372,8 @@ class Loader:
         if self._max_images:
             arrays["image_positions"] = np.full((self.rows, self._max_images), -1, np.int32)
             arrays["image_refs"] = np.full((self.rows, self._max_images), "", dtype=object)
+        if self._pixels is not None:
+            arrays.update(self._pixels.empty(pool, self.rows))
         return arrays
 
     def state(self, step: int) -> dict[str, Any]:
@@ -331,7 +381,9 @@ class Loader:
         continues at ``step``, as ``JaxFeed.state``: the step, the fingerprint and definition of
         this config's batches, and the mixture the run has followed (its revisions included); a
         few KB, whatever the step."""
-        return LoaderState(step, self.fingerprint, self.definition, self.run).to_dict()
+        # (the plans of the datasets the run reads beyond this config's: the definition has the others)
+        plans = {d.name: d.fingerprint for d in self.datasets if d.name not in self.definition["datasets"]}
+        return LoaderState(step, self.fingerprint, self.definition, self.run, plans or None).to_dict()
 
     def restore(self, state: dict[str, Any] | LoaderState, *, continue_changes: bool = False) -> Iterator[Batch]:
         """Batches from a saved state on (see :meth:`iter_from`), as ``JaxFeed.restore``."""
@@ -342,11 +394,13 @@ class Loader:
         batches at every step, before and after it, are the run's. A state of this config's
         definition is taken as it is. A state of another definition is refused, saying what
         changed, unless ``continue_changes`` and every change can be continued exactly (the
-        mixture, datasets added or left out): the run then goes on under this config from the
-        state's step (a new revision), each dataset continuing its own order where it stopped."""
+        mixture, datasets added or left out, files added to a dataset): the run then goes on under
+        this config from the state's step (a new revision), each dataset continuing its own order
+        where it stopped (a grown one: :meth:`_with_growth`)."""
         if isinstance(state, dict):
             state = LoaderState.from_dict(state)
-        if state.fingerprint == self.fingerprint:
+        grown = grown_plans(state, self.definition, self.view)
+        if state.fingerprint == self.fingerprint and not grown:
             if state.run is not None:
                 self._follow(state.run)
             return state.step
@@ -356,7 +410,8 @@ class Loader:
                 f"loader state has fingerprint {state.fingerprint} but {where} and its lake give {self.fingerprint}: "
                 "the data, mixture or loader settings changed since the state was saved (a state saved before runs "
                 "could be continued does not say what); restore with the same config and lake, or start a new run")
-        continuable, fixed = definition_changes(state.definition, self.definition)
+        continuable, fixed = definition_changes(state.definition, self.definition,
+                                                {name: words for name, (_, words) in grown.items()})
         if fixed:
             raise LakeloaderError(
                 f"the run saved at step {state.step} cannot be continued under {where}: " + "; ".join(fixed)
@@ -372,13 +427,48 @@ class Loader:
                 "under it from that step (earlier steps keep their batches; each dataset continues where it stopped), "
                 "pass continue_changes=True (lakeloader batches --continue-changes); or restore with the config the "
                 "state was saved with")
+        growing = ", ".join(sorted({*grown, *(name for name, _ in state.run.growth)}))
+        if growing and self.own_mixture.stop != "restart":
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) {growing} grew, "
+                "and a run over a grown dataset needs mixture.stop: restart (its epochs change size); set it, or put "
+                "the new files in a dataset of their own")
+        if grown and self.settings.ordering == "strided":
+            raise LakeloaderError(
+                f"the run saved at step {state.step} cannot be continued under {where}: dataset(s) {growing} grew, "
+                "and under loader.ordering: strided each ideal reader loops over its own chunks, so no epoch can go "
+                "on over the chunks it had planned; put the new files in a dataset of their own")
         try:
             run = continued(state.run, state.step, self.own_mixture)
         except ValueError as error:
             raise LakeloaderError(f"the run saved at step {state.step} cannot be continued under {where}: {error}") from None
+        if grown:
+            self._follow(run)   # (a stream for every dataset of the run first)
+            run = self._with_growth(run, state.step, {name: chunks for name, (chunks, _) in grown.items()})
         log.info("continuing the run at step %d under %s: %s", state.step, where, "; ".join(continuable))
         self._follow(run)
         return state.step
+
+    def _with_growth(self, run: RunMixture, step: int, grown: dict[str, int]) -> RunMixture:
+        """``run`` taking up at ``step`` the grown plan of each dataset in ``grown`` (its older
+        plan's chunks): the epoch the dataset is in goes on over the examples it had planned, then
+        serves the new ones; later epochs are over all (:mod:`lakeloader.index.growth`). A
+        dataset the run has not drawn from yet simply starts on its grown plan."""
+        totals = stage_totals(list(run.spec.stages), run.spec.batch_size, np.array([step], np.int64))[0]
+        growth = dict(run.growth)
+        for name, chunks in grown.items():
+            if name not in run.spec.names:
+                continue
+            stream = self.datasets[run.spec.names.index(name)]
+            position = int(totals[run.spec.names.index(name)])
+            sizes = growth.get(name)
+            if sizes is None:
+                if position == 0:
+                    continue
+                sizes = EpochSizes(((0, chunks, stream.available_within(chunks)),))
+            examples = stream.train_count()
+            growth[name] = sizes.grown(position, stream.chunks.planned, examples)
+        return dataclasses.replace(run, growth=tuple(sorted(growth.items())))
 
     def _start(self, start: int | LoaderState | dict[str, Any], continue_changes: bool = False) -> int:
         if isinstance(start, (dict, LoaderState)):

@@ -115,6 +115,10 @@ class PackedLocator:
         """Examples the committed prefix holds (each chunk's are whole)."""
         return int(self.example_offsets()[-1])
 
+    def available_within(self, chunks: int) -> int:
+        """Examples the first ``chunks`` committed chunks hold."""
+        return int(self.example_offsets()[chunks])
+
     def chunk_starts(self) -> np.ndarray:
         """The first example of each chunk (an example lies in one chunk)."""
         return self.example_offsets()

@@ -48,6 +48,10 @@ class SpanLocator:
         """Training spans the committed prefix holds whole."""
         return train_examples(int(self.stream_offsets()[-1]), self.seq_len)
 
+    def available_within(self, chunks: int) -> int:
+        """Training spans the first ``chunks`` committed chunks hold whole."""
+        return train_examples(int(self.stream_offsets()[chunks]), self.seq_len)
+
     def chunk_starts(self) -> np.ndarray:
         """The first span starting at or after each chunk boundary."""
         return self._counted()[3]

@@ -194,8 +194,10 @@ class PackedExample(Example):
         offset = 0
         for number, item in enumerate(self.items, start=1):
             length = item.stop - item.start
-            found.append(Segment(number, item.chunk, item.doc, offset, offset + length,
-                                 {"document_start": item.start, "document_stop": item.stop}))
+            span = {"document_start": item.start, "document_stop": item.stop}
+            if item.images:   # (interleaved: the images the segment places)
+                span["images"] = len(item.images)
+            found.append(Segment(number, item.chunk, item.doc, offset, offset + length, span))
             offset += length
         return found
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from lakeloader.config import Config, ShuffleConfig
 from lakeloader.contracts.errors import ConfigError, LakeloaderError
-from lakeloader.specs import dataset_names
+from lakeloader.specs import dataset_names, stores_images
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,11 @@ def check_combination(config: Config, mode: str) -> None:
             raise ConfigError(
                 f"datasets.{name}.supervised.output = 'seq2seq' needs loader.packing: pack or pad (a "
                 "span of a stream has no prompt/response sides)")
+    resolutions = {name: d.interleaved.resolution for name, d in used.items() if stores_images(d)}
+    if len({(r.model_dump_json(), used[n].interleaved.max_pixels) for n, r in resolutions.items()}) > 1:
+        raise ConfigError(
+            f"datasets {sorted(resolutions)} store their images but differ in interleaved.resolution or max_pixels: "
+            "a batch's pixel fields have one shape; give them the same resolution")
     if seq2seq and len(seq2seq) != len(used):
         raise ConfigError(
             f"datasets {seq2seq} have supervised.output: seq2seq but others do not: a batch is either "

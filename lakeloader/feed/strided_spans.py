@@ -15,6 +15,7 @@ from lakeloader.feed.growing import GrowingChunks
 from lakeloader.feed.locate_spans import SpanLocator
 from lakeloader.feed.rows import Example
 from lakeloader.feed.spans import Span
+from lakeloader.index.growth import EpochSizes
 from lakeloader.index.ranges import cumulative, strided_chunk
 from lakeloader.read.catalog_view import DatasetChunks
 
@@ -54,6 +55,18 @@ class StridedSpans:
         """Spans of an evaluation pass (evaluation reads in the global order)."""
         self.growing.complete()
         return self.locator.eval_count()
+
+    def follow_sizes(self, sizes: EpochSizes | None) -> None:
+        """Only None: a run over a dataset grown during it is refused under this ordering (each
+        ideal reader loops over its own chunks; ``Loader.follow`` says so)."""
+        if sizes is not None:
+            raise AssertionError(f"dataset {self.name!r}: the strided ordering cannot follow a grown dataset")
+
+    def available_within(self, chunks: int) -> int:
+        """Training spans the first ``chunks`` chunks hold whole (waits for them)."""
+        while self.growing.chunks.committed < chunks:
+            self.growing.wait()
+        return self.locator.available_within(chunks)
 
     def eval(self, js: np.ndarray) -> Sequence[Example]:
         """Spans ``js`` of the evaluation pass (in the global order, as every evaluation)."""

@@ -13,6 +13,7 @@ import numpy as np
 from lakeloader.contracts.chunk_file import ChunkParts, PlanStats
 from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.specs import PackingSpec, Template
+from lakeloader.index.image_tokens import with_image_tokens
 from lakeloader.index.packing import DocumentTooLong, PackPlan, plan_pack
 from lakeloader.index.render import Choice, added_tokens, collation_choice, doc_lengths, part_starts
 
@@ -35,7 +36,12 @@ def image_spans(template: Template, parts: ChunkParts) -> tuple[np.ndarray, np.n
 
 def plan_chunk(spec: PackingSpec, parts: ChunkParts, chunk: int, where: str = "") -> PackPlan:
     """The packing plan of chunk ``chunk`` (global index) whose documents have ``parts``;
-    ``where`` names the chunk in errors."""
+    ``where`` names the chunk in errors. Images take their placeholder counts from their stored
+    sizes under the template's resolution (:func:`~lakeloader.index.image_tokens.with_image_tokens`)."""
+    try:
+        parts = with_image_tokens(spec.template, parts)
+    except InputError as exc:
+        raise InputError(f"{where or f'chunk {chunk}'}: {exc}") from None
     lengths, _ = rendered_doc_lengths(spec.template, parts, chunk)
     images: dict[str, np.ndarray | int | None] = {}
     if spec.template.image_kind is not None:

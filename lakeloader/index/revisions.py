@@ -9,7 +9,9 @@ where it stopped, and the new weights are exact from ``at`` (each stage within 2
 target over every whole-batch prefix). Datasets are matched by name: one the new mixture adds
 joins with weight 0 in the earlier stages (it starts at its beginning); one it drops keeps its
 total and weight 0 from ``at`` on (it resumes where it stopped should it come back). A run's
-datasets keep their order (a batch's ``dataset_ids``), new ones after them.
+datasets keep their order (a batch's ``dataset_ids``), new ones after them. A dataset whose plan
+grew during the run (files added) has the sizes of its epochs over the run
+(:mod:`lakeloader.index.growth`).
 """
 
 from __future__ import annotations
@@ -19,22 +21,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from lakeloader.contracts.specs import MixtureSpec, Stage
+from lakeloader.index.growth import EpochSizes, sizes_from
 
 
 @dataclasses.dataclass(frozen=True)
 class RunMixture:
     """The mixture a run has followed: one staged mixture over every dataset it has drawn from,
-    and the steps at which its config was revised (the first is 0)."""
+    the steps at which its config was revised (the first is 0), and the epochs of each dataset
+    whose plan grew during the run."""
 
     spec: MixtureSpec
     revisions: tuple[int, ...] = (0,)
+    growth: tuple[tuple[str, EpochSizes], ...] = ()
+
+    def sizes(self, name: str) -> EpochSizes | None:
+        """The epochs of dataset ``name`` if its plan grew during the run (None: it did not)."""
+        return dict(self.growth).get(name)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (exact: floats round-trip through JSON)."""
         spec = self.spec
-        return {"names": list(spec.names), "stages": [[s.start_step, list(s.weights)] for s in spec.stages],
-                "batch_size": spec.batch_size, "stop": spec.stop, "seed": spec.seed,
-                "revisions": list(self.revisions)}
+        found = {"names": list(spec.names), "stages": [[s.start_step, list(s.weights)] for s in spec.stages],
+                 "batch_size": spec.batch_size, "stop": spec.stop, "seed": spec.seed,
+                 "revisions": list(self.revisions)}
+        if self.growth:
+            found["growth"] = {name: [list(size) for size in sizes.sizes] for name, sizes in self.growth}
+        return found
 
     @classmethod
     def from_dict(cls, found: dict[str, Any]) -> RunMixture:
@@ -45,7 +57,8 @@ class RunMixture:
         revisions = tuple(int(r) for r in found["revisions"])
         if not revisions or revisions[0] != 0 or list(revisions) != sorted(set(revisions)):
             raise ValueError(f"revision steps must start at 0 and increase, got {list(revisions)}")
-        return cls(spec, revisions)
+        growth = tuple((str(name), sizes_from(sizes)) for name, sizes in found.get("growth", {}).items())
+        return cls(spec, revisions, growth)
 
 
 def continued(run: RunMixture, at: int, new: MixtureSpec) -> RunMixture:
@@ -69,7 +82,7 @@ def continued(run: RunMixture, at: int, new: MixtureSpec) -> RunMixture:
     stages += [Stage(s.start_step, _weights(new.names, s.weights, names)) for s in later]
     spec = MixtureSpec(names, tuple(stages), old.batch_size, new.stop, old.seed)
     revisions = run.revisions if at == run.revisions[-1] else (*run.revisions, at)
-    return RunMixture(spec, revisions)
+    return RunMixture(spec, revisions, run.growth)
 
 
 def _weights(names: Sequence[str], weights: Sequence[float], run_names: Sequence[str]) -> list[float]:

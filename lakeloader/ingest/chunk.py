@@ -32,9 +32,11 @@ from lakeloader.contracts.chunk_file import (
     unreadable_chunk,
 )
 from lakeloader.contracts.formats import Document
+from lakeloader.contracts.media import PART_HEIGHTS_COLUMN, PART_WIDTHS_COLUMN, media_path
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.index.chunk_packing import plan_stats
 from lakeloader.ingest.documents import SplitSource, read_split
+from lakeloader.ingest.media import StoredImages, encode_media_file, no_images
 from lakeloader.storage import is_transient, with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import DocumentEncoder, EncoderMismatchError, backend_of
 
@@ -122,9 +124,10 @@ def _lists(values: pa.Array, counts: np.ndarray) -> pa.Array:
 
 
 def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
-                metadata: dict[str, pa.Array] | None = None) -> pa.Table:
-    """The Parquet table of one chunk: a row per document with its tokens and part layout, and
-    its ``metadata`` values (a column per field, see ``metadata_column``)."""
+                metadata: dict[str, pa.Array] | None = None, images: StoredImages | None = None) -> pa.Table:
+    """The Parquet table of one chunk: a row per document with its tokens and part layout, its
+    ``metadata`` values (a column per field, see ``metadata_column``) and, for stored ``images``,
+    each part's image size."""
     parts = encoded.parts
     columns = {
         RECORD_COLUMN: pa.array(records, type=pa.int64()),
@@ -134,6 +137,9 @@ def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
     }
     if with_refs:
         columns[PART_REFS_COLUMN] = _lists(pa.array(encoded.part_refs, pa.string()), parts.parts_per_doc)
+    if images is not None:
+        columns[PART_WIDTHS_COLUMN] = _lists(pa.array(images.part_widths, pa.int32()), parts.parts_per_doc)
+        columns[PART_HEIGHTS_COLUMN] = _lists(pa.array(images.part_heights, pa.int32()), parts.parts_per_doc)
     for field, values in (metadata or {}).items():
         columns[metadata_column(field)] = values
     return pa.table(columns)
@@ -141,12 +147,15 @@ def chunk_table(records: list[int], encoded: EncodedParts, with_refs: bool,
 
 def plan_committed_chunk(chunk_url: str, storage_options: dict[str, object], global_index: int,
                          specs: tuple[PackingSpec, ...]) -> tuple[int, tuple[PlanStats, ...]]:
-    """Packing counts of an already built chunk (reads only its small part-layout columns)."""
+    """Packing counts of an already built chunk (reads only its small part-layout columns, and its
+    images' sizes where it stores images: a new resolution policy re-plans from these)."""
     fs, path = url_to_fs(chunk_url, **storage_options)
     where = f"chunk {global_index} ({chunk_url})"
     with fs.open(path, "rb") as handle:
         try:
-            table = open_chunk(handle).read(columns=[PART_LENGTHS_COLUMN, PART_KINDS_COLUMN])
+            parquet = open_chunk(handle)
+            table = parquet.read(columns=[c for c in (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN, PART_WIDTHS_COLUMN,
+                                                      PART_HEIGHTS_COLUMN) if c in parquet.schema_arrow.names])
         except (OSError, pa.ArrowException) as exc:
             raise unreadable_chunk(where, exc) from exc
     parts = table_parts(table)
@@ -193,7 +202,9 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
             f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.name}): {exc}") from exc
     lengths = encoded.parts.content_lengths
     bounds = row_group_bounds(lengths, task.row_group_tokens)
-    table = chunk_table(documents.records, encoded, record_format.format == "interleaved", documents.metadata)
+    images = (documents.images or no_images()) if record_format.stores_images else None
+    table = chunk_table(documents.records, encoded, record_format.format == "interleaved", documents.metadata,
+                        images)
     data = encode_chunk_file(table, bounds)
     if task.repair_checksum is not None and hashlib.sha256(data).hexdigest() != task.repair_checksum:
         # A file an earlier lakeloader wrote: rebuilt with its page size (else the driver names the mismatch).
@@ -202,7 +213,13 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
             if hashlib.sha256(earlier).hexdigest() == task.repair_checksum:
                 data = earlier
                 break
+    media = encode_media_file(images) if images is not None else None
+    parts = encoded.parts if images is None else dataclasses.replace(   # (sizes: a patches resolution's tokens)
+        encoded.parts, part_widths=np.asarray(images.part_widths, np.int64),
+        part_heights=np.asarray(images.part_heights, np.int64))
     try:
+        if media is not None:   # first: a committed chunk's media file is always there
+            write_atomically(media_path(task.chunk_url), media, options)
         write_atomically(task.chunk_url, data, options)
     except OSError as exc:
         if is_transient(exc):
@@ -225,7 +242,10 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         source_bytes=documents.source_bytes,
         seconds=time.perf_counter() - started,
         worker=f"{os.uname().nodename}:{os.getpid()}",
-        plans=tuple(plan_stats(spec, encoded.parts, task.global_index,
+        media_bytes=None if media is None else len(media),
+        media_checksum=None if media is None else hashlib.sha256(media).hexdigest(),
+        images=images.rows if images is not None else (),
+        plans=tuple(plan_stats(spec, parts, task.global_index,
                                f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.name})")
                     for spec in task.packing),
     )

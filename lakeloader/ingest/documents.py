@@ -6,6 +6,10 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import gzip
+import io
+import posixpath
+import tarfile
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +23,7 @@ from fsspec.core import url_to_fs
 from lakeloader.contracts.chunk_file import METADATA_ARROW_TYPES, Reject, metadata_kind_of
 from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.formats import Document, RecordError, RecordFormat
+from lakeloader.ingest.media import StoredImages, resolve_images
 from lakeloader.plan.sources import readable_url
 from lakeloader.plan.splits import Split, holds_text
 from lakeloader.storage import is_transient
@@ -32,7 +37,10 @@ _OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32B
                (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 # Errors of reading or decoding a whole split (the file vanished, is not gzip, fails its CRC, ...):
 # with on_error: skip the split becomes one reject instead of failing the build.
-_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError)
+_UNREADABLE = (OSError, EOFError, pa.ArrowException, zlib.error, zstandard.ZstdError, tarfile.TarError,
+               gzip.BadGzipFile)
+# Members of a WebDataset sample that are its image (the first of them in the tar, if several).
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 
 @dataclasses.dataclass
@@ -45,6 +53,7 @@ class SplitDocuments:
     rejects: list[Reject]
     source_bytes: int
     metadata: dict[str, pa.Array] = dataclasses.field(default_factory=dict)   # each metadata field's values
+    images: StoredImages | None = None   # interleaved.images: stored: the chunk's images
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +61,7 @@ class SplitSource:
     """What a reader needs to know about a split's file."""
 
     url: str
-    layout: str               # jsonl | text | parquet
+    layout: str               # jsonl | text | parquet | tar
     compression: str | None
     split: Split
     record_format: RecordFormat
@@ -191,6 +200,9 @@ class _Collected:
         self.records: list[int] = []
         self.metadata_rows: list[tuple[Any, ...]] = []
         self.metadata_columns: dict[str, pa.Array] | None = None
+        # WebDataset tars: a record's location ("sample 3 (key 0003)") and its image items' member names
+        self.locations: dict[int, str] = {}
+        self.members: dict[int, dict[int, str]] = {}
 
     def metadata(self, record_format: RecordFormat) -> dict[str, pa.Array]:
         """Each metadata field's values, one per document, of the field's declared type."""
@@ -351,6 +363,156 @@ def _parquet_texts(source: SplitSource, column: pa.ChunkedArray, policy: _Policy
             out.records.append(index)
 
 
+def _samples(source: SplitSource) -> Iterator[tuple[int, str, list[tuple[str, bytes]]]]:
+    """The samples of a WebDataset tar split in order: each one's number in the file (from 0), key
+    (the member's path up to the first dot of its basename) and consecutive members' (name, bytes).
+    A byte-range split holds the samples whose first member's header starts in its range: the
+    headers before it are read (their data skipped) to count and place them."""
+    split = source.split
+    fs, path = url_to_fs(source.url, **source.storage_options)
+    if split.kind == "bytes":
+        with fs.open(path, "rb") as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
+            yield from _tar_samples(tar, split.start, split.stop)
+        return
+    data = fs.cat_file(path)   # one read of a whole tar: tarfile's own reads are of 512 bytes
+    if source.compression == "gzip":
+        data = gzip.decompress(data)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        yield from _tar_samples(tar, 0, len(data) + 1)
+
+
+def _tar_samples(tar: tarfile.TarFile, start: int, stop: int
+                 ) -> Iterator[tuple[int, str, list[tuple[str, bytes]]]]:
+    """The samples of ``tar`` whose first member's header starts in ``[start, stop)``."""
+    number, key, members = -1, None, []
+    for member in tar:
+        if not member.isfile():
+            continue
+        folder, base = posixpath.split(member.name)
+        if base.startswith(".") or "." not in base:
+            continue   # hidden files and names without an extension belong to no sample
+        name_key = posixpath.join(folder, base.split(".", 1)[0])
+        if name_key != key:
+            if members:
+                yield number, str(key), members
+                members = []
+            number, key = number + 1, name_key
+            if member.offset >= stop:
+                return
+            within = member.offset >= start
+        if within:
+            reader = tar.extractfile(member)
+            members.append((base, reader.read() if reader is not None else b""))
+    if members:
+        yield number, str(key), members
+
+
+def _member(members: list[tuple[str, bytes]], name: str) -> tuple[str, bytes] | None:
+    """The member a sample's JSON names: by its basename, or by its extension (``jpg``, ``.jpg``)."""
+    wanted = name.lower().lstrip(".")
+    for base, data in members:
+        if base == name or base.lower().split(".", 1)[1] == wanted:
+            return base, data
+    return None
+
+
+def _sample_record(record_format: RecordFormat, key: str, members: list[tuple[str, bytes]]
+                   ) -> tuple[dict[str, Any], dict[str, Any], dict[int, str]]:
+    """A sample as an interleaved record, its JSON (for metadata) and its image items' member
+    names; RecordError if it holds no document."""
+    options = dict(record_format.fields)
+    items_field, text_key, image_key = options["items_field"], options["text_key"], options["image_key"]
+    by_ext = {}
+    for base, data in members:
+        by_ext.setdefault(base.lower().split(".", 1)[1], (base, data))
+    names = ", ".join(base for base, _ in members)
+    meta: dict[str, Any] = {}
+    if "json" in by_ext:
+        try:
+            meta = orjson.loads(by_ext["json"][1])
+        except orjson.JSONDecodeError as exc:
+            raise RecordError(f"member {by_ext['json'][0]} is not JSON: {exc}") from None
+        if not isinstance(meta, dict):
+            raise RecordError(f"member {by_ext['json'][0]} holds {type(meta).__name__}, expected a JSON object")
+        if items_field in meta and isinstance(meta[items_field], list):
+            items, images = [], {}
+            for i, item in enumerate(meta[items_field]):
+                value = item.get(image_key) if isinstance(item, dict) else None
+                if isinstance(value, str):
+                    found = _member(members, value)
+                    if found is None:
+                        raise RecordError(f"{items_field}[{i}] names member {value!r}, which sample {key!r} does "
+                                          f"not have (its members: {names})")
+                    images[i] = found[0]
+                    item = {**item, image_key: found[1]}
+                items.append(item)
+            return {items_field: items}, meta, images
+    image = next((by_ext[ext] for ext in by_ext if ext in IMAGE_EXTENSIONS), None)
+    caption = None
+    if "txt" in by_ext:
+        try:
+            caption = by_ext["txt"][1].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RecordError(f"member {by_ext['txt'][0]}: invalid UTF-8 at byte {exc.start}") from None
+    elif isinstance(meta.get(text_key, meta.get("caption")), str):
+        caption = meta.get(text_key, meta.get("caption"))
+    if image is None and caption is None:
+        raise RecordError(f"sample {key!r} has no image (.{', .'.join(IMAGE_EXTENSIONS)}), .txt or .json member "
+                          f"(its members: {names})")
+    items = ([{image_key: image[1]}] if image is not None else []) + ([{text_key: caption}] if caption else [])
+    return {items_field: items}, meta, ({0: image[0]} if image is not None else {})
+
+
+def _tar_documents(source: SplitSource, policy: _Policy, out: _Collected) -> tuple[int, int]:
+    """Reads the samples of a WebDataset tar into ``out``; returns its samples and member bytes."""
+    record_format = source.record_format
+    values_of = record_format.metadata_values if record_format.metadata else None
+    count = nbytes = 0
+    for index, (number, key, members) in enumerate(_samples(source)):
+        count += 1
+        nbytes += sum(len(data) for _, data in members)
+        location = out.locations[index] = f"sample {number + 1} ({key})"
+        if index == 0:   # line numbers of rejects count the samples before the split
+            policy.line_base = lambda before=number: before
+        try:
+            record, meta, images = _sample_record(record_format, key, members)
+            document = record_format.parts(record)
+            if values_of is not None:
+                out.metadata_rows.append(values_of(meta))
+        except RecordError as exc:
+            policy.reject(index, str(exc), location=location)
+            continue
+        out.documents.append(document)
+        out.records.append(index)
+        out.members[index] = images
+    return count, nbytes
+
+
+def _store_images(source: SplitSource, policy: _Policy, out: _Collected) -> tuple[dict[str, pa.Array], StoredImages]:
+    """Reads and checks the images of ``out``'s documents, dropping (and rejecting) each document
+    with one that cannot be used; returns the kept documents' metadata and the chunk's images."""
+    record_format = source.record_format
+    items_field = dict(record_format.fields)["items_field"]
+    metadata = out.metadata(record_format)
+    rows = source.layout == "parquet"
+
+    def reject(index: int, item: int, what: str, why: str) -> None:
+        record = out.records[index]
+        member = out.members.get(record, {}).get(item)
+        what = f"member {member}" if member is not None else what
+        policy.reject(record, f"{items_field}[{item}] ({what}): {why}", rows=rows, location=out.locations.get(record))
+
+    documents, kept, images = resolve_images(out.documents, source.url, source.storage_options,
+                                             record_format.max_pixels, reject)
+    if len(kept) < len(out.documents):
+        out.documents = documents
+        out.records = [out.records[i] for i in kept.tolist()]
+        metadata = {name: values.take(pa.array(kept)) for name, values in metadata.items()}
+    else:
+        out.documents = documents
+    return metadata, images
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a split's documents are built.
@@ -396,8 +558,12 @@ def _read_split(source: SplitSource) -> SplitDocuments:
     try:
         if source.layout == "parquet":
             num_records, nbytes = _parquet_documents(source, policy, out)
+        elif source.layout == "tar":
+            num_records, nbytes = _tar_documents(source, policy, out)
         else:
             num_records, nbytes = _read_lines(source, policy, out)
+        metadata, images = (_store_images(source, policy, out) if source.record_format.stores_images
+                            else (out.metadata(source.record_format), None))
     except _UNREADABLE as exc:
         if is_transient(exc):
             raise
@@ -412,7 +578,8 @@ def _read_split(source: SplitSource) -> SplitDocuments:
         num_records=num_records,
         rejects=policy.rejects,
         source_bytes=nbytes,
-        metadata=out.metadata(source.record_format),
+        metadata=metadata,
+        images=images,
     )
 
 

@@ -28,6 +28,7 @@ from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, Totals, run_tasks
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
 from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
+from lakeloader.plan.growth import grown_plan
 from lakeloader.plan.planner import (
     DatasetPlan,
     definition_fingerprint,
@@ -209,8 +210,10 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
     # types its source's plan fixed); datasets defined by a filter after the others.
     for name in sorted(config.datasets, key=lambda n: config.datasets[n].from_ is not None):
         source = config.datasets[name].from_
-        plans[name] = plan_dataset(name, config, fingerprint, encoder=encoder) if source is None else \
-            filtered_plan(name, config, plans[source])
+        if source is None:   # files added to a built plan's, unchanged: the plan grows (plan/growth.py)
+            plans[name] = grown_plan(plan_dataset(name, config, fingerprint, encoder=encoder), writer.built_plan(name))
+        else:
+            plans[name] = filtered_plan(name, config, plans[source])
     for name, plan in plans.items():
         source = config.datasets[name].from_
         new = writer.register_plan(
@@ -219,8 +222,10 @@ def _register_plans(config: Config, lake: Lake, writer: CatalogWriter, tokenizer
             on_error=config.datasets[name].on_error,
             definition=None if source else definition_fingerprint(name, config), config_file=config.source_file,
         )
-        log.info("dataset %r: %d shards, %d chunks planned%s%s", name, len(plan.shards), len(plan.chunks),
-                 f" (a filter of {source!r})" if source else "", "" if new else " (plan unchanged)")
+        log.info("dataset %r: %d shards, %d chunks planned%s%s%s", name, len(plan.shards), len(plan.chunks),
+                 f" (a filter of {source!r})" if source else "", "" if new else " (plan unchanged)",
+                 f" (grown: its first {plan.extends[1]} chunks are plan {plan.extends[0][:12]}'s)"
+                 if new and plan.extends else "")
     return tokenizer_path, with_planned_metadata(config, list(plans.values()))   # metadata types fixed at planning
 
 

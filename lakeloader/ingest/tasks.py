@@ -17,6 +17,7 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config
+from lakeloader.contracts.media import media_path
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.ingest.chunk import ChunkTask
 from lakeloader.ingest.documents import SplitSource
@@ -151,7 +152,7 @@ def _chunk_file_sizes(lake: Lake, folder: str) -> dict[str, int]:
 
 def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folders: list[str],
                       requested: Collection[tuple[str, int]]) -> pd.DataFrame:
-    """Committed chunks whose file is missing or not the size the catalog records (found by
+    """Committed chunks whose file or media file is missing or not the size the catalog records (found by
     listing each of the datasets' chunk ``folders``, not by reading the files), plus those in
     ``requested``."""
     committed = writer.committed_chunks(names)
@@ -164,10 +165,16 @@ def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folde
     rows = []
     for row in committed.itertuples(index=False):
         size = sizes.get(row.path)
+        has_media = isinstance(row.media_checksum, str)
+        media = sizes.get(media_path(row.path)) if has_media else None
         if size is None:
             problem = "its file is missing"
         elif size != row.num_bytes:
             problem = f"its file has {size} bytes, the catalog says {row.num_bytes}"
+        elif has_media and media is None:
+            problem = "its media file (its images) is missing"
+        elif has_media and media != row.media_bytes:
+            problem = f"its media file has {media} bytes, the catalog says {int(row.media_bytes)}"
         elif (row.dataset, int(row.global_index)) in wanted:
             problem = "verify found it damaged"
         else:

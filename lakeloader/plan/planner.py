@@ -16,6 +16,7 @@ from lakeloader.config import Config, DatasetConfig
 from lakeloader.contracts.errors import ConfigError, SourceError
 from lakeloader.contracts.formats import RecordFormat
 from lakeloader.contracts.selection import normalized_where, where_problem
+from lakeloader.images import DECODER
 from lakeloader.plan.metadata import infer_metadata_types
 from lakeloader.plan.order import round_robin_order
 from lakeloader.plan.sources import MissingSource, Shard, expand_sources, readable_url
@@ -44,6 +45,7 @@ class DatasetPlan:
     encoder: str = ""   # what encodes the documents, with its version (tokenizer.encoder_name)
     source: str | None = None   # a dataset defined by a filter: its source dataset (whose chunks it uses)
     where: str | None = None    # and its predicate
+    extends: tuple[str, int] | None = None   # a grown plan (plan/growth.py): the plan it extends, its chunks
 
     @property
     def chunk_dir(self) -> str:
@@ -70,6 +72,8 @@ def _settings(dataset: DatasetConfig, tokenizer_fingerprint: str, split_size: in
         "fields": dataset.build_fields,
         "split_size": split_size,
     }
+    if dataset.build_fields.get("images") == "stored":
+        settings["decoder"] = DECODER   # what checked the stored images and measured their sizes
     metadata = dataset.metadata_fields if metadata is None else metadata
     if metadata:  # only then: the fingerprints of datasets without metadata stay as they were
         settings["metadata"] = list(metadata.items())
@@ -158,6 +162,12 @@ def _unreadable(name: str, missing: list[MissingSource]) -> SourceError:
 def _check_layouts(name: str, dataset: DatasetConfig, record_format: RecordFormat, shards: list[Shard]) -> None:
     """ConfigError for plain-text sources of a format whose documents are more than one string,
     or of a dataset with metadata fields (a line of text has no fields)."""
+    tars = [readable_url(shard.url) for shard in shards if shard.layout == "tar"]
+    if tars and not record_format.stores_images:
+        raise ConfigError(
+            f"dataset {name!r}: WebDataset tar sources hold images, read only by format: interleaved with "
+            f"interleaved.images: stored, but {len(tars)} source(s) are tars:\n{_listing(tars)}\n"
+            f"set datasets.{name}.format: interleaved and datasets.{name}.interleaved.images: stored")
     plain = [readable_url(shard.url) for shard in shards if shard.layout == "text"]
     if plain and dataset.metadata_fields:
         raise ConfigError(
@@ -248,8 +258,10 @@ def filtered_plan(name: str, config: Config, source: DatasetPlan) -> DatasetPlan
     if problem is not None:
         raise ConfigError(f"{config.source_file or 'config'}: datasets.{name}.where: {problem} (the metadata "
                           f"types of dataset {source.name!r} as planned: {dict(source.metadata)})")
+    # A filter of a grown source grows with it: its chunks are its source's, in the same order.
+    extends = None if source.extends is None else (filter_fingerprint(source.extends[0], where), source.extends[1])
     return dataclasses.replace(source, name=name, fingerprint=filter_fingerprint(source.fingerprint, where),
-                               missing=[], source=source.name, where=where)
+                               missing=[], source=source.name, where=where, extends=extends)
 
 
 def filter_fingerprint(source_fingerprint: str, where: str) -> str:

@@ -20,6 +20,7 @@ _LAYOUTS = {
     ".jsonl.zst": ("jsonl", "zstd"), ".ndjson.zst": ("jsonl", "zstd"),
     ".txt": ("text", None), ".txt.gz": ("text", "gzip"), ".txt.zst": ("text", "zstd"),
     ".parquet": ("parquet", None),
+    ".tar": ("tar", None), ".tar.gz": ("tar", "gzip"),   # WebDataset shards
 }
 
 
@@ -30,7 +31,7 @@ class Shard:
     url: str             # full URL or absolute path, as given to fsspec
     size: int
     version: str         # mtime or ETag: a changed file changes the dataset fingerprint
-    layout: str          # jsonl | text | parquet
+    layout: str          # jsonl | text | parquet | tar
     compression: str | None
 
 

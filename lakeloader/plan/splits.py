@@ -18,7 +18,7 @@ from lakeloader.plan.sources import Shard, readable_url
 class Split:
     """A part of a shard read by one build task.
 
-    ``kind`` is ``bytes`` (documents are the lines *starting* in ``[start, stop)``), ``row_group``
+    ``kind`` is ``bytes`` (documents are the lines, or a tar's samples, *starting* in ``[start, stop)``), ``row_group``
     (Parquet row group ``start``; its first row is ``first_row`` of the file) or ``file``
     (the whole compressed stream).
     """
@@ -64,6 +64,7 @@ def plan_splits(shard: Shard, split_size: int, storage_options: dict[str, Any],
         return splits
     if shard.compression is not None:
         return [Split("file", 0, shard.size)]
+    # Text, JSON Lines and uncompressed tars (a split holds the samples whose first header starts in it).
     return [
         Split("bytes", start, min(start + split_size, shard.size))
         for start in range(0, shard.size, split_size)

@@ -363,6 +363,15 @@ class CatalogView:
         row = index.plan(name) if index is not None else self.named("reader_dataset", {"name": name}, FetchOne)
         return None if row is None else (str(row[0]), row[3])
 
+    def plan_growth(self, name: str) -> dict[str, tuple[str, int]]:
+        """The growths the catalog recorded of dataset ``name``: each grown plan's fingerprint ->
+        the plan it extends and that plan's chunks (none for a catalog from before they were)."""
+        try:
+            rows = self.named("plan_growth", {"name": name})
+        except duckdb.CatalogException:   # a catalog without the table: nothing recorded
+            return {}
+        return {str(grown): (str(older), int(chunks)) for grown, older, chunks in rows}
+
     def definitions(self, name: str) -> list[DefinitionRecord]:
         """The definitions of dataset ``name`` the catalog recorded, each with the plan it was last
         built as and the config that built it (none for a catalog from before they were recorded)."""

@@ -32,6 +32,7 @@ from lakeloader.contracts.chunk_file import (
     unreadable_chunk,
 )
 from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
+from lakeloader.contracts.media import PART_HEIGHTS_COLUMN, PART_WIDTHS_COLUMN
 from lakeloader.index.ranges import cumulative
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.disk_cache import DiskCache
@@ -66,6 +67,8 @@ def _footer_bytes(handle: pa.NativeFile) -> bytes | None:
 
 
 _PART_COLUMNS = (PART_LENGTHS_COLUMN, PART_KINDS_COLUMN)
+# An interleaved chunk's: its parts' references, and its stored images' sizes (contracts/media.py).
+_IMAGE_COLUMNS = (PART_REFS_COLUMN, PART_WIDTHS_COLUMN, PART_HEIGHTS_COLUMN)
 
 
 def _serialized(metadata: pq.FileMetaData) -> bytes:
@@ -362,7 +365,7 @@ class ChunkFiles:
                     self._prove(chunks, index, handle)
                 parquet = open_chunk(handle, footer.metadata)
                 # Small columns: Arrow's own threads only add their hand-offs (and contend with the decode threads).
-                table = parquet.read_row_groups([group], columns=[c for c in (*_PART_COLUMNS, PART_REFS_COLUMN)
+                table = parquet.read_row_groups([group], columns=[c for c in (*_PART_COLUMNS, *_IMAGE_COLUMNS)
                                                                   if c in footer.names], use_threads=False)
                 parts = table_parts(table)
                 if PART_REFS_COLUMN in table.column_names:
@@ -392,8 +395,7 @@ class ChunkFiles:
             if chunks.filtered:
                 return [_selected(stored, self._view(chunks).selection(chunks.name, int(index), group))]
             return [stored]
-        return [RowGroup(part_tokens, ChunkParts(parts.part_lengths[a:b], parts.part_kinds[a:b],
-                                                 parts.part_doc[a:b] - first, stop - first),
+        return [RowGroup(part_tokens, parts.take(slice(a, b), parts.part_doc[a:b] - first, stop - first),
                          None if refs is None else refs[a:b], first)
                 for part_tokens, (first, stop), (a, b) in zip(values, doc_ranges, part_ranges.tolist())]
 
@@ -403,7 +405,8 @@ class ChunkFiles:
 
     def _chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         with self._opened(chunks, index) as (handle, footer):
-            parts = table_parts(open_chunk(handle, footer.metadata).read(columns=list(_PART_COLUMNS)))
+            columns = [*_PART_COLUMNS, *(c for c in _IMAGE_COLUMNS[1:] if c in footer.names)]
+            parts = table_parts(open_chunk(handle, footer.metadata).read(columns=columns))
             # Read by pyarrow, which trusts the page headers: the counts checked against the footer
             # (itself against the catalog) and the catalog.
             tokens = int(parts.part_lengths.sum())

@@ -16,7 +16,9 @@ from typing import TypeVar
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.contracts.errors import InputError
 from lakeloader.contracts.specs import Template
+from lakeloader.index.image_tokens import with_image_values
 from lakeloader.index.render import Choice, collation_choice, render_compact
 from lakeloader.read.catalog_view import DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
@@ -90,14 +92,17 @@ class Renderings:
         """Row group ``group`` of chunk ``chunk`` read from its file and rendered, not cached (nor
         is the stored row group kept)."""
         stored = self.files.read_row_group(chunks, chunk, group)
-        parts = stored.parts
+        try:   # (images' placeholder runs of their sizes, under a patches resolution)
+            values, parts = with_image_values(self.template, stored.values, stored.parts)
+        except InputError as exc:
+            raise InputError(f"chunk {chunk} of dataset {chunks.name!r}: {exc}") from None
         first_doc = int(self.tables.of(chunks, chunk)[1][group])
         fim = doc_choice(self.template, chunks, chunk, first_doc + np.arange(parts.num_docs), parts.content_lengths)
-        rendered = RenderedGroup(*render_compact(self.template, stored.values, parts.part_lengths, parts.part_kinds,
+        rendered = RenderedGroup(*render_compact(self.template, values, parts.part_lengths, parts.part_kinds,
                                                  parts.part_doc, parts.num_docs, fim))
         if self.keeps_parts:
             rendered = dataclasses.replace(rendered, parts=parts, refs=stored.refs)
-        del stored, parts
+        del stored, parts, values
         # The decoded row group is gone: hand the allocator's freed pages back (Arrow's pool
         # otherwise keeps them, ~100 MB over a lake's first epoch).
         pa.default_memory_pool().release_unused()
