@@ -759,9 +759,81 @@ DELETE FROM document_index_files WHERE list_contains($paths, path);
 -- (The chunks of index files $paths are read from their chunk files again.)
 DELETE FROM document_index_chunks WHERE list_contains($paths, path);
 
+-- name: document_index_chunk_keys
+-- The chunks (dataset, global_index) whose rows index files $paths hold.
+SELECT dataset, global_index FROM document_index_chunks WHERE list_contains($paths, path);
+
 -- name: document_index_chunks_of
 -- The chunks whose rows index files $paths hold.
 SELECT global_index FROM document_index_chunks WHERE list_contains($paths, path) ORDER BY global_index;
+
+-- name: attach_delta
+-- A delta being published (lakeloader/catalog/delta.py) is gathered in an in-memory database
+-- attached under the name the reader index's queries read ({name}), so the same queries give the
+-- delta's index rows.
+ATTACH ':memory:' AS {name};
+
+-- name: detach_delta
+DETACH {name};
+
+-- name: delta_keyed_rows
+-- Every row of a keyed table ({table}) of the chunks the delta replaces (the view delta_keys);
+-- the bounds let DuckDB skip the row groups of other chunks.
+CREATE TABLE {name}.{table} AS
+SELECT t.* FROM {table} t SEMI JOIN delta_keys k ON t.dataset = k.dataset AND t.global_index = k.global_index
+WHERE t.global_index BETWEEN $lo AND $hi;
+
+-- name: delta_whole_rows
+CREATE TABLE {name}.{table} AS FROM {table};
+
+-- name: delta_no_rows
+CREATE TABLE {name}.{table} AS FROM {table} LIMIT 0;
+
+-- name: delta_rows
+FROM {name}.{table};
+
+-- name: delta_schema
+-- A reader's in-memory copy of what a published version's deltas add to its base snapshot
+-- (lakeloader/catalog/delta.py): the chunks they replace (keys) and each carried table's rows.
+CREATE SCHEMA lakeloader_delta
+
+-- name: delta_keys_table
+CREATE TABLE lakeloader_delta.keys AS SELECT dataset::VARCHAR AS dataset, global_index::BIGINT AS global_index
+FROM delta_rows_keys
+
+-- name: delta_table
+-- {table}: a table the deltas carry, of {columns}: the columns the base file stores for it, typed
+-- as there; the deltas' rows (the view delta_rows_{table}) inserted by name (a column the file
+-- lacks, or of another type that does not cast, fails).
+CREATE TABLE lakeloader_delta.{table} AS SELECT {columns} FROM lake.main.{table} LIMIT 0;
+INSERT INTO lakeloader_delta.{table} BY NAME FROM delta_rows_{table}
+
+-- name: reader_keyed_table
+-- reader_table of a keyed table under deltas: the base file's rows of the chunks no delta
+-- replaces, and the deltas' rows.
+CREATE VIEW {table} AS
+SELECT {columns} FROM lake.main.{table} b
+WHERE NOT EXISTS (SELECT 1 FROM lakeloader_delta.keys k WHERE k.dataset = b.dataset AND k.global_index = b.global_index)
+UNION ALL
+SELECT {columns} FROM lakeloader_delta.{table};
+
+-- name: reader_whole_table
+-- reader_table of a table the deltas carry whole.
+CREATE VIEW {table} AS SELECT {columns} FROM lakeloader_delta.{table};
+
+-- name: apply_delete_keyed
+-- A build adopting a published version (lakeloader/catalog/delta.py apply_deltas): the base's
+-- rows of {table} of the chunks its deltas replace (the view delta_keys) ...
+DELETE FROM {table} t WHERE EXISTS (
+    SELECT 1 FROM delta_keys k WHERE k.dataset = t.dataset AND k.global_index = t.global_index);
+
+-- name: apply_delete_whole
+-- ... or every row of a table the deltas carry whole ...
+DELETE FROM {table};
+
+-- name: apply_insert
+-- ... then the deltas' rows of it (the view delta_rows).
+INSERT INTO {table} BY NAME FROM delta_rows;
 
 -- name: image_sizes
 -- Width and height of every image occurrence of a dataset's committed chunks (the audit's image

@@ -69,9 +69,9 @@ class BuildRun:
     progress: bool
     totals: Totals = dataclasses.field(default_factory=Totals)
 
-    def publish(self) -> None:
-        """Publish the writer catalog as the lake's newest snapshot."""
-        publish(self.writer, self.lake, self.build_id, self.config)
+    def publish(self, whole: bool = False) -> None:
+        """Publish the writer catalog as the lake's newest snapshot (``whole``: a full one)."""
+        publish(self.writer, self.lake, self.build_id, self.config, whole)
 
 
 class _Scheduler:
