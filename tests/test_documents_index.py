@@ -13,9 +13,11 @@ import duckdb
 import pandas as pd
 import pytest
 
-from lakeloader.catalog import documents
+from lakeloader.catalog import documents, snapshot
 from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.pointer import delta_versions
+from lakeloader.catalog.snapshot import read_pointer
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.contracts.errors import CatalogIntegrityError
 from lakeloader.ingest import document_index
@@ -105,14 +107,17 @@ def test_a_build_read_while_it_runs_and_after_a_failure_and_resume(
     with the rows of an uninterrupted one."""
     config = filtered_config(corpus, tmp_path, publish_interval=0.001)
     monkeypatch.setattr(document_index, "COMPACT_FILES", 3)   # compacted while it builds too
+    monkeypatch.setattr(snapshot, "DELTA_SHARE", 10.0)        # small catalogs: deltas, not bases
     seen: list[tuple[int, int]] = []
+    deltas: list[int] = []
     publish = ResultCommitter.publish_if_due
 
     def checked(self: ResultCommitter) -> None:
         publish(self)
-        indexed, direct = both_ways(config)
+        indexed, direct = both_ways(config)   # the index's rows as a reader merges them from the deltas
         pd.testing.assert_frame_equal(indexed, direct)
         seen.append(index_state(config)[:2])
+        deltas.append(len(delta_versions(read_pointer(open_lake(config)))))
 
     monkeypatch.setattr(ResultCommitter, "publish_if_due", checked)
     original = CatalogWriter._run
@@ -130,6 +135,7 @@ def test_a_build_read_while_it_runs_and_after_a_failure_and_resume(
         build(config, scheduler=dask_scheduler, progress=False)
     monkeypatch.setattr(CatalogWriter, "_run", original)
     assert len(seen) == 5 and all(covered == committed for covered, committed in seen)
+    assert max(deltas) >= 3   # the index's commits and compactions published as deltas
     indexed, direct = both_ways(config)
     pd.testing.assert_frame_equal(indexed, direct)
     build(config, scheduler=dask_scheduler, progress=False)
