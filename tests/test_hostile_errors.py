@@ -242,8 +242,8 @@ def test_a_disk_that_fills_as_the_build_ends_is_recorded_as_the_exit_says(
             fill(tmp_path / "lake", 64 << 10)
         monkeypatch.setattr(driver, "_check_documents", check)
     else:
-        def publish(self: execute.BuildRun, original: Any = execute.BuildRun.publish) -> None:
-            original(self)
+        def publish(self: execute.BuildRun, original: Any = execute.BuildRun.publish, **options: Any) -> None:
+            original(self, **options)
             fill(tmp_path / "lake", 64 << 10)
         monkeypatch.setattr(execute.BuildRun, "publish", publish)
     with tmpfs(tmp_path / "lake", "16m") as lake:

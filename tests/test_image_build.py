@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageOps
-from test_resume import chunk_files, read_catalog, running_build, snapshot_counts, wait_until
+from test_resume import read_catalog, running_build, snapshot_counts, wait_until
 from test_s3 import BUCKET, s3_endpoint, storage_options  # noqa: F401  (s3_endpoint: a fixture)
 
 from lakeloader.catalog.lake import open_lake
@@ -165,6 +165,7 @@ def test_every_kind_of_image_converts_through_a_real_build(corpus: tuple[Path, d
     damaged[len(damaged) // 2] ^= 1
     files[1].write_bytes(bytes(damaged))
     report = verify_lake(config, progress=False)
+    report = report[report.global_index >= 0]   # (the documents index files' rows: ok)
     assert sorted(report.status) == ["checksum", "missing"] + ["ok"] * (len(files) - 2)
     assert all("media file" in detail for detail in report.detail[report.status != "ok"])
     build(config, scheduler=dask_scheduler, progress=False)   # finds the missing one by listing
@@ -230,7 +231,7 @@ def test_a_build_killed_mid_way_resumes_to_the_same_lake(tmp_path: Path, dask_sc
 
     def some_committed() -> bool:
         counts = snapshot_counts(lake)
-        return counts is not None and counts[1] > 0 and len(chunk_files(lake)) >= total // 2
+        return counts is not None and counts[1] > 0   # (not later: under load the rest commits within a poll)
 
     log = killed / "build.log"
     with running_build(config, log) as proc:

@@ -133,7 +133,7 @@ def answered_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     or (as for a snapshot published without one) by queries of the snapshot."""
     if request.param == "sql":
         opened = catalog_view_module.open_reader_index
-        monkeypatch.setattr(catalog_view_module, "open_reader_index", lambda lake: (opened(lake)[0], None))
+        monkeypatch.setattr(catalog_view_module, "open_reader_index", lambda lake, *rest: (opened(lake, *rest)[0], None))
     return str(request.param)
 
 
