@@ -26,6 +26,9 @@ demo: $(STAMP)
 	$(BIN)/python -m lakeloader.demo.formats prepare demo/data
 	$(BIN)/lakeloader build configs/formats.yaml
 	$(BIN)/python -m lakeloader.demo.formats show configs/formats.yaml
+	$(BIN)/python -m lakeloader.demo.images demo/data/images
+	$(BIN)/lakeloader build configs/images.yaml
+	$(BIN)/lakeloader sql configs/images.yaml "SELECT dataset, count(*) AS images, count(DISTINCT image_id) AS distinct_images, round(avg(width)) AS avg_width, round(avg(height)) AS avg_height, sum(num_bytes)::BIGINT AS bytes FROM images GROUP BY dataset ORDER BY dataset"
 
 # Two pytest-xdist workers: the tests are isolated (own lakes, caches, servers), and on 2 cores
 # the suite takes ~9 minutes instead of ~15.
@@ -44,6 +47,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/integrity_overhead.py
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/selection.py
+	$(BIN)/python benchmarks/documents_index.py
+	$(BIN)/python benchmarks/status_stats.py
 
 clean:
 	rm -rf demo/lake demo/formats-lake demo/data benchmarks/out

@@ -40,9 +40,10 @@ STEPS = (10, 100_000)
 ROUNDS = 3
 
 
-def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 20) -> Path:
-    """The config of the benchmark lake (built once) with shuffle ``kind``. A built lake (one
-    copied to another machine, say) is read as it is: no corpus, no build, no Dask."""
+def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 20, packing: str = "concat") -> Path:
+    """The config of the benchmark lake (built once) with shuffle ``kind`` and ``packing``. A built
+    lake (one copied to another machine, say) is read as it is: no corpus, no build, no Dask; a
+    packing other than concat is registered by a build of its config (no chunk tokenized again)."""
     from lakeloader.demo.corpus import prepare_corpus
 
     corpus = OUT / f"{size}-corpus"
@@ -51,19 +52,22 @@ def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 
     built = (lake / "_catalog" / "CURRENT").exists()
     if not built:
         prepare_corpus(corpus, size=size)   # type: ignore[arg-type]
-    path = OUT / f"start-{name}-{verify}-{kind}.yaml"
+    packed = "" if packing == "concat" else f"-{packing}"
+    path = OUT / f"start-{name}-{verify}-{kind}{packed}.yaml"
     path.write_text(yaml.safe_dump({
         "lake": str(lake), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(corpus / "code" / "*.jsonl")]}},
         "build": {"split_size": "8MB" if size == "bench" else "1MB",   # demo: ~10 chunks, not 2
                   "row_group_tokens": row_group_tokens},
-        "loader": {"seq_len": SEQ, "batch_size": BATCH, "verify": verify, "prefetch": 0,
+        "loader": {"seq_len": SEQ, "batch_size": BATCH, "verify": verify, "prefetch": 0, "packing": packing,
                    "shuffle": {"kind": kind, "window_chunks": 4, "block_size": 64, "window_blocks": 8}},
     }))
-    if kind == KINDS[0] and not built:
+    plans = OUT / f"start-{name}{packed}.registered"
+    if kind == KINDS[0] and not (built and (packing == "concat" or plans.exists())):
         from lakeloader.ingest.driver import build  # only to build: a built lake reads without Dask
 
         build(str(path), progress=False)
+        plans.touch()
     return path
 
 
@@ -113,6 +117,8 @@ def main() -> None:
     parser.add_argument("--row-group-tokens", type=int, default=1 << 20,
                         help="build.row_group_tokens of the lake (a first batch reads only the pages its "
                         "windows reach; later batches decode whole row groups)")
+    parser.add_argument("--packing", choices=("concat", "pack", "pad"), default="concat",
+                        help="loader.packing of the measured loaders")
     parser.add_argument("--chunks", type=int, nargs="*", default=[],
                         help="also measure on copies of the lake's catalog grown to these numbers of chunks")
     parser.add_argument("--first-on-machine", action="store_true",
@@ -123,8 +129,9 @@ def main() -> None:
     if args.measure:
         measure(args.measure[0], int(args.measure[1]))
         return
-    configs = {kind: lake_config(args.size, args.verify, kind, args.row_group_tokens) for kind in KINDS}
+    configs = {kind: lake_config(args.size, args.verify, kind, args.row_group_tokens, args.packing) for kind in KINDS}
     figures: dict[str, object] = {"size": args.size, "verify": args.verify, "row_group_tokens": args.row_group_tokens,
+                                  "packing": args.packing,
                                   "batch": BATCH, "seq_len": SEQ,
                                   "hash records": "cleared before each run" if args.first_on_machine
                                   else "made by an unmeasured run first"}

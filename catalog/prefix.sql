@@ -12,11 +12,12 @@ SELECT
 FROM chunks
 GROUP BY dataset;
 
--- Each chunk's line_base of datasets `datasets` (a list of names; NULL: every dataset): the line
--- (1-based, text/JSON Lines) or row (0-based, Parquet) of its record 0 in its source file, NULL for
--- a byte split while an earlier split of its file is not committed (its line count is unknown).
--- What the documents view's lines and doc_key, and a filtered dataset's selections, start from.
-CREATE OR REPLACE MACRO chunk_lines(datasets) AS TABLE
+-- Each chunk's line_base of datasets `datasets` (a list of names; NULL: every dataset), of the
+-- shards `shards` only if given (a list of {dataset, shard_index}): the line (1-based, text/JSON
+-- Lines) or row (0-based, Parquet) of its record 0 in its source file, NULL for a byte split while
+-- an earlier split of its file is not committed (its line count is unknown). What the documents
+-- view's lines and doc_key, and a filtered dataset's selections, start from.
+CREATE OR REPLACE MACRO chunk_lines(datasets, shards := NULL) AS TABLE
 SELECT dataset, global_index, path,
        CASE WHEN split_kind = 'row_group' THEN first_row
             WHEN committed_before = split_index THEN records_before + 1 END AS line_base
@@ -25,7 +26,8 @@ FROM (
            coalesce(sum(num_records) OVER w, 0) AS records_before,
            coalesce(count(CASE WHEN status = 'committed' THEN 1 END) OVER w, 0) AS committed_before
     FROM chunks
-    WHERE datasets IS NULL OR list_contains(datasets, dataset)
+    WHERE (datasets IS NULL OR list_contains(datasets, dataset))
+      AND (shards IS NULL OR list_contains(shards, {'dataset': dataset, 'shard_index': shard_index}))
     WINDOW w AS (PARTITION BY dataset, shard_index ORDER BY split_index
                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
 );

@@ -16,6 +16,9 @@ CHECKPOINT;
 SELECT fingerprint FROM dataset_plans WHERE name = $name;
 
 -- name: forget_dataset
+-- (The documents index of a replaced plan: its chunks' global indices may change.)
+DELETE FROM document_index_chunks WHERE dataset = $name;
+DELETE FROM document_index_files WHERE dataset = $name;
 DELETE FROM selections WHERE dataset = $name;
 DELETE FROM chunk_images WHERE dataset = $name;
 DELETE FROM row_groups WHERE dataset = $name;
@@ -138,9 +141,14 @@ ORDER BY r.k;
 -- Chunks of datasets defined by a filter to evaluate: uncommitted ($committed false) or
 -- committed ones ($committed true), whose source chunk is committed, with the source chunk's file
 -- and catalog record, its source file and line_base (what doc_key hashes). An uncommitted one
--- waits until its line_base is known: until the earlier splits of its file are committed.
+-- waits until its line_base is known: until the earlier splits of its file are committed. $built
+-- (a list of {dataset, global_index}, or NULL): only chunks of the shards of those source chunks
+-- (just committed: what they make ready).
 WITH lines AS (
-    SELECT * FROM chunk_lines((SELECT list(source_dataset) FROM dataset_plans WHERE list_contains($datasets, name)))
+    SELECT * FROM chunk_lines(
+        (SELECT list(source_dataset) FROM dataset_plans WHERE list_contains($datasets, name)),
+        shards := (SELECT list({'dataset': dataset, 'shard_index': shard_index}) FROM chunks
+                   WHERE $built IS NOT NULL AND list_contains($built, {'dataset': dataset, 'global_index': global_index})))
 )
 SELECT c.dataset, d.source_dataset, d.selection AS "where", c.global_index, s.path, s.num_bytes,
        s.checksum, s.num_records, p.source, l.line_base
@@ -556,10 +564,14 @@ INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 -- Every chunk folder the catalog reads: each plan's in force, and each folder a planned chunk's
 -- file lies in (a filtered dataset reads its source's files as they were when it was selected,
 -- which may be an older plan's of its source). Any other folder of a dataset is stale.
+-- (A chunk's file in its own plan's folder, as every chunk of a dataset built from sources, is
+-- matched by a prefix comparison: only the others' folders are extracted.)
 SELECT DISTINCT folder FROM (
     SELECT chunk_dir AS folder FROM dataset_plans
     UNION ALL
-    SELECT regexp_extract(path, '^(.*)/[^/]*$', 1) AS folder FROM chunks
+    SELECT regexp_extract(c.path, '^(.*)/[^/]*$', 1) AS folder
+    FROM chunks c JOIN dataset_plans d ON d.name = c.dataset
+    WHERE NOT starts_with(c.path, d.chunk_dir || '/') OR contains(c.path[length(d.chunk_dir) + 2:], '/')
 ) ORDER BY folder;
 
 -- name: running_builds
@@ -570,19 +582,76 @@ SELECT build_id, host, pid FROM builds WHERE status = 'running' ORDER BY build_i
 -- line (1-based, text/JSON Lines) or row (0-based, Parquet) of the chunk's record 0 (a filtered
 -- dataset's from its source's chunk of the same file where the source still has it); NULL for a
 -- byte split while an earlier split of its file is not committed (its line count is unknown); and
--- the file's size and sha256, which it is checked against before it is read.
+-- the file's size and sha256, which it is checked against before it is read. Placeholders:
+-- index_file and index_join, the documents index file holding the chunk's rows (NULL: none; a
+-- filtered dataset's chunk is its source's rows of the same file), or NULL and nothing for a
+-- catalog without the index.
 WITH lines AS (
     SELECT * FROM chunk_lines(NULL)
 )
-SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source, d.fields, d.selection AS "where",
-       coalesce(l.line_base, o.line_base) AS line_base
+SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, s.source,
+       coalesce(l.line_base, o.line_base) AS line_base, {index_file} AS index_file
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
 JOIN lines o ON o.dataset = c.dataset AND o.global_index = c.global_index
-LEFT JOIN lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path
+LEFT JOIN lines l ON l.dataset = d.source_dataset AND l.global_index = c.global_index AND l.path = c.path{index_join}
 WHERE c.status = 'committed'
 ORDER BY c.dataset, c.global_index;
+
+-- name: document_datasets
+-- Per dataset, what the documents view takes of its plan: its part kinds and predicate (NULL: none).
+SELECT name, fields, selection AS "where" FROM dataset_plans ORDER BY name;
+
+-- name: document_chunks_index_join
+
+LEFT JOIN document_index_chunks x
+       ON x.dataset = coalesce(d.source_dataset, c.dataset) AND x.global_index = c.global_index AND x.chunk_path = c.path
+
+-- name: has_document_index
+-- Whether the catalog has the documents index (lakes built before it do not).
+SELECT count(*) = 2 FROM (SELECT table_name AS name, database_name FROM duckdb_tables()
+                          UNION ALL SELECT view_name, database_name FROM duckdb_views())
+WHERE database_name = current_database() AND name IN ('document_index_files', 'document_index_chunks');
+
+-- name: document_index_records
+SELECT dataset, path, num_bytes, checksum FROM document_index_files ORDER BY dataset, first_chunk, path;
+
+-- name: document_index_paths
+SELECT path FROM document_index_files;
+
+-- name: dataset_plan_names
+SELECT name FROM dataset_plans ORDER BY name;
+
+-- name: document_index_files_of
+SELECT path, dataset, num_bytes, checksum, num_chunks FROM document_index_files WHERE list_contains($paths, path) ORDER BY path;
+
+-- name: documents_of_index
+-- The documents view's rows of one dataset's chunks held by the documents index. Placeholders:
+-- source, the relation of the index files (INDEX_COLUMNS, per-kind tokens, metadata); chunks,
+-- the relation of every global index from the lowest to the highest of the chunks it answers for
+-- (chunk, covered: whether it answers for it, and as documents_of_dataset's per-file constants
+-- dataset, source, line_base, key_name); columns, as in documents_of_dataset. The constants are
+-- looked up by position in lists (a hash join would build its table on the index, whose size
+-- DuckDB cannot estimate), so a query that needs none of them costs a scan of the index.
+-- Placeholder where: the filter to the chunks it answers for (covered), or nothing when it
+-- answers for every chunk of the files.
+SELECT k.dataset, i.chunk, i.doc, k.sources[i.chunk - k.first + 1] AS source,
+       k.line_bases[i.chunk - k.first + 1] + i.record AS line,
+       ('0x' || left(sha256(k.key_names[i.chunk - k.first + 1] || chr(10)
+                            || (k.line_bases[i.chunk - k.first + 1] + i.record)::VARCHAR), 16))::UBIGINT AS doc_key,
+       i.num_tokens, i.num_parts{columns}
+FROM {source} i,
+     (SELECT any_value(dataset) AS dataset, min(chunk) AS first, list(covered ORDER BY chunk) AS covered,
+             list(source ORDER BY chunk) AS sources, list(line_base ORDER BY chunk) AS line_bases,
+             list(key_name ORDER BY chunk) AS key_names FROM {chunks}) k{where}
+
+-- name: documents_of_index_covered
+
+WHERE k.covered[i.chunk - k.first + 1]
+
+-- name: documents_index_kind_tokens
+{column} AS {name}
 
 -- name: documents_of_dataset
 -- The documents view's rows of one dataset. Placeholders: source, the relation of its committed
@@ -661,6 +730,110 @@ DELETE FROM {table} WHERE dataset = $name;
 -- Chunk i of the grown dataset is a copy of chunk i % base (its rows; its file is shared).
 INSERT INTO {table} SELECT r.* REPLACE (g.i AS global_index)
 FROM range($chunks) g(i) JOIN demo_rows r ON r.global_index = g.i % $base;
+
+-- name: committed_among
+-- Those of chunks $global_index of dataset $name committed already.
+SELECT global_index FROM chunks
+WHERE dataset = $name AND status = 'committed' AND list_contains($global_index, global_index);
+
+-- name: insert_document_index_file
+INSERT INTO document_index_files VALUES ($path, $dataset, $first_chunk, $last_chunk, $num_chunks, $num_docs,
+                                         $num_bytes, $checksum, now()::TIMESTAMP);
+
+-- name: insert_document_index_chunks
+INSERT INTO document_index_chunks
+SELECT dataset, global_index, path AS chunk_path, $path FROM chunks
+WHERE dataset = $dataset AND list_contains($global_index, global_index);
+
+-- name: document_index_files_of_dataset
+SELECT path, num_chunks, num_docs, first_chunk, checksum, num_bytes FROM document_index_files WHERE dataset = $name ORDER BY first_chunk, path;
+
+-- name: move_document_index_chunks
+-- The rows of index files $paths now held by the index file $path (then drop_document_index_files).
+UPDATE document_index_chunks SET path = $path WHERE list_contains($paths, path);
+
+-- name: drop_document_index_files
+DELETE FROM document_index_files WHERE list_contains($paths, path);
+
+-- name: forget_document_index_chunks
+-- (The chunks of index files $paths are read from their chunk files again.)
+DELETE FROM document_index_chunks WHERE list_contains($paths, path);
+
+-- name: document_index_chunk_keys
+-- The chunks (dataset, global_index) whose rows index files $paths hold.
+SELECT dataset, global_index FROM document_index_chunks WHERE list_contains($paths, path);
+
+-- name: document_index_chunks_of
+-- The chunks whose rows index files $paths hold.
+SELECT global_index FROM document_index_chunks WHERE list_contains($paths, path) ORDER BY global_index;
+
+-- name: attach_delta
+-- A delta being published (lakeloader/catalog/delta.py) is gathered in an in-memory database
+-- attached under the name the reader index's queries read ({name}), so the same queries give the
+-- delta's index rows.
+ATTACH ':memory:' AS {name};
+
+-- name: detach_delta
+DETACH {name};
+
+-- name: delta_keyed_rows
+-- Every row of a keyed table ({table}) of the chunks the delta replaces (the view delta_keys);
+-- the bounds let DuckDB skip the row groups of other chunks.
+CREATE TABLE {name}.{table} AS
+SELECT t.* FROM {table} t SEMI JOIN delta_keys k ON t.dataset = k.dataset AND t.global_index = k.global_index
+WHERE t.global_index BETWEEN $lo AND $hi;
+
+-- name: delta_whole_rows
+CREATE TABLE {name}.{table} AS FROM {table};
+
+-- name: delta_no_rows
+CREATE TABLE {name}.{table} AS FROM {table} LIMIT 0;
+
+-- name: delta_rows
+FROM {name}.{table};
+
+-- name: delta_schema
+-- A reader's in-memory copy of what a published version's deltas add to its base snapshot
+-- (lakeloader/catalog/delta.py): the chunks they replace (keys) and each carried table's rows.
+CREATE SCHEMA lakeloader_delta
+
+-- name: delta_keys_table
+CREATE TABLE lakeloader_delta.keys AS SELECT dataset::VARCHAR AS dataset, global_index::BIGINT AS global_index
+FROM delta_rows_keys
+
+-- name: delta_table
+-- {table}: a table the deltas carry, of {columns}: the columns the base file stores for it, typed
+-- as there; the deltas' rows (the view delta_rows_{table}) inserted by name (a column the file
+-- lacks, or of another type that does not cast, fails).
+CREATE TABLE lakeloader_delta.{table} AS SELECT {columns} FROM lake.main.{table} LIMIT 0;
+INSERT INTO lakeloader_delta.{table} BY NAME FROM delta_rows_{table}
+
+-- name: reader_keyed_table
+-- reader_table of a keyed table under deltas: the base file's rows of the chunks no delta
+-- replaces, and the deltas' rows.
+CREATE VIEW {table} AS
+SELECT {columns} FROM lake.main.{table} b
+WHERE NOT EXISTS (SELECT 1 FROM lakeloader_delta.keys k WHERE k.dataset = b.dataset AND k.global_index = b.global_index)
+UNION ALL
+SELECT {columns} FROM lakeloader_delta.{table};
+
+-- name: reader_whole_table
+-- reader_table of a table the deltas carry whole.
+CREATE VIEW {table} AS SELECT {columns} FROM lakeloader_delta.{table};
+
+-- name: apply_delete_keyed
+-- A build adopting a published version (lakeloader/catalog/delta.py apply_deltas): the base's
+-- rows of {table} of the chunks its deltas replace (the view delta_keys) ...
+DELETE FROM {table} t WHERE EXISTS (
+    SELECT 1 FROM delta_keys k WHERE k.dataset = t.dataset AND k.global_index = t.global_index);
+
+-- name: apply_delete_whole
+-- ... or every row of a table the deltas carry whole ...
+DELETE FROM {table};
+
+-- name: apply_insert
+-- ... then the deltas' rows of it (the view delta_rows).
+INSERT INTO {table} BY NAME FROM delta_rows;
 
 -- name: image_sizes
 -- Width and height of every image occurrence of a dataset's committed chunks (the audit's image

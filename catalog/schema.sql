@@ -261,3 +261,29 @@ CREATE TABLE IF NOT EXISTS mixture_nodes (
     depth         INTEGER NOT NULL,
     PRIMARY KEY (mixture_id, stage, node)
 );
+
+-- The documents index: the documents view's rows of committed chunks but their tokens, in Parquet
+-- files of the lake (columns: contracts/chunk_file.py INDEX_COLUMNS, per-kind tokens, metadata),
+-- written as chunks commit and compacted now and then. One row per file, checked against its size
+-- and sha256 before a query reads it.
+CREATE TABLE IF NOT EXISTS document_index_files (
+    path        VARCHAR PRIMARY KEY,       -- relative to the lake root
+    dataset     VARCHAR NOT NULL,
+    first_chunk BIGINT NOT NULL,           -- the lowest and highest global index it covers
+    last_chunk  BIGINT NOT NULL,
+    num_chunks  BIGINT NOT NULL,
+    num_docs    BIGINT NOT NULL,
+    num_bytes   BIGINT NOT NULL,
+    checksum    VARCHAR NOT NULL,          -- sha256
+    created_at  TIMESTAMP NOT NULL
+);
+
+-- Which index file holds the rows of each indexed chunk (a chunk of a dataset built from sources:
+-- datasets defined by a filter read their source's), and the chunk file they were taken from.
+CREATE TABLE IF NOT EXISTS document_index_chunks (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,
+    chunk_path   VARCHAR NOT NULL,         -- the chunk file (chunks.path when indexed)
+    path         VARCHAR NOT NULL,         -- the index file (document_index_files.path)
+    PRIMARY KEY (dataset, global_index)
+);

@@ -69,13 +69,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from lakeloader.catalog.gc import remove_stale_chunk_folders
+    from lakeloader.catalog.gc import remove_stale
     from lakeloader.catalog.lake import open_lake
 
-    stale = remove_stale_chunk_folders(open_lake(args.target), dry_run=args.dry_run)
+    stale = remove_stale(open_lake(args.target), dry_run=args.dry_run)
     _print_frame(stale, args.format)
     verb = "would remove" if args.dry_run else "removed"
-    print(f"{verb} {len(stale)} stale chunk folders: {int(stale['files'].sum())} files, "
+    print(f"{verb} {len(stale)} stale chunk folders and documents index files: {int(stale['files'].sum())} files, "
           f"{int(stale['bytes'].sum()):,} bytes", file=sys.stderr)
     return 0
 
@@ -83,8 +83,23 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_sql(args: argparse.Namespace) -> int:
     from lakeloader.catalog.lake import open_lake
 
-    _print_frame(open_lake(args.target).sql(args.query), args.format)
+    relations = {"run_segments": _run_segments(args.target, args.state, None)} if args.state else None
+    _print_frame(open_lake(args.target).sql(args.query, relations=relations), args.format)
     return 0
+
+
+def _run_segments(config: str, state_path: str, stop: int | None) -> pd.DataFrame:
+    """The ``run_segments`` table of the run saved in ``state_path`` under ``config``, over its
+    steps so far (or ``[0, stop)``)."""
+    from lakeloader.feed.loader import Loader
+    from lakeloader.feed.run_audit import run_segments
+
+    if not config.endswith((".yaml", ".yml")):
+        raise LakeloaderError(f"--state needs the run's CONFIG (its mixture and loader settings), not the lake {config}")
+    state = _read_state(state_path)
+    with Loader(config) as loader:
+        step = loader.follow(state)
+        return run_segments(loader, stop if stop is not None else step)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -105,7 +120,8 @@ def _report_verify(report: pd.DataFrame, output_format: str, prefix: str = "") -
     if len(bad):
         _print_frame(bad, output_format)
     counts = ", ".join(f"{n} {status}" for status, n in report.status.value_counts().items())
-    print(f"{prefix}verified {len(report)} chunks: {counts or 'none'}", file=sys.stderr)
+    print(f"{prefix}verified {len(report)} files (chunks and documents index files): {counts or 'none'}",
+          file=sys.stderr)
     return len(bad)
 
 
@@ -206,15 +222,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from lakeloader.catalog.audit import audit
-    from lakeloader.feed.loader import Loader
-    from lakeloader.feed.run_audit import run_segments
     from lakeloader.report.audit_plot import plot_audit
 
     if args.state:
-        state = _read_state(args.state)
-        with Loader(args.config) as loader:
-            step = loader.follow(state)
-            frame = run_segments(loader, args.steps[1] if args.steps else step)
+        frame = _run_segments(args.config, args.state, args.steps[1] if args.steps else None)
         if args.format == "table":
             print(f"run_segments: the run revised at steps {frame.attrs['revisions']}, steps "
                   f"[0, {frame.attrs['stop_step']}) of batch {frame.attrs['batch_size']}, from the closed form")
@@ -309,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("target", metavar="CONFIG|LAKE")
     sql.add_argument("query", metavar="QUERY")
     sql.add_argument("--format", choices=formats, default="table")
+    sql.add_argument("--state", metavar="STATE.json", help=(
+        "with a CONFIG: also offer the table run_segments of the run saved in this loader state (one row "
+        "per segment and dataset, and the whole run as segment 'all': weights, shares, examples, tokens, "
+        "epochs; as `lakeloader audit CONFIG --state` prints it), to query beside the catalog"))
     sql.set_defaults(func=_cmd_sql)
 
     stats = commands.add_parser(
@@ -394,11 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit.set_defaults(func=_cmd_audit)
 
     gc = commands.add_parser(
-        "gc", help="remove the chunk folders of replaced dataset plans",
+        "gc", help="remove the chunk folders of replaced dataset plans and replaced documents index files",
         description="A dataset whose build settings changed (tokenizer, format, fields or "
         "build.split_size) is rebuilt into a new chunk folder; the old one is never read again. "
         "`lakeloader status` lists such stale folders; this removes them (never the folders of "
-        "the plans in force). Refuses while a build holds the catalog, and keeps builds out while "
+        "the plans in force), and the documents index files a compaction replaced or a killed build "
+        "left. Refuses while a build holds the catalog, and keeps builds out while "
         "it runs. Readers still using a replaced plan lose its files.")
     gc.add_argument("target", metavar="CONFIG|LAKE")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")

@@ -21,7 +21,7 @@ import pytest
 import yaml
 import zstandard
 
-from lakeloader.catalog.pointer import seal_pointer
+from lakeloader.catalog.pointer import delta_file, delta_key, delta_versions, seal_pointer
 from lakeloader.catalog.reader_index import TABLES, index_file
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.contracts.errors import LakeloaderError
@@ -242,6 +242,7 @@ def reseal_snapshot(lake_root: Path) -> dict[str, Any]:
     files = {"catalog": pointer["file"]}
     if isinstance(pointer.get("reader_index"), dict):
         files |= {table: index_file(pointer["reader_index"]["prefix"], table) for table in TABLES}
+    files |= {delta_key(version): delta_file(version) for version in delta_versions(pointer)}
     pointer["sha256"] = {key: hashlib.sha256((lake_root / "_catalog" / name).read_bytes()).hexdigest()
                          for key, name in files.items() if (lake_root / "_catalog" / name).exists()}
     current.write_bytes(seal_pointer(pointer))

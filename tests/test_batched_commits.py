@@ -201,11 +201,11 @@ def slow_first_commit(monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None
     results pile up behind it as behind a busy driver."""
     original = CatalogWriter.commit
 
-    def commit(self: CatalogWriter, results: list[ChunkResult], build_id: int) -> int:
+    def commit(self: CatalogWriter, results: list[ChunkResult], build_id: int, index_files: Any = ()) -> int:
         if not sizes:
             time.sleep(1.0)
         sizes.append(len(results))
-        return original(self, results, build_id)
+        return original(self, results, build_id, index_files)
 
     monkeypatch.setattr(CatalogWriter, "commit", commit)
 

@@ -14,7 +14,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import duckdb
 import pytest
 from test_resume import (
     BUILD_TIMEOUT,
@@ -30,9 +29,10 @@ from test_resume import (
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.reader_index import INDEX_FORMAT, TABLES, ReaderIndex, index_file
-from lakeloader.catalog.snapshot import KEEP_SNAPSHOTS, open_snapshot, read_pointer
+from lakeloader.catalog.pointer import delta_file, delta_versions
+from lakeloader.catalog.snapshot import KEEP_SNAPSHOTS, connect_pointer, open_snapshot, published_deltas, read_pointer
 from lakeloader.catalog.store import SCHEMA_VERSION, connect_reader
-from lakeloader.contracts.errors import CatalogLockedError
+from lakeloader.contracts.errors import CatalogError, CatalogLockedError
 from lakeloader.ingest.driver import build
 
 COMMITTED = "SELECT count(*) FROM chunks WHERE status='committed'"
@@ -162,30 +162,41 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
         wait_until(lambda: read_pointer(lake) is not None, proc, log, "the first snapshot")
         while proc.poll() is None:
             pointer = read_pointer(lake)
+            deltas = delta_versions(pointer)   # a version is its base plus the deltas after it
+            base = pointer.get("base", pointer["version"])
             assert set(pointer) == {"version", "file", "reader_index", "sha256", "published_at", "build_id",
-                                    "lake_id", "checksum"}
-            assert pointer["file"] == f"catalog-{pointer['version']:06d}.duckdb"
-            assert pointer["reader_index"] == {"prefix": f"catalog-{pointer['version']:06d}", "format": INDEX_FORMAT}
-            # The reader index CURRENT names is whole, and says what its snapshot says.
+                                    "lake_id", "checksum", *(("base", "deltas") if deltas else ())}
+            assert pointer["file"] == f"catalog-{base:06d}.duckdb"
+            assert pointer["reader_index"] == {"prefix": f"catalog-{base:06d}", "format": INDEX_FORMAT}
+            # The reader index CURRENT names is whole, and says what its version says.
             index_files = {table: index_file(pointer["reader_index"]["prefix"], table) for table in TABLES}
-            index = ReaderIndex({table: str(lake_root / "_catalog" / name) for table, name in index_files.items()})
+            delta_files = {f"delta-{v}": delta_file(v) for v in deltas}
+            try:
+                published = {key: (lake_root / "_catalog" / name).read_bytes()
+                             for key, name in {"catalog": pointer["file"], **index_files, **delta_files}.items()}
+                merged = published_deltas(lake, pointer)
+                paths = {table: str(lake_root / "_catalog" / name) for table, name in index_files.items()}
+                index = ReaderIndex(paths) if merged is None else ReaderIndex(paths, merged.index, merged.changed())
+                con = connect_pointer(lake, pointer)   # the files CURRENT names, as readers see them
+            except (FileNotFoundError, CatalogError):   # pruned since: a newer version is current
+                continue
             assert pointer["build_id"] == 1
-            path = lake_root / "_catalog" / pointer["file"]
-            assert path.is_file()
             # CURRENT gives each file's sha256 as published (none is written after the pointer).
-            for key, name in {"catalog": pointer["file"], **index_files}.items():
-                assert hashlib.sha256((lake_root / "_catalog" / name).read_bytes()).hexdigest() == pointer["sha256"][key]
-            con = duckdb.connect(str(path), read_only=True)  # the file CURRENT names, as it is
+            for key, data in published.items():
+                assert hashlib.sha256(data).hexdigest() == pointer["sha256"][key], key
             try:
                 committed, planned = con.execute(
                     "SELECT count(*) FILTER (WHERE status = 'committed'), count(*) FROM chunks").fetchone()
                 assert con.execute("SELECT value FROM lake_meta WHERE key = 'schema_version'").fetchone() \
                     == (SCHEMA_VERSION,)
+                assert con.execute("SELECT value FROM lake_meta WHERE key = 'published_version'").fetchone() \
+                    == (str(pointer["version"]),)
                 status, = con.execute("SELECT status FROM builds WHERE build_id = 1").fetchone()
                 prefix, = con.execute("SELECT num_chunks FROM committed_prefix").fetchone()
                 assert index.chunks("code").num_rows == planned
                 assert int(index.chunks("code").column("committed").to_numpy(zero_copy_only=False).sum()) == committed
-                assert len(index.tables["row_groups"]) == con.execute("SELECT count(*) FROM row_groups").fetchone()[0]
+                groups = index.row_groups_of("code", list(range(planned)), False)["global_index"]
+                assert len(groups) == con.execute("SELECT count(*) FROM row_groups").fetchone()[0]
                 assert con.execute("SELECT count(*) FROM chunk_offsets").fetchone() == (prefix,)
                 assert con.execute("SELECT count(*) FROM row_groups r JOIN chunks c USING (dataset, "
                                    "global_index) WHERE c.status <> 'committed'").fetchone() == (0,)
@@ -235,7 +246,11 @@ def test_snapshot_versions_increase_and_current_is_always_complete(tmp_path: Pat
     finally:
         con.close()
     kept = range(final["version"] - KEEP_SNAPSHOTS + 1, final["version"] + 1)
-    assert sorted(p.name for p in (lake_root / "_catalog").iterdir()) == \
-        ["CURRENT"] + sorted(f"catalog-{v:06d}.{kind}" for v in kept
-                             for kind in ("duckdb", *(f"{table}.arrow" for table in TABLES)))
+    assert not delta_versions(final)   # the build's last publish is a full snapshot
+    names = sorted(p.name for p in (lake_root / "_catalog").iterdir())
+    whole = {f"catalog-{final['version']:06d}.{kind}" for kind in ("duckdb", *(f"{table}.arrow" for table in TABLES))}
+    assert whole <= set(names) and names[0] == "CURRENT"
+    for name in names[1:]:   # each a file of a kept version: a full snapshot's or a delta
+        assert int(name.split(".")[0].removeprefix("catalog-")) in kept, name
+        assert name.split(".", 1)[1] in ("duckdb", "delta.arrow", *(f"{table}.arrow" for table in TABLES)), name
     assert json.loads((lake_root / "_catalog" / "CURRENT").read_bytes()) == final

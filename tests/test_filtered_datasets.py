@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from lakeloader.catalog.audit import audit
-from lakeloader.catalog.gc import remove_stale_chunk_folders
+from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.snapshot import open_reader_index
 from lakeloader.cli import main
@@ -387,7 +387,7 @@ def test_a_changed_predicate_is_a_new_selection_and_tokenizes_nothing(lake, tmp_
     # checks them once, as the source's.
     stored = lake_.sql("SELECT sum(len(docs)) AS docs FROM selections WHERE dataset = 'web_sel'")
     assert stored.docs[0] == len(expected)
-    assert remove_stale_chunk_folders(lake_).empty
+    assert remove_stale(lake_).empty
     assert eval_documents(changed) == expected
     report = verify_lake(changed, progress=False)
     assert set(report.status) == {"ok"} and set(report.dataset) == {"web"}

@@ -21,6 +21,8 @@ import pytest
 
 import lakeloader.catalog.hash_records as hashed_module
 from lakeloader.catalog.lake import open_lake
+from lakeloader.catalog.snapshot import publish_snapshot
+from lakeloader.catalog.store import CatalogWriter
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.feed.loader import Loader
 
@@ -291,12 +293,22 @@ def assert_intact_or_named(found: dict[tuple[int, int], dict[str, Any]], index: 
 
 # -- the documents view ---------------------------------------------------------------------------------
 
+def without_documents_index(config: Path) -> None:
+    """The lake of ``config`` as one built before the documents index: the documents view reads
+    its chunk files (what these tests damage)."""
+    lake = open_lake(config)
+    with CatalogWriter(lake.writer_catalog_path) as writer:
+        writer.con.execute("DELETE FROM document_index_chunks; DELETE FROM document_index_files")
+        publish_snapshot(writer.con, lake, None)
+
+
 def test_documents_view_checks_each_chunk_against_its_record(lake_root: Path, tmp_path: Path) -> None:
     """The issue's case: a bit of the footer flipped where a metadata column's physical type is
     (meta.score DOUBLE read as INT32 or INT64 gave -1.7e9 for 0.1), and a sample of every other
     footer byte: the documents view gives the intact rows or an error naming the chunk, as the
     loader checks it (size and sha256)."""
     config = copy_lake(lake_root, tmp_path)
+    without_documents_index(config)
     index = last_chunk(config)
     path = chunk_file(config, index)
     footer, fields = footer_fields(path)
@@ -313,6 +325,7 @@ def test_documents_view_names_a_missing_or_altered_chunk(lake_root: Path, tmp_pa
     error naming it and what to do, for any query of the view (its files are checked before the
     query runs, whatever its filter); the intact file answers again."""
     config = copy_lake(lake_root, tmp_path)
+    without_documents_index(config)
     lake = open_lake(config)
     query = "SELECT chunk, count(*) AS docs, round(sum(score), 6) AS score FROM documents GROUP BY chunk ORDER BY chunk"
     intact = lake.sql(query)
@@ -340,6 +353,7 @@ def test_documents_view_hashes_a_local_file_once_per_machine(lake_root: Path, tm
     monkeypatch.setattr(hashed_module, "RACY_SECONDS", 0.0)   # the copy was just written
     hashed = hash_spy(monkeypatch)
     config = copy_lake(lake_root, tmp_path)
+    without_documents_index(config)
     lake = open_lake(config)
     chunks = int(lake.sql("SELECT count(*) AS n FROM chunks").n[0])
     first = lake.sql("SELECT sum(num_tokens) AS n FROM documents")
@@ -366,6 +380,12 @@ def test_documents_view_of_a_remote_lake_hashes_what_it_reads(lake_root: Path, t
         intact = open_lake(config).sql("SELECT chunk, doc, score, lang FROM documents ORDER BY chunk, doc")
         remote = open_lake("memory://hostile-chunks/lake")
         assert not remote.is_local
+        # From the documents index (its files downloaded and hashed alike), then from the chunk files.
+        assert remote.sql("SELECT chunk, doc, score, lang FROM documents ORDER BY chunk, doc").equals(intact)
+        without_documents_index(config)
+        for file in (root / "_catalog").rglob("*"):
+            if file.is_file():
+                memory.pipe_file(f"/hostile-chunks/lake/{file.relative_to(root)}", file.read_bytes())
         assert remote.sql("SELECT chunk, doc, score, lang FROM documents ORDER BY chunk, doc").equals(intact)
         relative = chunk_file(config, 1).relative_to(root)
         name = f"/hostile-chunks/lake/{relative}"

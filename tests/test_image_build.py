@@ -58,9 +58,10 @@ def pillow_facts(data: bytes) -> tuple[int, int, str, str, int]:
 
 
 def lake_files(lake: Path) -> dict[str, bytes]:
-    """Every chunk and media file of a lake by its path in the lake."""
+    """Every chunk and media file of a lake by its path in the lake (not the catalog's snapshots,
+    nor the documents index, whose files follow how the chunks were committed together)."""
     return {str(p.relative_to(lake)): p.read_bytes() for p in sorted(lake.rglob("*.parquet"))
-            if "_catalog" not in p.parts}
+            if not p.relative_to(lake).parts[0].startswith("_")}
 
 
 def images_view(config: Path) -> list[tuple[Any, ...]]:

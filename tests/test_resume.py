@@ -142,8 +142,9 @@ def wait_until(condition: Callable[[], bool], proc: subprocess.Popen, log: Path,
 
 
 def chunk_files(lake_root: Path) -> list[Path]:
-    """Chunk files under their final names (temporary files end in .tmp-<id>)."""
-    return [p for p in lake_root.rglob("*.parquet") if "_catalog" not in p.parts]
+    """Chunk files under their final names (temporary files end in .tmp-<id>): not the catalog's
+    snapshots nor the documents index."""
+    return [p for p in lake_root.rglob("*.parquet") if not p.relative_to(lake_root).parts[0].startswith("_")]
 
 
 def temporary_files(lake_root: Path) -> list[Path]:
@@ -223,6 +224,11 @@ def assert_catalog_matches_files(lake_root: Path) -> None:
         assert hashlib.sha256(data).hexdigest() == row.checksum, row.path
     on_disk = {p.relative_to(lake_root).as_posix() for p in chunk_files(lake_root)}
     assert on_disk == set(chunks["path"])
+    index = open_lake(str(lake_root)).sql("SELECT path, num_bytes, checksum FROM document_index_files")
+    assert len(index)   # the documents index files recorded are whole (a killed build's others are unrecorded)
+    for row in index.itertuples():
+        data = (lake_root / row.path).read_bytes()
+        assert len(data) == row.num_bytes and hashlib.sha256(data).hexdigest() == row.checksum, row.path
 
 
 def read_catalog(lake_root: Path, statement: str) -> pd.DataFrame:

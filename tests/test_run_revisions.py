@@ -256,6 +256,13 @@ def test_the_command_line_continues_a_run_and_audits_it(lake: Path, tmp_path: Pa
         assert by["all", name]["examples"] == by["0", name]["examples"] + by["1", name]["examples"]
         assert by["all", name]["epochs"] > 0 or name == "c" and by["all", name]["examples"] == 0
     assert sum(by["1", n]["examples"] for n in "abc") == 4 * BATCH
+    capsys.readouterr()   # the same table in SQL, beside the catalog
+    assert main(["sql", str(second), "--state", str(later), "--format", "json",
+                 "SELECT s.segment, s.dataset, s.examples, d.num_chunks FROM run_segments s "
+                 "JOIN datasets d ON d.name = s.dataset WHERE s.segment = 'all' ORDER BY s.dataset"]) == 0
+    joined = json.loads(capsys.readouterr().out)
+    assert [(r["dataset"], r["examples"]) for r in joined] == [(n, by["all", n]["examples"]) for n in "abc"]
+    assert all(r["num_chunks"] > 0 for r in joined)
 
 
 def test_worker_processes_follow_the_revised_run(lake: Path, tmp_path: Path) -> None:

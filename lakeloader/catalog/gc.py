@@ -1,4 +1,5 @@
-"""``lakeloader gc``: remove the stale chunk folders of replaced dataset plans, never while a build runs."""
+"""``lakeloader gc``: remove the stale chunk folders of replaced dataset plans and the documents index
+files no longer recorded, never while a build runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pandas as pd
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.sql import query
-from lakeloader.catalog.stale import stale_chunk_folders
+from lakeloader.catalog.stale import stale_paths
 from lakeloader.catalog.store import catalog_failure, is_lock_error
 from lakeloader.contracts.errors import CatalogError, CatalogLockedError, LakeWriteError
 
@@ -51,8 +52,9 @@ def _hold_catalog(lake: Lake) -> duckdb.DuckDBPyConnection | None:
     return None
 
 
-def remove_stale_chunk_folders(lake: Lake, *, dry_run: bool = False) -> pd.DataFrame:
-    """Remove the lake's stale chunk folders (see :func:`stale_chunk_folders`) and return them.
+def remove_stale(lake: Lake, *, dry_run: bool = False) -> pd.DataFrame:
+    """Remove the lake's stale chunk folders and documents index files (see :func:`stale_paths`)
+    and return them.
 
     Refuses while a build holds the catalog, and holds a local lake's catalog lock meanwhile so
     that no build starts. Never touches the folders of the plans in force; a reader still on a
@@ -62,7 +64,7 @@ def remove_stale_chunk_folders(lake: Lake, *, dry_run: bool = False) -> pd.DataF
     if dry_run:
         con = lake.connect()
         try:
-            return stale_chunk_folders(lake, con)
+            return stale_paths(lake, con)
         except duckdb.Error as exc:
             raise lake.catalog_damage(exc) or exc
         finally:
@@ -70,9 +72,9 @@ def remove_stale_chunk_folders(lake: Lake, *, dry_run: bool = False) -> pd.DataF
     holder = _hold_catalog(lake)
     con = holder.cursor() if holder is not None else lake.connect()
     try:
-        stale = stale_chunk_folders(lake, con)
+        stale = stale_paths(lake, con)
         for folder in stale["folder"]:
-            log.info("removing stale chunk folder %s", folder)
+            log.info("removing stale %s", folder)
             lake.fs.rm(lake.path_of(folder), recursive=True)
         return stale
     except duckdb.Error as exc:

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import duckdb
@@ -111,13 +111,18 @@ class Lake(LakeLocation):
             return lazy_tokenizer_file(local, stat.st_size, stat.st_mtime_ns)
         return lazy_tokenizer_text(self.fs.cat_file(self.path_of(path)).decode())
 
-    def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None) -> pd.DataFrame:
+    def sql(self, statement: str, params: list[Any] | dict[str, Any] | None = None,
+            relations: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
         """Run one read-only query (``ALLOWED_SQL``) against the catalog and return the result as
         a DataFrame. Anything else (writes, other files, network, extensions, settings) is refused
         with ``CatalogError`` and changes nothing. It runs within ``sql.memory_limit`` and
-        ``sql.timeout_s`` (``QueryLimitError`` past them), and Ctrl-C interrupts it."""
+        ``sql.timeout_s`` (``QueryLimitError`` past them), and Ctrl-C interrupts it.
+        ``relations``: more tables the query may read by name (a run's ``run_segments``, say)."""
         check_read_only(statement)
         with self._reader(documents=mentions_documents(statement)) as con:
+            for name, frame in (relations or {}).items():
+                con.register(name, frame)
+
             def run() -> pd.DataFrame:
                 result = con.execute(statement, params) if params else con.execute(statement)
                 return integer_columns(result.df(), result.description)

@@ -21,6 +21,7 @@ from lakeloader.contracts.errors import CatalogIntegrityError
 POINTER = "_catalog/CURRENT"
 CATALOG_FILE = "catalog"        # the key of the snapshot's DuckDB file in ``sha256``
 MAX_POINTER_BYTES = 1 << 16
+MAX_DELTAS = 64                 # deltas a pointer may add to its base (a writer compacts sooner)
 _CHECKSUM_KEY = "checksum"      # sha256 of the pointer's other keys (``_canonical``)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _LAKE_ID = re.compile(r"[0-9a-f]{32}")
@@ -36,6 +37,27 @@ def snapshot_prefix(version: int) -> str:
 def snapshot_file(version: int) -> str:
     """The name of snapshot ``version``'s DuckDB file in ``_catalog/``."""
     return f"{snapshot_prefix(version)}.duckdb"
+
+
+def delta_file(version: int) -> str:
+    """The name of the delta file of version ``version`` in ``_catalog/`` (catalog/delta.py)."""
+    return f"{snapshot_prefix(version)}.delta.arrow"
+
+
+def delta_key(version: int) -> str:
+    """The key of delta ``version``'s sha256 in a pointer's ``sha256``."""
+    return f"delta-{version}"
+
+
+def base_version(pointer: dict[str, Any]) -> int:
+    """The version of the full snapshot a pointer names (its own, unless it adds deltas to an
+    older one)."""
+    return int(pointer.get("base", pointer["version"]))
+
+
+def delta_versions(pointer: dict[str, Any]) -> list[int]:
+    """The versions of the deltas a pointer adds to its base, oldest first (none for a full snapshot)."""
+    return list(range(base_version(pointer) + 1, int(pointer["version"]) + 1))
 
 
 def _canonical(payload: dict[str, Any]) -> bytes:
@@ -78,20 +100,32 @@ def parse_pointer(data: bytes, where: str, tables: tuple[str, ...], index_format
     version = pointer.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise damaged(f"version {version!r} is not a positive integer")
-    if pointer.get("file") != snapshot_file(version):
-        raise damaged(f"file {pointer.get('file')!r} is not {snapshot_file(version)!r}, the name of version {version}")
+    # A version is its base (a full snapshot) plus the deltas of every version after it.
+    base = pointer.get("base", version)
+    if not isinstance(base, int) or isinstance(base, bool) or not 1 <= base <= version \
+            or version - base > MAX_DELTAS:
+        raise damaged(f"base {base!r} is not a version from {max(1, version - MAX_DELTAS)} to {version}")
+    if pointer.get("deltas", []) != list(range(base + 1, version + 1)):
+        raise damaged(f"deltas {pointer.get('deltas')!r} are not the versions after its base {base} up to {version}")
+    if pointer.get("file") != snapshot_file(base):
+        raise damaged(f"file {pointer.get('file')!r} is not {snapshot_file(base)!r}, the name of version {base}")
     lake_id = pointer.get("lake_id")
     if lake_id is not None and not (isinstance(lake_id, str) and _LAKE_ID.fullmatch(lake_id)):
         raise damaged(f"lake_id {lake_id!r} is not 32 hexadecimal digits")
     index = pointer.get("reader_index")
     files = [CATALOG_FILE]
     if index is not None:
-        if not isinstance(index, dict) or index.get("prefix") != snapshot_prefix(version) \
+        if not isinstance(index, dict) or index.get("prefix") != snapshot_prefix(base) \
                 or not isinstance(index.get("format"), int):
-            raise damaged(f"reader_index {index!r} is not {{'prefix': {snapshot_prefix(version)!r}, 'format': N}}")
+            raise damaged(f"reader_index {index!r} is not {{'prefix': {snapshot_prefix(base)!r}, 'format': N}}")
         if index["format"] == index_format:
             files += tables
+    if base < version and (index is None or index["format"] != index_format):
+        raise damaged(f"its deltas come without a reader index of format {index_format}")
+    files += [delta_key(v) for v in range(base + 1, version + 1)]
     checksums = pointer.get("sha256")
+    if legacy and base < version:
+        raise damaged("it names deltas but gives no sha256 of them")
     if legacy:
         return pointer
     if not isinstance(checksums, dict):

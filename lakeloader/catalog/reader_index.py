@@ -59,15 +59,24 @@ def _row_ranges(table: pa.Table, keys: list[str]) -> dict[tuple[str, ...], list[
     return {tuple(values): [int(a), int(b)] for *values, a, b in zip(*names, starts.tolist(), ends.tolist())}
 
 
-def write_reader_index(con: duckdb.DuckDBPyConnection, staged: Callable[[str], str]) -> None:
-    """Write the reader index of the copy attached on ``con`` as ``published_snapshot``; each
-    table to the local path ``staged(table)``."""
-    def fetch(name: str) -> pa.Table:
-        return con.sql(query(name)).to_arrow_table().combine_chunks()
+# The queries of catalog/queries.sql a reader index is made of (``reader_index_<part>``), each
+# reading the copy attached as ``ATTACHED``; a delta (catalog/delta.py) carries their rows too.
+PARTS = ("datasets", "definitions", "packing_plans", *TABLES)
+# Per table, the columns its rows are sorted and kept by (dropped from the files: the metadata
+# locates each dataset's rows).
+_KEY_COLUMNS = {"chunks": ["dataset"], "row_groups": ["dataset"], "examples": ["dataset", "plan_key"]}
 
-    plans = fetch("reader_index_datasets").to_pylist()
-    packing_plans = fetch("reader_index_packing_plans").to_pylist()
-    chunks, row_groups, examples = (fetch(f"reader_index_{table}") for table in TABLES)
+
+def index_rows(con: duckdb.DuckDBPyConnection) -> dict[str, pa.Table]:
+    """The rows of each part of the reader index of the catalog attached on ``con`` as ``ATTACHED``."""
+    return {part: con.sql(query(f"reader_index_{part}")).to_arrow_table().combine_chunks() for part in PARTS}
+
+
+def index_tables(rows: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    """The reader index's tables made of the rows of its parts (``index_rows``, each table's rows
+    in its order), the metadata locating each dataset's rows on ``chunks``."""
+    plans, packing_plans = rows["datasets"].to_pylist(), rows["packing_plans"].to_pylist()
+    chunks, row_groups, examples = (rows[table] for table in TABLES)
     chunk_rows, group_rows = _row_ranges(chunks, ["dataset"]), _row_ranges(row_groups, ["dataset"])
     example_rows = _row_ranges(examples, ["dataset", "plan_key"])
     datasets = {
@@ -80,13 +89,18 @@ def write_reader_index(con: duckdb.DuckDBPyConnection, staged: Callable[[str], s
             "packing_plans": [row["plan_key"] for row in packing_plans if row["dataset"] == plan["name"]],
         } for plan in plans}
     definitions: dict[str, list[list[str | None]]] = {}
-    for row in fetch("reader_index_definitions").to_pylist():
+    for row in rows["definitions"].to_pylist():
         definitions.setdefault(row["dataset"], []).append([row["definition"], row["fingerprint"], row["config"]])
     metadata = {_METADATA_KEY: json.dumps({"datasets": datasets, "definitions": definitions}).encode()}
-    tables = {"chunks": chunks.drop_columns(["dataset"]).replace_schema_metadata(metadata),
-              "row_groups": row_groups.drop_columns(["dataset"]),
-              "examples": examples.drop_columns(["dataset", "plan_key"])}
-    for table, rows in tables.items():
+    tables = {table: rows[table].drop_columns(_KEY_COLUMNS[table]) for table in TABLES}
+    tables["chunks"] = tables["chunks"].replace_schema_metadata(metadata)
+    return tables
+
+
+def write_reader_index(con: duckdb.DuckDBPyConnection, staged: Callable[[str], str]) -> None:
+    """Write the reader index of the copy attached on ``con`` as ``published_snapshot``; each
+    table to the local path ``staged(table)``."""
+    for table, rows in index_tables(index_rows(con)).items():
         with pa.OSFile(staged(table), "wb") as sink, pa.ipc.new_file(sink, rows.schema) as writer:
             writer.write_table(rows)
 
@@ -169,17 +183,25 @@ def _definition(row: Any) -> DefinitionRecord:
     return DefinitionRecord(row[0], row[1], row[2])
 
 
-class ReaderIndex:
-    """A published snapshot's reader index, memory-mapped: immutable, safe to share by threads.
+_INDEX_ERRORS = (pa.ArrowException, ValueError, KeyError, TypeError, AttributeError, RecursionError)
 
-    Its files are those the pointer vouches for (their sha256 checked before they get here); the
-    arrays and their metadata are still checked for what the lookups rely on (valid Arrow data,
+
+def _altered(where: str, exc: Exception) -> CatalogIntegrityError:
+    return CatalogIntegrityError(
+        f"the reader index {where} is not as lakeloader writes it ({type(exc).__name__}: {exc}): the lake was "
+        "altered; read only lakes from people you trust, and if this lake is yours `lakeloader build CONFIG` "
+        "publishes a whole catalog again")
+
+
+class _Layer:
+    """The lookups over one set of reader-index tables (a snapshot's files, or the rows its deltas
+    add), every array and metadata value checked for what the lookups rely on (valid Arrow data,
     row ranges inside the tables), so even a file altered with a matching checksum gives a clear
     error, never a crash or a read outside its arrays."""
 
-    def __init__(self, paths: dict[str, str]) -> None:
+    def __init__(self, tables: dict[str, pa.Table], where: str) -> None:
         try:
-            self.tables = {table: _mapped(paths[table]) for table in TABLES}
+            self.tables = tables
             for name, table in self.tables.items():
                 _check_columns(name, table)
                 table.validate(full=True)
@@ -188,11 +210,8 @@ class ReaderIndex:
             # An index written before definitions were recorded has none.
             self._definitions = {name: [_definition(row) for row in rows]
                                  for name, rows in metadata.get("definitions", {}).items()}
-        except (pa.ArrowException, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CatalogIntegrityError(
-                f"the reader index {paths['chunks'].removesuffix('.chunks.arrow')}.*.arrow is not as lakeloader "
-                f"writes it ({type(exc).__name__}: {exc}): the lake was altered; read only lakes from people you "
-                "trust, and if this lake is yours `lakeloader build CONFIG` publishes a whole catalog again") from exc
+        except _INDEX_ERRORS as exc:
+            raise _altered(where, exc) from exc
 
     def plan(self, name: str) -> tuple[str, str, list[str], str | None] | None:
         """Dataset ``name``'s (fingerprint, token_type, part kinds, source dataset), as the
@@ -222,15 +241,12 @@ class ReaderIndex:
         found = self.datasets.get(name)
         return found is not None and plan_key in found.packing_plans
 
-    def examples(self, name: str, plan_key: str, prefix: int) -> dict[str, np.ndarray]:
-        """Examples of each chunk before ``prefix`` counted under ``plan_key`` (as the query
-        reader_chunk_examples: ``global_index`` and ``num_examples``, in global order)."""
+    def examples(self, name: str, plan_key: str) -> tuple[np.ndarray, np.ndarray]:
+        """Global index and examples of each chunk counted under ``plan_key``, in global order."""
         found = self.datasets.get(name)
         a, b = found.examples.get(plan_key, (0, 0)) if found else (0, 0)
         rows = self.tables["examples"].slice(a, b - a)
-        global_index = _column(rows, "global_index").to_numpy()
-        end = int(np.searchsorted(global_index, prefix))
-        return {"global_index": global_index[:end], "num_examples": _column(rows, "num_examples").to_numpy()[:end]}
+        return _column(rows, "global_index").to_numpy(), _column(rows, "num_examples").to_numpy()
 
     def _chunk_rows(self, name: str, global_indexes: np.ndarray) -> np.ndarray:
         """Rows in ``chunks`` of the committed chunks of ``name`` among ``global_indexes``
@@ -279,3 +295,121 @@ class ReaderIndex:
         row = self.tables["chunks"].slice(int(rows[0]), 1).to_pylist()[0]
         return row["path"], row["num_bytes"], row["checksum"], row["shard_index"]
 
+
+
+class ReaderIndex:
+    """A published version's reader index: its base snapshot's files, memory-mapped, and the rows
+    its deltas (catalog/delta.py) add, which replace every row of the chunks they name. Immutable,
+    safe to share by threads; it answers as the index of a full snapshot of the same version.
+
+    Its files are those the pointer vouches for (their sha256 checked before they get here), and
+    still checked as :class:`_Layer` checks them."""
+
+    def __init__(self, paths: dict[str, str], added: dict[str, pa.Table] | None = None,
+                 changed: dict[str, np.ndarray] | None = None, added_where: str = "",
+                 previous: ReaderIndex | None = None, base_identity: Any = None) -> None:
+        """``added``: the rows of each part (``PARTS``) the deltas carry, newest per chunk;
+        ``changed``: per dataset, the global indexes (ascending) of the chunks whose rows they
+        replace; ``previous``: a reader's index before a refresh, whose checked base is taken as it
+        is if its ``base_identity`` (what names the base's bytes: the lake and their sha256) is
+        this one's."""
+        where = f"{paths['chunks'].removesuffix('.chunks.arrow')}.*.arrow"
+        self.paths, self.base_identity = paths, base_identity
+        if previous is not None and base_identity is not None and previous.base_identity == base_identity:
+            self._base = previous._base
+        else:
+            try:
+                self._base = _Layer({table: _mapped(paths[table]) for table in TABLES}, where)
+            except _INDEX_ERRORS as exc:
+                raise _altered(where, exc) from exc
+        self._top: _Layer | None = None
+        self._changed = changed or {}
+        if added is not None:
+            try:
+                self._top = _Layer(index_tables(added), added_where)
+                for table in TABLES:
+                    if not self._top.tables[table].schema.equals(self._base.tables[table].schema, check_metadata=False):
+                        raise ValueError(f"its {table} rows are not of the columns of its base's")
+            except _INDEX_ERRORS as exc:
+                raise _altered(added_where, exc) from exc
+        self._where = added_where or where
+        self._meta = self._top or self._base   # the deltas carry the plans whole
+
+    def plan(self, name: str) -> tuple[str, str, list[str], str | None] | None:
+        """Dataset ``name``'s (fingerprint, token_type, part kinds, source dataset), as the
+        catalog query reader_dataset returns them; None if the snapshot has no such dataset."""
+        return self._meta.plan(name)
+
+    def definitions(self, name: str) -> list[DefinitionRecord]:
+        """The definitions of dataset ``name`` the snapshot recorded (the query dataset_definitions)."""
+        return self._meta.definitions(name)
+
+    def tokenizer_path(self, datasets: Sequence[str]) -> str | None:
+        """The lake-relative path of the tokenizer copy of the first of ``datasets`` the snapshot
+        has (the query tokenizer_path; every dataset of a lake has the lake's tokenizer)."""
+        return self._meta.tokenizer_path(datasets)
+
+    def plan_registered(self, name: str, plan_key: str) -> bool:
+        """Whether the snapshot keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
+        return self._meta.plan_registered(name, plan_key)
+
+    def _split(self, name: str, global_indexes: np.ndarray) -> np.ndarray:
+        """Which of ``global_indexes`` are chunks the deltas replace."""
+        changed = self._changed.get(name)
+        return np.zeros(len(global_indexes), bool) if changed is None else np.isin(global_indexes, changed)
+
+    def chunks(self, name: str) -> pa.Table:
+        """Every planned chunk of dataset ``name`` (the columns of the query reader_chunks with
+        the part counts; no rows for a dataset the snapshot has not)."""
+        base = self._base.chunks(name)
+        if self._top is None or name not in self._changed:
+            return base
+        top = self._top.chunks(name)
+        planned = _column(base, "global_index").to_numpy()
+        replaced = _column(top, "global_index").to_numpy()
+        at = np.searchsorted(planned, replaced)
+        if (at >= len(planned)).any() or (planned[np.minimum(at, len(planned) - 1)] != replaced).any():
+            raise _altered(self._where, ValueError(f"it commits chunks of {name!r} its base does not plan"))
+        take = np.arange(len(planned))
+        take[at] = len(planned) + np.arange(len(replaced))
+        return pa.concat_tables([base, top]).take(pa.array(take))
+
+    def examples(self, name: str, plan_key: str, prefix: int) -> dict[str, np.ndarray]:
+        """Examples of each chunk before ``prefix`` counted under ``plan_key`` (as the query
+        reader_chunk_examples: ``global_index`` and ``num_examples``, in global order)."""
+        global_index, num_examples = self._base.examples(name, plan_key)
+        if self._top is not None and name in self._changed:
+            kept = ~self._split(name, global_index)
+            added, added_examples = self._top.examples(name, plan_key)
+            at = np.searchsorted(global_index[kept], added)
+            global_index = np.insert(global_index[kept], at, added)
+            num_examples = np.insert(num_examples[kept], at, added_examples)
+        end = int(np.searchsorted(global_index, prefix))
+        return {"global_index": global_index[:end], "num_examples": num_examples[:end]}
+
+    def row_groups_of(self, name: str, global_indexes: list[int], part_counts: bool) -> dict[str, Any]:
+        """The rows the catalog query reader_row_groups_of returns: the row groups of the
+        committed chunks among ``global_indexes`` in (chunk, row group) order, each with its
+        chunk's file record (``num_parts`` as lists only with ``part_counts``)."""
+        if self._top is None or name not in self._changed:
+            return self._base.row_groups_of(name, global_indexes, part_counts)
+        wanted = np.unique(np.asarray(global_indexes, np.int64))
+        replaced = self._split(name, wanted)
+        parts = [self._base.row_groups_of(name, wanted[~replaced].tolist(), part_counts),
+                 self._top.row_groups_of(name, wanted[replaced].tolist(), part_counts)]
+        order = np.argsort(np.concatenate([part["global_index"] for part in parts]), kind="stable")
+        merged: dict[str, Any] = {}
+        for key in parts[0]:
+            if key == "num_parts" and part_counts:
+                merged[key] = pa.concat_arrays([parts[0][key], parts[1][key]]).take(pa.array(order))
+            elif key == "num_parts":
+                merged[key] = None
+            else:
+                merged[key] = np.concatenate([np.asarray(part[key]) for part in parts])[order]
+        return merged
+
+    def record(self, name: str, global_index: int) -> tuple[str, int, str, int] | None:
+        """(path, num_bytes, checksum, shard_index) of committed chunk ``global_index`` of
+        ``name``, as the query reader_chunk_record; None if it is not committed."""
+        replaced = self._top is not None and bool(self._split(name, np.asarray([global_index]))[0])
+        return (self._top if replaced else self._base).record(name, global_index)

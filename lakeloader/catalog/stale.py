@@ -1,4 +1,5 @@
-"""Chunk folders of replaced dataset plans: listed by ``lakeloader status``, removed by ``lakeloader gc``.
+"""Chunk folders of replaced dataset plans, and documents index files no longer recorded (replaced
+by a compaction, or left by a killed build): listed by ``lakeloader status``, removed by ``lakeloader gc``.
 
 A dataset whose build settings change (tokenizer, format, fields or split size) gets a new
 chunk folder ``<dataset>/<settings fingerprint[:16]>``; the old folder is never read again but
@@ -8,6 +9,7 @@ are named per source file, and those of a removed file are not listed here.)
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -18,6 +20,13 @@ from lakeloader.catalog.sql import query
 
 STALE_COLUMNS = ["dataset", "folder", "files", "bytes"]
 _FINGERPRINT_FOLDER = re.compile(r"^[0-9a-f]{16}$")
+INDEX_DIR = "_documents"   # documents index files: <INDEX_DIR>/<index_folder digest>/<file>.parquet
+
+
+def index_folder(dataset: str) -> str:
+    """The folder (relative to the lake) of dataset ``dataset``'s documents index files."""
+    digest = hashlib.sha256((dataset + "\n").encode()).hexdigest()[:16]
+    return f"{INDEX_DIR}/{digest}"
 
 
 def stale_chunk_folders(lake: LakeLocation, con: Any) -> pd.DataFrame:
@@ -39,3 +48,31 @@ def stale_chunk_folders(lake: LakeLocation, con: Any) -> pd.DataFrame:
             sizes = [info["size"] for info in lake.fs.find(entry["name"], detail=True).values()]
             rows.append((name, folder, len(sizes), int(sum(sizes))))
     return pd.DataFrame(rows, columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
+
+
+def stale_index_files(lake: LakeLocation, con: Any) -> pd.DataFrame:
+    """Files under the documents index folder that the catalog (``con``) records none of: those a
+    compaction replaced (kept for readers of earlier snapshots until ``gc``) and those of a build
+    killed before it committed them; one row each (``files`` 1), named by the dataset whose folder
+    holds it where that is one of the lake's datasets."""
+    if not con.execute(query("has_document_index")).fetchone()[0]:
+        return pd.DataFrame([], columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
+    recorded = {path for (path,) in con.execute(query("document_index_paths")).fetchall()}
+    names = {index_folder(name): name for (name,) in con.execute(query("dataset_plan_names")).fetchall()}
+    folder = lake.path_of(INDEX_DIR).rstrip("/")
+    try:
+        found = lake.fs.find(folder, detail=True)
+    except FileNotFoundError:
+        found = {}
+    rows = []
+    for full, info in sorted(found.items()):
+        path = INDEX_DIR + full[len(folder):]
+        if info.get("type") == "file" and path not in recorded:
+            rows.append((names.get(path.rsplit("/", 1)[0], ""), path, 1, int(info["size"])))
+    return pd.DataFrame(rows, columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
+
+
+def stale_paths(lake: LakeLocation, con: Any) -> pd.DataFrame:
+    """What ``lakeloader gc`` removes: the stale chunk folders, then the stale documents index files."""
+    frames = [stale_chunk_folders(lake, con), stale_index_files(lake, con)]
+    return pd.concat(frames, ignore_index=True) if len(frames[1]) else frames[0]

@@ -27,6 +27,11 @@ METADATA_ARROW_TYPES = {"string": pa.string(), "int": pa.int64(), "float": pa.fl
 # Columns every row of the catalog's ``documents`` view has (then ``tokens_<kind>`` per part kind
 # and one per metadata field, which therefore may not take these names).
 DOCUMENT_COLUMNS = ("dataset", "chunk", "doc", "source", "line", "doc_key", "num_tokens", "num_parts")
+# Columns of a documents index file (one row per document of the chunks it covers, sorted by chunk
+# and doc): these, then KIND_TOKENS_PREFIX + kind number per part kind, then the metadata columns
+# as the chunk files store them.
+INDEX_COLUMNS = ("chunk", "doc", RECORD_COLUMN, "num_tokens", "num_parts")
+KIND_TOKENS_PREFIX = "kind_tokens."
 
 
 def metadata_kind_of(arrow_type: pa.DataType) -> str | None:
@@ -132,6 +137,8 @@ class ChunkResult:
     media_bytes: int | None = None
     media_checksum: str | None = None
     images: tuple[tuple[object, ...], ...] = ()
+    # A built chunk's rows of the documents index (:func:`document_rows`); None for a selection.
+    documents: pa.Table | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +169,31 @@ def group_counts(bounds: np.ndarray, parts: ChunkParts, kinds: int) -> GroupCoun
     return GroupCounts(docs.astype(np.int64).tolist(), tokens.astype(np.int64).tolist(),
                        _per_group(bounds, parts, kinds, None),
                        _per_group(bounds, parts, kinds, parts.part_lengths.astype(np.float64)))
+
+
+def document_rows(global_index: int, table: pa.Table, parts: ChunkParts, kinds: int) -> pa.Table:
+    """The documents index rows (``INDEX_COLUMNS``, per-kind tokens, metadata columns) of chunk
+    ``global_index`` whose file holds ``table`` (its record and metadata columns are taken as
+    stored) with part layout ``parts``: the values the documents view computes from the file, a
+    document without parts having NULL token counts as there."""
+    docs = parts.num_docs
+    empty = parts.parts_per_doc == 0
+    per_kind = np.bincount(parts.part_doc * kinds + parts.part_kinds, weights=parts.part_lengths.astype(np.float64),
+                           minlength=docs * kinds).astype(np.int64).reshape(docs, kinds)
+    mask = empty if empty.any() else None
+    columns = {
+        "chunk": pa.array(np.full(docs, global_index, np.int64)),
+        "doc": pa.array(np.arange(docs, dtype=np.int64)),
+        RECORD_COLUMN: table.column(RECORD_COLUMN).combine_chunks().cast(pa.int64()),
+        "num_tokens": pa.array(parts.content_lengths, mask=mask),
+        "num_parts": pa.array(parts.parts_per_doc),
+    }
+    for kind in range(kinds):
+        columns[f"{KIND_TOKENS_PREFIX}{kind}"] = pa.array(np.ascontiguousarray(per_kind[:, kind]), mask=mask)
+    for name in table.column_names:
+        if name.startswith(META_PREFIX):
+            columns[name] = table.column(name).combine_chunks()
+    return pa.table(columns)
 
 
 def select_parts(parts: ChunkParts, docs: np.ndarray) -> tuple[ChunkParts, np.ndarray]:

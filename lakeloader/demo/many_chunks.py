@@ -50,7 +50,7 @@ def generated_plan(name: str, chunks: int, shards: int) -> DatasetPlan:
     table = pd.DataFrame({
         "global_index": np.arange(chunks), "shard_index": np.arange(chunks) % shards,
         "split_index": np.arange(chunks) // shards,
-        "path": [f"{name}/x/{i % shards:05d}-{i // shards:06d}.parquet" for i in range(chunks)],
+        "path": [f"{name}/{'f' * 16}/{i % shards:05d}-{i // shards:06d}.parquet" for i in range(chunks)],
         "split_kind": "bytes", "split_start": 0, "split_stop": 1, "first_row": 0})
     return DatasetPlan(name, "f" * 64, "text", ("text",),
                        [Shard(f"/data/{i}.jsonl", 1, "0", "jsonl", None) for i in range(shards)], table, [])

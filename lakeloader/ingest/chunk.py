@@ -25,6 +25,7 @@ from lakeloader.contracts.chunk_file import (
     ChunkParts,
     ChunkResult,
     PlanStats,
+    document_rows,
     group_counts,
     metadata_column,
     open_chunk,
@@ -248,4 +249,5 @@ def _build_chunk(task: ChunkTask) -> ChunkResult:
         plans=tuple(plan_stats(spec, parts, task.global_index,
                                f"dataset {task.dataset!r}, chunk {task.global_index} (from {task.source.name})")
                     for spec in task.packing),
+        documents=document_rows(task.global_index, table, encoded.parts, len(record_format.kind_names)),
     )

@@ -188,7 +188,7 @@ def _build_locked(config: Config, lake: Lake, writer: CatalogWriter, workers: in
     if weighs_tokens:  # the weights need the complete lake's mean tokens per example
         _register_mixture(writer, mixture_spec(
             config, example_token_means(writer.con, plan_keys(config, packing), config.loader.seq_len)))
-        publish(writer, lake, build_id, config)
+        publish(writer, lake, build_id, config, whole=True)
     totals = run.totals
     log.info("build %d %s: %d chunks, %d docs, %d tokens in %.1fs (%.0f tokens/s)", build_id, status,
              totals.chunks, totals.docs, totals.tokens, seconds, totals.tokens / max(seconds, 1e-9))
@@ -266,7 +266,7 @@ def _finish(run: BuildRun, status: str, error: str | None, seconds: float) -> No
         run.writer.checkpoint()
     _record_end(run.writer, run.build_id, status, error, stats)
     try:
-        run.publish()
+        run.publish(whole=True)
     except BaseException as exc:
         ending = _ending(exc, run.config)
         if ending[0] == "interrupted":

@@ -24,6 +24,7 @@ from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError, Sc
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.ingest.chunk import ChunkTask, build_chunk, plan_committed_chunk
 from lakeloader.ingest.cluster import dask_client, scheduler_address
+from lakeloader.ingest.document_index import DocumentIndexWriter
 from lakeloader.ingest.tasks import TaskBatch
 from lakeloader.ingest.writer_catalog import publish
 from lakeloader.plan.selection import SelectionTask, evaluate_selection
@@ -68,9 +69,9 @@ class BuildRun:
     progress: bool
     totals: Totals = dataclasses.field(default_factory=Totals)
 
-    def publish(self) -> None:
-        """Publish the writer catalog as the lake's newest snapshot."""
-        publish(self.writer, self.lake, self.build_id, self.config)
+    def publish(self, whole: bool = False) -> None:
+        """Publish the writer catalog as the lake's newest snapshot (``whole``: a full one)."""
+        publish(self.writer, self.lake, self.build_id, self.config, whole)
 
 
 class _Scheduler:
@@ -130,6 +131,9 @@ def run_tasks(run: BuildRun, batch: TaskBatch) -> str:
             run.writer.set_build_cluster(run.build_id, workers=len(client.nthreads()), dashboard=dashboard)
             _plan_committed(client, run, batch.packing, batch.unplanned)
             _tokenize(client, run, batch, dashboard)
+            index = DocumentIndexWriter(run.lake, run.writer)
+            for name in batch.names:   # a few large files for the published lake
+                index.compact(name, final=True)
         except Exception as exc:
             if _lost_scheduler(client, exc):
                 raise _scheduler_lost(run, scheduler_address(client, run.scheduler)) from None
@@ -177,7 +181,7 @@ def _follow_filters(run: BuildRun, batch: TaskBatch, built: list[ChunkResult], s
     names = sorted({name for result in built for name in batch.filters.get(result.dataset, ())})
     if not names:
         return 0
-    rows = run.writer.pending_selections(names)
+    rows = run.writer.pending_selections(names, built=[(result.dataset, result.global_index) for result in built])
     keys = [(d, int(i)) for d, i in zip(rows.dataset, rows.global_index)]
     rows = rows[[key not in submitted for key in keys]]
     submitted.update(keys)
@@ -189,12 +193,14 @@ class ResultCommitter:
     """The driver's side of finished chunk tasks: each group of results at hand checked (a repair
     must be the very file its record describes), committed in one transaction, counted in the
     run's totals and the progress bar, and a snapshot published once ``build.publish_interval``
-    has passed since the last."""
+    has passed since the last. The documents index rows of the chunks it commits are written
+    as one file per dataset and committed with them (a dataset's small files merged now and then)."""
 
     def __init__(self, run: BuildRun, repairs: dict[tuple[str, int], str], bar: tqdm | None = None) -> None:
         self.run = run
         self.repairs = repairs
         self.bar = bar
+        self.index = DocumentIndexWriter(run.lake, run.writer)
         self.started = time.perf_counter()
         self.last_publish = time.monotonic()
 
@@ -217,8 +223,11 @@ class ResultCommitter:
         return built
 
     def write(self, results: list[ChunkResult]) -> None:
-        """The catalog transaction of :meth:`commit`."""
-        self.run.writer.commit(results, self.run.build_id)
+        """The catalog transaction of :meth:`commit` (the index files written first)."""
+        files = self.index.write(results)
+        self.run.writer.commit(results, self.run.build_id, files)
+        for dataset in sorted({file.dataset for file in files}):
+            self.index.compact(dataset)
 
     def publish_if_due(self) -> None:
         """Publish a snapshot if ``build.publish_interval`` seconds have passed since the last."""

@@ -20,6 +20,7 @@ from lakeloader.config import Config
 from lakeloader.contracts.media import media_path
 from lakeloader.contracts.specs import PackingSpec
 from lakeloader.ingest.chunk import ChunkTask
+from lakeloader.ingest.document_index import DocumentIndexWriter
 from lakeloader.ingest.documents import SplitSource
 from lakeloader.plan.selection import SelectionTask
 from lakeloader.plan.sources import url_from_bytes
@@ -118,6 +119,7 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     folders = writer.chunk_folders(names)
     _remove_partial_files(lake, [SNAPSHOT_DIR, *folders])
     repairs = _chunks_to_repair(lake, writer, names, folders, requested)
+    DocumentIndexWriter(lake, writer).drop_missing(names)
     expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
     pending = writer.pending_chunks(names)
     if len(repairs):  # their packing counts come with the rebuilt chunks, not from their files

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from typing import Any
 
@@ -14,7 +13,7 @@ import duckdb
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.pointer import POINTER
-from lakeloader.catalog.snapshot import catalog_identity, local_snapshot, publish_snapshot, read_pointer
+from lakeloader.catalog.snapshot import catalog_identity, materialise, publish_snapshot, read_pointer
 from lakeloader.catalog.store import RECOVER_CATALOG_HINT, CatalogWriter, catalog_failure, connect_reader
 from lakeloader.config import Config
 from lakeloader.contracts.errors import CatalogError
@@ -49,11 +48,8 @@ def _set_aside(lake: Lake, path: str, why: str) -> None:
 def _adopt(lake: Lake, pointer: dict[str, Any], why: str) -> None:
     path = lake.writer_catalog_path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.adopt-{os.getpid()}"
-    snapshot = with_retries(lambda: local_snapshot(lake, pointer), deadline=lake.io_retry_deadline,
-                            what=f"reading the published catalog of {lake.describe()}")
-    shutil.copyfile(snapshot, temporary)
-    os.replace(temporary, path)
+    with_retries(lambda: materialise(lake, pointer, path), deadline=lake.io_retry_deadline,
+                 what=f"reading the published catalog of {lake.describe()}")
     log.warning("%s: adopting the lake's published catalog (snapshot version %d of lake %s) as the "
                 "writer catalog %s", why, pointer["version"], pointer.get("lake_id"), path)
 
@@ -114,7 +110,9 @@ def prepare_writer_catalog(lake: Lake, recover: bool) -> None:
     _adopt(lake, pointer, why)
 
 
-def publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config) -> None:
-    """Publish the writer catalog as the lake's newest snapshot (retried on transient errors)."""
-    with_retries(lambda: publish_snapshot(writer.con, lake, build_id),
+def publish(writer: CatalogWriter, lake: Lake, build_id: int, config: Config, whole: bool = False) -> None:
+    """Publish the writer catalog as the lake's newest snapshot (retried on transient errors): a
+    delta of what changed since the writer's last publish where it can, a full snapshot with
+    ``whole`` (a build's end: a finished lake is one full snapshot)."""
+    with_retries(lambda: publish_snapshot(writer.con, lake, build_id, writer.changes, whole),
                  what=f"publishing the catalog snapshot of {lake.describe()}", deadline=config.io_retry_deadline)

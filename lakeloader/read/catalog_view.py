@@ -206,9 +206,11 @@ class CatalogView:
         return with_retries(call, what=f"reading the published catalog of {self.lake.url}",
                             deadline=self.io_retry_deadline)
 
-    def _open_snapshot(self) -> _Snapshot:
-        """The newest snapshot: its reader index, or (without one) a connection to it."""
-        snapshot = _Snapshot(*self._retrying(lambda: open_reader_index(self.lake)))
+    def _open_snapshot(self, previous: _Snapshot | None = None) -> _Snapshot:
+        """The newest snapshot: its reader index (reusing the base of ``previous``'s where it is
+        the same), or (without one) a connection to it."""
+        index = previous.index if previous is not None else None
+        snapshot = _Snapshot(*self._retrying(lambda: open_reader_index(self.lake, index)))
         if snapshot.index is None:
             self._connect(snapshot)
         return snapshot
@@ -243,7 +245,7 @@ class CatalogView:
             pointer = self._retrying(lambda: read_pointer(self.lake))
             if pointer is None or pointer["version"] == self._snapshot.version:
                 return False
-        newer = self._open_snapshot()
+        newer = self._open_snapshot(self._snapshot)
         with self._lock:
             old, self._snapshot = self._snapshot, newer
             if old is not None:

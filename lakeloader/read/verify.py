@@ -1,4 +1,4 @@
-"""Checking every committed chunk of a lake against its catalog record."""
+"""Checking every committed chunk of a lake, and every documents index file, against its catalog record."""
 
 from __future__ import annotations
 
@@ -39,20 +39,26 @@ def _problem(lake: Lake, path: str, num_bytes: int, checksum: str, num_docs: int
     return "ok", ""
 
 
-def _media_problem(lake: Lake, path: str, num_bytes: int, checksum: str) -> tuple[str, str]:
-    """What is wrong with the media file (its images) of the chunk at ``path``, if anything."""
-    full = lake.path_of(media_path(path))
+def _file_problem(lake: Lake, path: str, num_bytes: int, checksum: str, what: str) -> tuple[str, str]:
+    """What is wrong with the file at ``path`` (``what``, in the detail) against its recorded size
+    and sha256, if anything."""
+    full = lake.path_of(path)
     try:
         size = lake.fs.size(full)
     except FileNotFoundError:
-        return "missing", f"its media file {media_path(path)} does not exist"
+        return "missing", f"{what} does not exist"
     if size != num_bytes:
-        return "size", f"its media file has {size_mismatch(size, num_bytes)}"
+        return "size", f"{what} has {size_mismatch(size, num_bytes)}"
     with lake.fs.open(full, "rb") as handle:
         digest = sha256_of(handle)
     if digest != checksum:
-        return "checksum", f"its media file has {sha256_mismatch(digest, checksum)}"
+        return "checksum", f"{what} has {sha256_mismatch(digest, checksum)}"
     return "ok", ""
+
+
+def _media_problem(lake: Lake, path: str, num_bytes: int, checksum: str) -> tuple[str, str]:
+    """What is wrong with the media file (its images) of the chunk at ``path``, if anything."""
+    return _file_problem(lake, media_path(path), num_bytes, checksum, f"its media file {media_path(path)}")
 
 
 def _chunk_problem(lake: Lake, row: Any) -> tuple[str, str]:
@@ -64,13 +70,32 @@ def _chunk_problem(lake: Lake, row: Any) -> tuple[str, str]:
 
 def verify_lake(target: Config | str | os.PathLike[str], progress: bool = True) -> pd.DataFrame:
     """One row per committed chunk: ``status`` is ok, missing, size, checksum, unreadable or rows
-    (of its chunk file, or of its media file, the detail says which)."""
+    (of its chunk file, or of its media file, the detail says which); then one row per documents
+    index file (``global_index`` -1): ok, missing, size or checksum."""
     lake = open_lake(target)
     chunks = lake.sql(query("committed_chunk_files"))
-    findings = [
-        _chunk_problem(lake, row)
-        for row in tqdm(chunks.itertuples(), total=len(chunks), unit="chunk", desc="verify", disable=not progress)
-    ]
-    chunks["status"] = [status for status, _ in findings]
-    chunks["detail"] = [detail for _, detail in findings]
-    return chunks[["dataset", "global_index", "path", "status", "detail"]]
+    con = lake.connect()
+    try:
+        indexed = con.execute(query("has_document_index")).fetchone()[0]
+        index = con.execute(query("document_index_records")).df() if indexed else None
+    finally:
+        con.close()
+    total = len(chunks) + (0 if index is None else len(index))
+    with tqdm(total=total, unit="file", desc="verify", disable=not progress) as bar:
+        findings = []
+        for row in chunks.itertuples():
+            findings.append(_chunk_problem(lake, row))
+            bar.update()
+        chunks["status"] = [status for status, _ in findings]
+        chunks["detail"] = [detail for _, detail in findings]
+        report = chunks[["dataset", "global_index", "path", "status", "detail"]]
+        if index is None or index.empty:
+            return report
+        found = []
+        for row in index.itertuples():
+            found.append(_file_problem(lake, row.path, int(row.num_bytes), row.checksum, "the documents index file"))
+            bar.update()
+    index["global_index"] = -1
+    index["status"] = [status for status, _ in found]
+    index["detail"] = [detail for _, detail in found]
+    return pd.concat([report, index[report.columns]], ignore_index=True)

@@ -29,14 +29,31 @@ def format_frame(frame: pd.DataFrame, fmt: str) -> str:
 
 def format_status(tables: Mapping[str, pd.DataFrame], fmt: str) -> str:
     """A lake's status tables (``Lake.status()``) as one JSON document (``fmt="json"``: an
-    object of tables, each a list of rows) or titled text tables (``"table"``: datasets, shards,
-    recent builds, and the stale chunk folders when there are any)."""
+    object of tables, each a list of rows) or titled text tables (``"table"``: datasets, shards
+    (of a lake of many, those not complete: ``SHOWN_SHARDS``), recent builds, and the stale chunk
+    folders when there are any)."""
     if fmt == "json":
         document = {name: json.loads(frame.to_json(orient="records", date_format="iso"))
                     for name, frame in tables.items()}
         return json.dumps(document, indent=1) + "\n"
-    return "".join(f"== {title} ==\n{format_frame(tables[name], 'table')}\n" for title, name in STATUS_SECTIONS
-                   if name != "stale_folders" or len(tables[name]))
+    return "".join(f"== {title} ==\n{_shards_text(tables[name]) if name == 'shards' else format_frame(tables[name], 'table')}\n"
+                   for title, name in STATUS_SECTIONS if name != "stale_folders" or len(tables[name]))
+
+
+# The text table of status lists every shard of a lake of at most this many, else the shards
+# not complete (this many at most) and a count of the others: its time does not grow with the lake.
+SHOWN_SHARDS = 20
+
+
+def _shards_text(shards: pd.DataFrame) -> str:
+    """The shards section of the text status (``SHOWN_SHARDS``); csv and json list every shard."""
+    if len(shards) <= SHOWN_SHARDS:
+        return format_frame(shards, "table")
+    unfinished = shards[shards.status != "complete"]
+    shown = format_frame(unfinished.head(SHOWN_SHARDS), "table") if len(unfinished) else ""
+    more = f", {len(unfinished) - SHOWN_SHARDS:,} more not complete" if len(unfinished) > SHOWN_SHARDS else ""
+    return (f"{shown}({len(shards) - len(unfinished):,} of {len(shards):,} shards complete{more}; "
+            "`lakeloader status TARGET --format csv --table shards` lists every shard)\n")
 
 
 def audit_heading(frame: pd.DataFrame) -> str:
