@@ -10,9 +10,10 @@ into a numpy array. The pixel fill alone (the loader's part that reads, checks, 
 resizes the images into the batch) is timed too. All are timed in CPU seconds of this process (images per second of one
 core: the loader's whole batch, tokens included, against the loop's decoding alone), so other
 load on the machine shifts them less. Rounds alternate; medians are reported with the load average. Then the same
-steps in wall-clock time with ``loader.workers`` 0, 1 and 2 (steady state: after each worker's
-first block; the figures to compare with each other), and the peak RSS of this process and of its
-children.
+steps in wall-clock time with ``loader.workers`` 0, 1 and 2, alternating (steady state: after
+each worker's first block; the figures to compare with each other), with the CPU time per image
+of this process and its workers together (what workers add, whatever the load), and the peak RSS
+of this process and of its children.
 
     .venv/bin/python benchmarks/image_loader.py [--copies 8] [--steps 24] [--repeat 3]
 """
@@ -23,6 +24,7 @@ import argparse
 import hashlib
 import io
 import logging
+import multiprocessing
 import os
 import resource
 import statistics
@@ -82,13 +84,16 @@ def loader_round(config: Path, steps: int) -> tuple[float, float, list[str]]:
     with Loader(config) as loader:
         loader.batch(0)   # opened, the first row groups read: what follows is the steady state
         PixelFill.fill = timed  # type: ignore[method-assign]
+        ids: list[str] = []
         try:
             started = time.process_time()
-            batches = [loader.batch(step) for step in range(1, steps + 1)]
+            for step in range(1, steps + 1):   # each batch dropped, as a training loop does: its memory recycled
+                batch = loader.batch(step)
+                ids += batch["image_refs"][batch["image_mask"]].tolist()
+                del batch
             seconds = time.process_time() - started
         finally:
             PixelFill.fill = original  # type: ignore[method-assign]
-    ids = [ref for b in batches for ref in b["image_refs"][b["image_mask"]].tolist()]
     return seconds, in_fill[0], ids
 
 
@@ -102,21 +107,32 @@ def pillow_round(data: list[bytes]) -> float:
     return time.process_time() - started
 
 
-def workers_round(config: Path, steps: int) -> float:
-    """Images/s of a loader with workers over ``steps`` batches, once the workers have started
-    (their spawn and imports take seconds on a loaded machine): after 8 steps and 3 s."""
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far (Linux: /proc)."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def workers_round(config: Path, steps: int) -> tuple[float, float]:
+    """(images/s, wall, of a loader with workers over ``steps`` batches, CPU ms per image of this
+    process and its workers together), once the workers have started (their spawn and imports
+    take seconds on a loaded machine): after 8 steps and 3 s."""
     warm = 8
     with Loader(config) as loader:
         iterator = loader.iter_from(0)
         for _ in range(warm):
             next(iterator)
         time.sleep(3)
-        started, images = time.perf_counter(), 0
+        pids = [os.getpid(), *(child.pid for child in multiprocessing.active_children() if child.pid)]
+        started, cpu, images = time.perf_counter(), cpu_seconds(pids), 0
         for _ in range(steps):
             images += int(next(iterator)["image_mask"].sum())
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, cpu_seconds(pids) - cpu
         iterator.close()
-    return images / seconds
+    return images / seconds, 1000 * cpu / images
 
 
 def main() -> None:
@@ -143,9 +159,14 @@ def main() -> None:
             "ratio pixel fill / Pillow": statistics.median(a / b for a, b in zip(fill_rates, pillow_rates)),
             "ratio whole batches / Pillow": statistics.median(a / b for a, b in zip(loader_rates, pillow_rates)),
         }
-        for workers in (0, 1, 2):
-            rates = [workers_round(with_workers(config, workers), args.steps) for _ in range(args.repeat)]
-            figures[f"loader images/s, wall (workers {workers})"] = statistics.median(rates)
+        rounds: dict[int, list[tuple[float, float]]] = {0: [], 1: [], 2: []}
+        for _ in range(args.repeat):   # (alternating: load from other processes shifts all three alike)
+            for workers in rounds:
+                rounds[workers].append(workers_round(with_workers(config, workers), args.steps))
+        for workers, got in rounds.items():
+            figures[f"loader images/s, wall (workers {workers})"] = statistics.median(rate for rate, _ in got)
+        for workers, got in rounds.items():
+            figures[f"CPU ms per image, all processes (workers {workers})"] = statistics.median(ms for _, ms in got)
         figures["peak RSS MB (this process)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         figures["peak RSS MB (largest child)"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         figures["load average"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

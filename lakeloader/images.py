@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 import PIL
-from PIL import ExifTags, Image, ImageOps, features
+from PIL import ExifTags, Image, features
 
 from lakeloader.contracts.media import DEFAULT_MAX_PIXELS
 
@@ -73,7 +73,17 @@ def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInf
     return ImageInfo(width, height, str(image.format), image.mode, len(data))
 
 
-# EXIF orientations that swap width and height (transpose, rotate 90 or 270, transverse).
+# How each EXIF orientation is undone (``ImageOps.exif_transpose``'s table); 1 and others: as stored.
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+# Those that swap width and height.
 _TRANSPOSING = frozenset({5, 6, 7, 8})
 
 
@@ -87,10 +97,9 @@ def _orientation(image: Image.Image) -> int:
 
 
 def _oriented(image: Image.Image) -> Image.Image:
-    try:
-        return ImageOps.exif_transpose(image)
-    except (OSError, ValueError, SyntaxError, KeyError, TypeError) as exc:
-        raise BadImage(f"has unreadable EXIF data ({type(exc).__name__}: {exc})") from None
+    """The image as displayed: transposed by its orientation tag, itself (no copy) when none."""
+    method = _TRANSPOSE.get(_orientation(image))
+    return image if method is None else image.transpose(method)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -105,10 +114,12 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = image.convert("RGBA")
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        if rgba.getextrema()[3][0] == 255:   # opaque: compositing onto white leaves every pixel as it is
+            return rgba.convert("RGB")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def decode_rgb(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:

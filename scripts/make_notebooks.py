@@ -157,6 +157,47 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
                  "    rows = loader.explain(5).groupby('row').first()[['dataset', 'epoch', 'example', 'source', 'location']]\n"
                  "rows.head(8)"),
     ],
+    "05_images": [
+        ("markdown", "# 5. Images in the lake, pixels in the batch\n\nAn interleaved dataset with `images: stored` "
+                     "keeps each image's bytes in the lake beside its chunk; the loader decodes and resizes the "
+                     "images a batch's rows place into fixed-shape uint8 arrays (`pixel_values` under a `fixed` "
+                     "resolution), next to the tokens, with `image_positions` saying where each image's placeholder "
+                     "run starts in its row."),
+        ("code", SETUP),
+        ("code", "import tempfile\nfrom pathlib import Path\n\nimport matplotlib.pyplot as plt\nimport numpy as np\n"
+                 "import yaml\n\nimport lakeloader\nfrom lakeloader.demo.images import write_image_corpus\n\n"
+                 "root = Path(tempfile.mkdtemp())\n"
+                 "files = write_image_corpus(root / 'data')   # matplotlib's sample images and icons, Pillow-made ones\n"
+                 "interleaved = {'images': 'stored', 'image_tokens': 16, 'max_images': 4,\n"
+                 "               'resolution': {'kind': 'fixed', 'size': [96, 96]}}\n"
+                 "config = {'lake': str(root / 'lake'), 'tokenizer': str(Path('../demo/tokenizer.json').resolve()),\n"
+                 "          'datasets': {'images': {'sources': [str(p) for p in files['tar']], 'format': 'interleaved',\n"
+                 "                                  'interleaved': interleaved}},\n"
+                 "          'build': {'split_size': '64KB'},\n"
+                 "          'loader': {'seq_len': 256, 'batch_size': 8, 'packing': 'pack', 'shuffle': {'kind': 'none'}}}\n"
+                 "path = root / 'images.yaml'\npath.write_text(yaml.safe_dump(config))\n"
+                 "lakeloader.build_lake(path, workers=1, progress=False).chunks_built"),
+        ("code", "loader = lakeloader.Loader(path)\nbatch = loader.batch(0)\n"
+                 "{name: (a.shape, str(a.dtype)) for name, a in batch.items()}"),
+        ("markdown", "Each image of the batch with the text of its document (the image placeholders left out): "
+                     "the pixels are the image resized to fit 96 x 96 keeping its aspect, at the top left."),
+        ("code", "image_token = loader.tokenizer.token_to_id('<|image|>')\n"
+                 "placed = np.argwhere(batch['image_mask'])[:12]\n"
+                 "fig, axes = plt.subplots(3, 4, figsize=(12, 9.5))\n"
+                 "for ax, (row, number) in zip(axes.flat, placed):\n"
+                 "    position = batch['image_positions'][row, number]\n"
+                 "    document = batch['segment_ids'][row] == batch['segment_ids'][row, position]\n"
+                 "    ids = [int(t) for t in batch['input_ids'][row][document] if t != image_token]\n"
+                 "    text = loader.tokenizer.decode(ids).strip()\n"
+                 "    ax.imshow(batch['pixel_values'][row, number])\n"
+                 "    ax.set_title(f'row {row}, image {number}\\n{text[:34]}', fontsize=9)\n"
+                 "    ax.set_xlabel('x (pixels)'); ax.set_ylabel('y (pixels)')\n"
+                 "for ax in axes.flat[len(placed):]:\n"
+                 "    ax.axis('off')\n"
+                 "fig.suptitle('batch 0: each image as the loader placed it, with its document\\'s text')\n"
+                 "fig.tight_layout()"),
+        ("code", "loader.close()"),
+    ],
 }
 
 

@@ -4,6 +4,7 @@ count, worker count, resume step and read-while-build; image tokens from the sto
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import time
@@ -15,7 +16,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import ExifTags, Image
 
 from test_s3 import BUCKET, s3_endpoint, storage_options  # noqa: F401  (s3_endpoint: a fixture)
 
@@ -30,9 +31,9 @@ from lakeloader import Loader
 from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.contracts.media import media_path
 from lakeloader.contracts.specs import ImageResolution
-from lakeloader.demo.images import all_images, write_image_corpus
+from lakeloader.demo.images import all_images, variant, write_image_corpus
 from lakeloader.feed.slots import Slots, field_of
-from lakeloader.images import decode_rgb
+from lakeloader.images import decode_rgb, inspect_image
 from lakeloader.index.image_tokens import fit_sizes, image_token_counts, patch_grids
 from lakeloader.ingest.driver import build
 
@@ -165,14 +166,18 @@ def test_batches_are_bitwise_the_same_for_any_process_count(patches_lake: Path,
 def test_pixels_built_in_a_workers_slot_over_its_previous_batch_are_the_same(
         patches_lake: Path, reference: list[dict[str, Any]]) -> None:
     """A worker builds each batch in its shared-memory slot, over the slot's previous batch (the
-    pixels' memory is not zeroed first: every byte of it is written)."""
+    pixels' memory is not zeroed first: every byte of it is written). Every numeric field is
+    built in place there, so the slot never grows again (a new segment each batch: its pages
+    faulted in anew and the pixels copied over)."""
     slots = Slots(f"lakeloader_{os.getpid()}_pixeltest", 0, 2)
     try:
         with Loader(patches_lake) as loader:
             for step in list(range(STEPS)) + list(reversed(range(STEPS))):
                 built = slots.pool(step % 2)
                 batch = loader.batch(step, built)
-                assert step < 2 or np.shares_memory(batch["pixel_patches"], slots.memory[step % 2])
+                if step >= 2:
+                    assert [n for n, v in batch.items() if v.dtype != object and built.offset_of(v) is None] == []
+                    assert slots.generation == 2   # (one segment per slot, made by its first batch)
                 _, layout, objects = slots.write(step % 2, batch, built)
                 got = {f: field_of(slots.memory[step % 2], at, np.dtype(dtype), shape).copy()  # type: ignore[arg-type]
                        for f, dtype, shape, at in layout}
@@ -321,3 +326,96 @@ def test_patches_need_stored_images_and_a_mixture_one_resolution(tmp_path: Path,
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="differ in interleaved.resolution"):
         check_combination(load_config(path), "train")
+
+
+def _decoded_as_before(data: bytes) -> np.ndarray:
+    """The conversion as first written (``ImageOps.exif_transpose``, then RGB, an alpha channel
+    always composited onto white): what :func:`decode_rgb` must still give, bitwise."""
+    from PIL import ImageOps
+
+    image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        array = np.asarray(image)
+        bits = 16 if image.mode.startswith("I;16") else 32
+        image = Image.fromarray((array.astype(np.int64) >> (bits - 8)).clip(0, 255).astype(np.uint8), "L")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        return np.asarray(Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB"))
+    return np.asarray(image.convert("RGB"))
+
+
+def test_the_decoder_gives_the_pixels_of_a_transpose_and_composite_of_every_image() -> None:
+    """Transposing only images with an orientation and compositing only images with transparency
+    leave every pixel as before: the demo images in all their flips, and in every EXIF orientation
+    (including 0 and 9, which are no orientation) as JPEG, opaque and transparent PNG, and WEBP."""
+    samples = {f"{name}#{copy}": variant(data, copy) for name, data in all_images().items() for copy in range(8)}
+    photo = Image.open(io.BytesIO(all_images()["grace_hopper.jpg"])).reduce(4)
+    clear = photo.convert("RGBA")
+    clear.putalpha(Image.linear_gradient("L").resize(photo.size))
+    for orientation in range(10):
+        exif = Image.Exif()
+        exif[ExifTags.Base.Orientation] = orientation
+        for fmt, image in (("JPEG", photo), ("PNG", photo.convert("RGBA")), ("PNG", clear), ("PNG", photo.convert("LA")),
+                           ("WEBP", photo)):
+            sink = io.BytesIO()
+            image.save(sink, fmt, exif=exif)
+            samples[f"orientation {orientation} {fmt} {image.mode}"] = sink.getvalue()
+    for name, data in samples.items():
+        decoded = decode_rgb(data)
+        assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), _decoded_as_before(data)), name
+        info = inspect_image(data)
+        assert (info.width, info.height) == decoded.size, name
+
+
+def test_pixel_fields_are_split_along_the_batch_axis_only(patches_lake: Path, tmp_path: Path,
+                                                          dask_scheduler: str) -> None:
+    """A row's patches may number seq_len (here 3 images x 32 patches = 96 = seq_len): the pixel
+    fields are still split along the batch axis alone, the token fields along both mesh axes."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from lakeloader import JaxFeed
+
+    raw = yaml.safe_load(patches_lake.read_text())
+    shutil.copytree(patches_lake.parent / "lake", tmp_path / "lake")
+    raw["lake"] = str(tmp_path / "lake")
+    raw["loader"].update(seq_len=96, batch_size=8)
+    config = tmp_path / "seq96.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    build(config, scheduler=dask_scheduler, progress=False)   # (the packing counts of seq_len 96 only)
+    devices = jax.devices()[:8]   # (8 CPU devices under the suite's XLA_FLAGS: a 4 x 2 mesh)
+    mesh = Mesh(np.array(devices).reshape(-1, 2 if len(devices) % 2 == 0 else 1), ("data", "seq"))
+    with Loader(config) as loader:
+        expected = loader.batch(1)
+    with JaxFeed(config, mesh, PartitionSpec("data", "seq"), prefetch=0) as feed:
+        got = feed.batch(1)
+    assert got["patch_image"].shape == (8, 96) and got["input_ids"].shape == (8, 96)
+    assert got["input_ids"].sharding.spec == PartitionSpec("data", "seq")
+    for name in ("pixel_patches", "patch_image", "patch_grid", "image_mask", "image_positions"):
+        assert got[name].sharding.spec == PartitionSpec("data"), name
+        assert np.array_equal(np.asarray(got[name]), expected[name]), name
+
+
+def test_an_evaluation_pass_and_its_prompts_keep_the_pixels(tmp_path: Path, corpus: list[Path],
+                                                            dask_scheduler: str) -> None:
+    config = _config(tmp_path, corpus[:1], FIXED)
+    raw = yaml.safe_load(config.read_text())
+    raw["loader"].update(packing="pad", pack={"long_documents": "truncate"})
+    raw["evaluation"] = {"datasets": ["images"]}
+    config.write_text(yaml.safe_dump(raw))
+    build(config, scheduler=dask_scheduler, progress=False)
+    raw["evaluation"]["prompts"] = True
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(yaml.safe_dump(raw))
+    with Loader(config, mode="eval") as full, Loader(prompts, mode="eval") as cut:
+        images = 0
+        for step in range(full.num_batches() or 0):
+            a, b = full.batch(step), cut.batch(step)
+            for name in ("pixel_values", "image_mask", "image_positions", "image_refs"):
+                assert np.array_equal(a[name], b[name]), name
+            images += int(a["image_mask"].sum())
+            assert not a["pixel_values"][~a["image_mask"]].any()
+            assert (a["image_mask"] == (a["image_refs"] != "")).all()
+    assert images > 0

@@ -14,10 +14,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lakeloader.config import Config, load_config
 from lakeloader.feed.loader import Batch, Loader
+from lakeloader.feed.pixels import PIXEL_FIELDS
 from lakeloader.feed.run_state import LoaderState
 from lakeloader.specs import evaluation_config
 
 _DONE = object()
+# Per-row fields whose second axis is not the sequence, whatever its length (a row's patches may
+# number seq_len): split along the batch axis only.
+ROW_FIELDS = frozenset({*PIXEL_FIELDS, "image_positions"})
 
 
 def rows_of_this_process(sharding: NamedSharding, batch_size: int, seq_len: int) -> np.ndarray:
@@ -59,12 +63,14 @@ class JaxFeed:
         return self.loader.fingerprint
 
     def to_global(self, local: Batch) -> dict[str, jax.Array]:
-        """Global arrays from this process's rows (in ``self.rows`` order). Fields that are not
-        numbers (``image_refs``) stay host numpy arrays of this process's rows."""
+        """Global arrays from this process's rows (in ``self.rows`` order): ``[rows, seq_len]``
+        fields laid out by ``spec``, the others (pixels and image fields, :data:`ROW_FIELDS`,
+        whatever their shape) along its batch axis only. Fields that are not numbers
+        (``image_refs``) stay host numpy arrays of this process's rows."""
         arrays: dict[str, Any] = {name: values for name, values in local.items() if values.dtype == object}
         numeric = {name: values for name, values in local.items() if values.dtype != object}
-        shardings = {name: self.sharding if values.ndim == 2 and values.shape[1] == self.seq_len else self.row_sharding
-                     for name, values in numeric.items()}
+        shardings = {name: self.sharding if name not in ROW_FIELDS and values.ndim == 2
+                     and values.shape[1] == self.seq_len else self.row_sharding for name, values in numeric.items()}
         if len(self.rows) == self.batch_size:   # every row is here: one transfer of all fields
             arrays.update(jax.device_put(numeric, shardings))
             return arrays

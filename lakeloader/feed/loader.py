@@ -327,11 +327,14 @@ class Loader:
         from instead (a worker's shared-memory slot)."""
         self.check_step(step)
         owners, examples = self._row_examples(step)
-        arrays = self._empty_batch(self._arrays if pool is None else pool, whole=self._whole_rows)
+        source = self._arrays if pool is None else pool
+        arrays = self._empty_batch(source, whole=self._whole_rows)
         fill_batch(arrays, examples)
         if self._pixels is not None:
             self._pixels.fill(arrays, self._placed_images(owners, examples))
-        arrays["dataset_ids"] = owners.astype(np.int32)   # position in dataset_names(config); -1: padding
+        # (every numeric field from ``source``: in a worker's slot each then stays where it was)
+        arrays["dataset_ids"] = source.empty((len(owners),), np.int32)
+        arrays["dataset_ids"][:] = owners   # position in dataset_names(config); -1: padding
         if self.mode == "eval":
             arrays["example_mask"] = np.array([e is not None for e in examples], np.float32)
             if self.config.evaluation is not None and self.config.evaluation.prompts:
@@ -370,7 +373,7 @@ class Loader:
             arrays["inputs_segment_ids"] = pool.full(shape, 0, np.int32)
             arrays["inputs_positions"] = pool.full(shape, 0, np.int32)
         if self._max_images:
-            arrays["image_positions"] = np.full((self.rows, self._max_images), -1, np.int32)
+            arrays["image_positions"] = pool.full((self.rows, self._max_images), -1, np.int32)
             arrays["image_refs"] = np.full((self.rows, self._max_images), "", dtype=object)
         if self._pixels is not None:
             arrays.update(self._pixels.empty(pool, self.rows))

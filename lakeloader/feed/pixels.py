@@ -22,6 +22,7 @@ LRU (``loader.image_cache_bytes``). Pixels are a function of the image's bytes, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,15 +121,26 @@ class PixelFill:
         except BadImage as exc:   # checked when built: these bytes decoded then
             raise ChunkIntegrityError(f"image {image.image[:16]}… of chunk {image.chunk_path} no longer decodes "
                                       f"({exc}): is the installed Pillow another build than the lake's?") from None
-        width, height = decoded.size
         if self.resolution.kind == "fixed":
-            fit_w, fit_h = fit_sizes(np.array([width]), np.array([height]), self.resolution.size)
-            out = np.asarray(decoded.resize((int(fit_w[0]), int(fit_h[0])), RESAMPLE), np.uint8)
+            out = np.asarray(decoded.resize(_fit(*decoded.size, self.resolution.size), RESAMPLE))
         else:
             p = self.resolution.patch_size
-            rows, cols = (int(x[0]) for x in patch_grids(np.array([width]), np.array([height]), self.resolution))
-            resized = np.asarray(decoded.resize((cols * p, rows * p), RESAMPLE), np.uint8)
+            rows, cols = _grid(*decoded.size, self.resolution)
+            resized = np.asarray(decoded.resize((cols * p, rows * p), RESAMPLE))
             out = np.ascontiguousarray(resized.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)
                                        ).reshape(rows, cols, p * p * 3)
         out.setflags(write=False)
         return out
+
+
+# Sizes repeat across a lake's images: one image's fit or grid is a dict lookup, not numpy on arrays of one.
+@functools.lru_cache(maxsize=4096)
+def _fit(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:
+    fit_w, fit_h = fit_sizes(np.array([width]), np.array([height]), size)
+    return int(fit_w[0]), int(fit_h[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid(width: int, height: int, resolution: ImageResolution) -> tuple[int, int]:
+    rows, cols = patch_grids(np.array([width]), np.array([height]), resolution)
+    return int(rows[0]), int(cols[0])

@@ -37,6 +37,7 @@ with the pool's ``prefix`` (``lakeloader_<pid>_<random>``), so leaks can be foun
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import mmap
 import multiprocessing
@@ -76,6 +77,14 @@ ANNOUNCE = 2
 # the workers build every batch).
 BUILD_WHILE_STARTING = True
 _SHM_FOLDER = "/dev/shm"   # where Linux lists POSIX shared-memory segments as files
+# glibc's malloc gives freed memory at its heap's top back to the system past 128 KiB and serves
+# blocks past 128 KiB by mmap, raising both only as large blocks are freed: a fresh worker's
+# image buffers (decoded, resized, copied) had their pages faulted in anew for every image, 20-30 %
+# more CPU per image than in a long-lived process (docs/performance-history.md). A worker keeps
+# up to this much freed memory for reuse instead.
+MALLOC_TRIM_THRESHOLD = 64 << 20
+MALLOC_MMAP_THRESHOLD = 32 << 20   # (glibc's largest on 64-bit)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # mallopt's parameters (malloc.h)
 
 
 def owner(offset: int, workers: int) -> int:
@@ -171,12 +180,25 @@ def _reportable(exc: Exception, worker: int, doing: str) -> BaseException:
     return _sendable(exc)
 
 
+def _keep_freed_memory() -> None:
+    """Have glibc's malloc keep freed memory for reuse (:data:`MALLOC_TRIM_THRESHOLD`); nothing
+    where the C library is another."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version"):   # another C library (musl): its own malloc
+        return
+    libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+    libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
+
+
 def _worker_main(make_loader: Callable[[], BatchSource], worker: int, workers: int, total: int | None,
                  ring: int, prefix: str, conn: multiprocessing.connection.Connection, parent: int) -> None:
     """Body of worker ``worker``: open its loader, say so (``("ready",)``), then, from the step the
     consumer names (``("begin", step)``), build its steps into its ring until stopped, the end, an
     error or the parent's death."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the consumer's to handle
+    _keep_freed_memory()
     slots = Slots(prefix, worker, ring)
     done = threading.Event()
 

@@ -1,7 +1,8 @@
 """Stored images read from a chunk's media file (:mod:`lakeloader.contracts.media`): one image is
-one ranged read of its row group (the file's footer parsed once and kept), its pages' CRC-32
-checked, and the sha256 of its bytes checked against its image id, so a damaged or altered media
-file is a :class:`ChunkIntegrityError` naming it and the image, never other pixels."""
+one ranged read of its row group (one request in an object store; the file's footer parsed once
+and kept), its pages' CRC-32 checked, and the sha256 of its bytes checked against its image id,
+so a damaged or altered media file is a :class:`ChunkIntegrityError` naming it and the image,
+never other pixels."""
 
 from __future__ import annotations
 
@@ -53,25 +54,42 @@ class MediaFiles:
                                       "not used. Run `lakeloader verify CONFIG --repair`") from exc
 
     def _read(self, path: str, image: str, where: str) -> bytes:
-        where_on_disk = self.lake.path_of(path)
-        # (a local lake's file opened directly: fsspec's open costs about as much as the read)
-        with (open(where_on_disk, "rb") if self.lake.is_local else self.lake.fs.open(where_on_disk, "rb")) as handle:
-            footer = self._footers.get(path, lambda: _footer(handle))
-            row = footer.rows.get(image)
-            if row is None:
-                raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
-                                          "`lakeloader verify CONFIG --repair`")
-            chunk = footer.chunks[row]
-            data = None if chunk is None else _page_value(handle, chunk)
-            if data is None:   # stored otherwise than this contract's writer stores it: pyarrow reads it
+        footer = self._footers.get(path, lambda: self._footer(path))
+        row = footer.rows.get(image)
+        if row is None:
+            raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
+                                      "`lakeloader verify CONFIG --repair`")
+        chunk = footer.chunks[row]
+        data = None if chunk is None else _page_value(self._range(path, chunk.data_page_offset,
+                                                                  chunk.total_compressed_size), chunk)
+        if data is None:   # stored otherwise than this contract's writer stores it: pyarrow reads it
+            with self._open(path) as handle:
                 table = open_chunk(handle, footer.metadata).read_row_group(row, columns=[MEDIA_BYTES_COLUMN],
-                                                                    use_threads=False)
-                column = table.column(MEDIA_BYTES_COLUMN)
-                data = column[0].as_py() if len(column) == 1 else None
+                                                                           use_threads=False)
+            column = table.column(MEDIA_BYTES_COLUMN)
+            data = column[0].as_py() if len(column) == 1 else None
         if not isinstance(data, bytes) or image_id(data) != image:
             raise ChunkIntegrityError(f"{where}: its stored bytes do not hash to its id (the file was altered or "
                                       "damaged); never decoded. Run `lakeloader verify CONFIG --repair`")
         return data
+
+    def _open(self, path: str) -> Any:
+        # (a local lake's file opened directly: fsspec's open costs about as much as the read)
+        where = self.lake.path_of(path)
+        return open(where, "rb") if self.lake.is_local else self.lake.fs.open(where, "rb")
+
+    def _footer(self, path: str) -> MediaFooter:
+        with self._open(path) as handle:
+            return _footer(handle)
+
+    def _range(self, path: str, start: int, size: int) -> bytes:
+        """``size`` bytes of the media file at ``start``: in an object store one ranged request
+        (no open, whose size lookup and read-ahead would cost a request and more bytes each)."""
+        if not self.lake.is_local:
+            return bytes(self.lake.fs.cat_file(self.lake.path_of(path), start=start, end=start + size))
+        with open(self.lake.path_of(path), "rb") as handle:
+            handle.seek(start)
+            return handle.read(size)
 
 
 class MediaFooter(NamedTuple):
@@ -83,12 +101,11 @@ class MediaFooter(NamedTuple):
                                         # this contract's writer stores it (one uncompressed PLAIN page)
 
 
-def _page_value(handle: Any, chunk: ColumnChunk) -> bytes | None:
-    """The one value of a ``bytes`` column chunk stored as this contract's writer stores it, in
-    one read of the chunk, its page's CRC-32 checked; None for a page this parser does not take."""
+def _page_value(chunk_bytes: bytes, chunk: ColumnChunk) -> bytes | None:
+    """The one value of a ``bytes`` column chunk stored as this contract's writer stores it, from
+    the chunk's bytes (one read), its page's CRC-32 checked; None for a page this parser does not take."""
     row = chunk.group
-    handle.seek(chunk.data_page_offset)
-    raw = memoryview(handle.read(chunk.total_compressed_size))
+    raw = memoryview(chunk_bytes)
     try:
         header, start = read_page_header(raw, 0)
     except Exception:   # a header this parser does not take: pyarrow reads it (and names any damage)
