@@ -405,10 +405,12 @@ class ChunkFiles:
 
     def _chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         with self._opened(chunks, index) as (handle, footer):
-            columns = [*_PART_COLUMNS, *(c for c in _IMAGE_COLUMNS[1:] if c in footer.names)]
-            parts = table_parts(open_chunk(handle, footer.metadata).read(columns=columns))
-            # Read by pyarrow, which trusts the page headers: the counts checked against the footer
-            # (itself against the catalog) and the catalog.
+            parts = self._single_part_layout(chunks, index, handle, footer)
+            if parts is None:
+                columns = [*_PART_COLUMNS, *(c for c in _IMAGE_COLUMNS[1:] if c in footer.names)]
+                parts = table_parts(open_chunk(handle, footer.metadata).read(columns=columns))
+            # Read by pyarrow, which trusts the page headers (or decoded here): the counts checked
+            # against the footer (itself against the catalog) and the catalog.
             tokens = int(parts.part_lengths.sum())
             if parts.num_docs != sum(footer.num_rows) or not (chunks.filtered or tokens == chunks.num_tokens[index]):
                 raise DamagedBytes(f"{parts.num_docs} documents of {tokens} tokens read, its footer says "
@@ -417,6 +419,23 @@ class ChunkFiles:
         if chunks.filtered:
             return select_parts(parts, self._view(chunks).chunk_selection(chunks.name, int(index)))[0]
         return parts
+
+    def _single_part_layout(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile, footer: Footer
+                            ) -> ChunkParts | None:
+        """The part layout of the whole of chunk ``index`` (open as ``handle``) decoded here, row group by row group, when each
+        document has one part (plain text: a few small pages, for far less than pyarrow's read of
+        the columns costs); None otherwise."""
+        groups = range(len(footer.num_rows))
+        if any(name in footer.names for name in _IMAGE_COLUMNS) or not all(footer.one_part_each(g) for g in groups):
+            return None
+        found = [footer.single_part_layout(handle, group) for group in groups]
+        if any(parts is None for parts in found):   # decodable here, but the pages made no sense
+            self._prove(chunks, index, handle)
+            return None
+        docs = sum(parts.num_docs for parts in found)  # type: ignore[union-attr]
+        return ChunkParts(np.concatenate([parts.part_lengths for parts in found]),  # type: ignore[union-attr]
+                          np.concatenate([parts.part_kinds for parts in found]),  # type: ignore[union-attr]
+                          np.arange(docs, dtype=np.int64), docs)
 
     def _view(self, chunks: DatasetChunks) -> CatalogView:
         if self.view is None:
