@@ -5,6 +5,7 @@ every batch so. Batches are bitwise those of whole row groups, for every shuffle
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +18,34 @@ from lakeloader.ingest.driver import build
 from lakeloader.read import cold_pages
 from lakeloader.read.chunks import ChunkFiles
 
-from conftest import ahead_thread_caught_up, assert_batches_equal
-from test_span_batches import SHUFFLES, lake  # noqa: F401  (the fixture: text and chat, 600-token row groups)
+from conftest import ahead_thread_caught_up, assert_batches_equal, stdlib_texts, write_config, write_jsonl
 
 SEQ_LEN, BATCH = 48, 8
+SHUFFLES = [{"kind": "none"}, {"kind": "full"}, {"kind": "block", "block_size": 7, "window_blocks": 3},
+            {"kind": "window", "window_chunks": 3}]
 
 
 @pytest.fixture(scope="module")
-def packed(lake: Path, dask_scheduler: str) -> Path:  # noqa: F811
-    """``lake`` with the example counts of ``pack`` and ``pad`` registered (no chunk tokenized again)."""
+def packed(tmp_path_factory: pytest.TempPathFactory, dask_scheduler: str) -> Path:
+    """Text and chat conversations (targets only on assistant turns), small splits and small row
+    groups, with the example counts of ``pack`` and ``pad`` registered."""
+    root = tmp_path_factory.mktemp("packed-cold")
+    data = root / "data"
+    texts = stdlib_texts("json") + stdlib_texts("wsgiref")
+    write_jsonl(data / "t" / "a.jsonl", texts[::2])   # long documents: split into many items
+    write_jsonl(data / "t" / "b.jsonl", [p for t in texts[1::2] for p in t.split("\n\n") if p.strip()])
+    paragraphs = [p for t in stdlib_texts("zoneinfo") for p in t.split("\n\n") if p.strip()]
+    (data / "c").mkdir(parents=True)
+    (data / "c" / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": paragraphs[i][:60]}, {"role": "assistant", "content": paragraphs[i + 1]}]}) + "\n"
+        for i in range(0, len(paragraphs) - 1, 2)))
+    write_config(root, {"t": {"sources": [str(data / "t" / "*.jsonl")]},
+                        "c": {"sources": [str(data / "c" / "chat.jsonl")], "format": "chat"}},
+                 build={"split_size": "16KB", "row_group_tokens": 600})
     for packing in ("pack", "pad"):
-        build(packed_config(lake, f"register-{packing}", packing, {"kind": "none"}), scheduler=dask_scheduler,
+        build(packed_config(root, f"register-{packing}", packing, {"kind": "none"}), scheduler=dask_scheduler,
               progress=False)
-    return lake
+    return root
 
 
 def packed_config(root: Path, name: str, packing: str, shuffle: dict[str, Any], **loader: Any) -> Path:
