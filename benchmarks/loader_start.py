@@ -105,13 +105,15 @@ def measure(config: str, step: int) -> None:
     started = time.perf_counter()
     from lakeloader.feed.loader import Loader
     imported = time.perf_counter()
+    cpu = time.process_time()
     loader = Loader(config)
     opened = time.perf_counter()
     batch = loader.batch(step)
     done = time.perf_counter()
+    cpu = time.process_time() - cpu
     assert batch["input_ids"].shape == (BATCH, SEQ)
     loader.close()
-    print(json.dumps({"import": imported - started, "open": opened - imported, "first": done - opened}))
+    print(json.dumps({"import": imported - started, "open": opened - imported, "first": done - opened, "cpu": cpu}))
 
 
 def main() -> None:
@@ -176,6 +178,9 @@ def main() -> None:
                     opened = statistics.median(r["open"] for r in found)
                     first = statistics.median(r["first"] for r in found)
                     totals[code] = statistics.median(r["open"] + r["first"] for r in found)
+                    # (CPU seconds of all its threads: what a loaded machine moves least)
+                    figures[f"{code}{label}{kind} step {step:,}: open + first batch CPU ms"] = round(
+                        statistics.median(r["cpu"] for r in found) * 1000, 1)
                     figures[f"{code}{label}{kind} step {step:,}: open + first batch ms"] = round(totals[code] * 1000, 1)
                     figures[f"{code}{label}{kind} step {step:,}: open / first batch ms"] = \
                         f"{opened * 1000:.1f} / {first * 1000:.1f}"

@@ -357,8 +357,11 @@ class ChunkFiles:
             raise ValueError(f"dataset {chunks.name!r} is defined by a filter: its row groups are read whole")
         refs = None
         with self._opened(chunks, index) as (handle, footer):
-            # The part layout: plain text's decoded here, any other read by pyarrow.
-            parts = footer.single_part_layout(handle, group)
+            # The part layout: the chunk's if kept (a packing plan read it), plain text's decoded
+            # here, any other read by pyarrow.
+            parts = self._kept_parts(chunks, index, footer, group)
+            if parts is None:
+                parts = footer.single_part_layout(handle, group)
             parquet = None
             if parts is None:
                 if footer.one_part_each(group):   # decoded here, but the pages made no sense
@@ -398,6 +401,20 @@ class ChunkFiles:
         return [RowGroup(part_tokens, parts.take(slice(a, b), parts.part_doc[a:b] - first, stop - first),
                          None if refs is None else refs[a:b], first)
                 for part_tokens, (first, stop), (a, b) in zip(values, doc_ranges, part_ranges.tolist())]
+
+    def _kept_parts(self, chunks: DatasetChunks, index: int, footer: Footer, group: int) -> ChunkParts | None:
+        """Row group ``group``'s part layout cut from chunk ``index``'s whole one (:meth:`chunk_parts`)
+        when the cache keeps it, else None: not for a dataset defined by a filter (its chunk's
+        layout is its selection's) nor for stored images (their references are read with them)."""
+        if chunks.filtered or any(name in footer.names for name in _IMAGE_COLUMNS):
+            return None
+        kept = self.cache.cached([("parts", chunks.fingerprint, index)])[0]
+        if kept is None:
+            return None
+        first = int(sum(footer.num_rows[:group]))
+        stop = first + int(footer.num_rows[group])
+        a, b = np.searchsorted(kept.part_doc, [first, stop]).tolist()
+        return kept.take(slice(a, b), kept.part_doc[a:b] - first, stop - first)
 
     def chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         """The part layout of every document of chunk ``index`` (small columns only)."""
