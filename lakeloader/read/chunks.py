@@ -439,9 +439,9 @@ class ChunkFiles:
 
     def _single_part_layout(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile, footer: Footer
                             ) -> ChunkParts | None:
-        """The part layout of the whole of chunk ``index`` (open as ``handle``) decoded here, row group by row group, when each
-        document has one part (plain text: a few small pages, for far less than pyarrow's read of
-        the columns costs); None otherwise."""
+        """The part layout of the whole of chunk ``index`` (open as ``handle``) decoded here, row
+        group by row group, when each document has one part (plain text: a few small pages, for far
+        less than pyarrow's read of the columns costs); None otherwise."""
         groups = range(len(footer.num_rows))
         if any(name in footer.names for name in _IMAGE_COLUMNS) or not all(footer.one_part_each(g) for g in groups):
             return None
