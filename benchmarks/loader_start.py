@@ -16,6 +16,7 @@ clears the records before every run instead, so that each one hashes its files.
 
     .venv/bin/python benchmarks/loader_start.py [--size bench|demo] [--verify checksum|size]
                                                 [--chunks 2000 20000 200000] [--first-on-machine]
+                                                [--packing concat|pack|pad] [--baseline OTHER_CHECKOUT]
 """
 
 from __future__ import annotations
@@ -46,23 +47,26 @@ def lake_config(size: str, verify: str, kind: str, row_group_tokens: int = 1 << 
     packing other than concat is registered by a build of its config (no chunk tokenized again)."""
     from lakeloader.demo.corpus import prepare_corpus
 
-    corpus = OUT / f"{size}-corpus"
+    # (Paths of the checkout whose out folder this is: a worktree linking another's reads its lake as
+    # that one's configs define it, the corpus and tokenizer paths included.)
+    out = OUT.resolve()
+    corpus = out / f"{size}-corpus"
     name = f"{size}" if row_group_tokens == 1 << 20 else f"{size}-rg{row_group_tokens}"
-    lake = OUT / f"start-{name}-lake"
+    lake = out / f"start-{name}-lake"
     built = (lake / "_catalog" / "CURRENT").exists()
     if not built:
         prepare_corpus(corpus, size=size)   # type: ignore[arg-type]
     packed = "" if packing == "concat" else f"-{packing}"
-    path = OUT / f"start-{name}-{verify}-{kind}{packed}.yaml"
+    path = out / f"start-{name}-{verify}-{kind}{packed}.yaml"
     path.write_text(yaml.safe_dump({
-        "lake": str(lake), "tokenizer": str(REPO / "demo" / "tokenizer.json"),
+        "lake": str(lake), "tokenizer": str(out.parents[1] / "demo" / "tokenizer.json"),
         "datasets": {"code": {"sources": [str(corpus / "code" / "*.jsonl")]}},
         "build": {"split_size": "8MB" if size == "bench" else "1MB",   # demo: ~10 chunks, not 2
                   "row_group_tokens": row_group_tokens},
         "loader": {"seq_len": SEQ, "batch_size": BATCH, "verify": verify, "prefetch": 0, "packing": packing,
                    "shuffle": {"kind": kind, "window_chunks": 4, "block_size": 64, "window_blocks": 8}},
     }))
-    plans = OUT / f"start-{name}{packed}.registered"
+    plans = out / f"start-{name}{packed}.registered"
     if kind == KINDS[0] and not (built and (packing == "concat" or plans.exists())):
         from lakeloader.ingest.driver import build  # only to build: a built lake reads without Dask
 
@@ -101,13 +105,15 @@ def measure(config: str, step: int) -> None:
     started = time.perf_counter()
     from lakeloader.feed.loader import Loader
     imported = time.perf_counter()
+    cpu = time.process_time()
     loader = Loader(config)
     opened = time.perf_counter()
     batch = loader.batch(step)
     done = time.perf_counter()
+    cpu = time.process_time() - cpu
     assert batch["input_ids"].shape == (BATCH, SEQ)
     loader.close()
-    print(json.dumps({"import": imported - started, "open": opened - imported, "first": done - opened}))
+    print(json.dumps({"import": imported - started, "open": opened - imported, "first": done - opened, "cpu": cpu}))
 
 
 def main() -> None:
@@ -124,6 +130,11 @@ def main() -> None:
     parser.add_argument("--first-on-machine", action="store_true",
                         help="clear the records of chunk files hashed before every run (each run hashes "
                         "the files it opens); by default one unmeasured run per case makes them first")
+    parser.add_argument("--baseline", metavar="REPO",
+                        help="also measure the lakeloader of this checkout (PYTHONPATH), alternating with this "
+                        "one's run by run, and print the ratio of this one's medians to its")
+    parser.add_argument("--kinds", nargs="*", choices=KINDS, default=list(KINDS), help="the shuffle kinds measured")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="measured processes per case (medians)")
     parser.add_argument("--measure", nargs=2, metavar=("CONFIG", "STEP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -138,29 +149,45 @@ def main() -> None:
     environment = {**os.environ, "LAKELOADER_CACHE": str(CACHE)}
     shutil.rmtree(CACHE, ignore_errors=True)
 
-    def run(config: Path, step: int) -> dict[str, float]:
+    codes = {"": str(REPO)} if args.baseline is None else {"": str(REPO), "baseline ": args.baseline}
+    if args.baseline is not None:
+        figures["baseline"] = args.baseline
+
+    def run(config: Path, step: int, code: str = "") -> dict[str, float]:
         if args.first_on_machine:
             shutil.rmtree(CACHE, ignore_errors=True)
-        out = subprocess.run([sys.executable, __file__, "--measure", str(config), str(step)],
-                             check=True, capture_output=True, text=True, env=environment).stdout
+        out = subprocess.run([sys.executable, __file__, "--measure", str(config), str(step)], check=True,
+                             capture_output=True, text=True, env={**environment, "PYTHONPATH": codes[code]}).stdout
         return json.loads(out.strip().splitlines()[-1])
 
     lakes: dict[str, dict[str, Path]] = {"": configs}
     for chunks in args.chunks:
         lakes[f"{chunks:,} chunks, "] = {kind: grown_config(configs[kind], kind, chunks) for kind in KINDS}
     for label, lake in lakes.items():
-        for kind in KINDS:
+        for kind in args.kinds:
             if not args.first_on_machine:
-                run(lake[kind], STEPS[0])
+                for code in codes:
+                    run(lake[kind], STEPS[0], code)
             for step in STEPS:
-                runs = [run(lake[kind], step) for _ in range(ROUNDS)]
-                opened = statistics.median(r["open"] for r in runs)
-                first = statistics.median(r["first"] for r in runs)
-                total = statistics.median(r["open"] + r["first"] for r in runs)
-                figures[f"{label}{kind} step {step:,}: open + first batch ms"] = round(total * 1000, 1)
-                figures[f"{label}{kind} step {step:,}: open / first batch ms"] = f"{opened * 1000:.1f} / {first * 1000:.1f}"
+                runs: dict[str, list[dict[str, float]]] = {code: [] for code in codes}
+                for _ in range(args.rounds):   # (the checkouts alternate run by run)
+                    for code in codes:
+                        runs[code].append(run(lake[kind], step, code))
+                totals = {}
+                for code, found in runs.items():
+                    opened = statistics.median(r["open"] for r in found)
+                    first = statistics.median(r["first"] for r in found)
+                    totals[code] = statistics.median(r["open"] + r["first"] for r in found)
+                    # (CPU seconds of all its threads: what a loaded machine moves least)
+                    figures[f"{code}{label}{kind} step {step:,}: open + first batch CPU ms"] = round(
+                        statistics.median(r["cpu"] for r in found) * 1000, 1)
+                    figures[f"{code}{label}{kind} step {step:,}: open + first batch ms"] = round(totals[code] * 1000, 1)
+                    figures[f"{code}{label}{kind} step {step:,}: open / first batch ms"] = \
+                        f"{opened * 1000:.1f} / {first * 1000:.1f}"
+                if args.baseline is not None:
+                    figures[f"{label}{kind} step {step:,}: ratio to baseline"] = round(totals[""] / totals["baseline "], 2)
     figures["loadavg"] = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").exists() else "n/a"
-    report("loader_start", figures)
+    report("loader_start" if args.baseline is None else "loader_start_vs_baseline", figures)
 
 
 if __name__ == "__main__":

@@ -205,9 +205,13 @@ class PackedLocator:
         they lie in looked up once, up front (those not cached decode concurrently), unless
         ``groups`` gives them already (the distinct row-group keys, each item's, their renderings)."""
         docs, starts, stops, begin, end, group_keys, group_docs = items.columns
-        if groups is None:
+        if groups is None and self._items_need_parts:
             used, group = items.row_groups()
             rendered = self.reader.rendered_groups(self.growing.chunks, _group_pairs(used))
+        elif groups is None:   # (a cold read re-points the items at renderings of what they reach)
+            used, group = items.row_groups()
+            group, begin, end = group.copy(), begin.copy(), end.copy()
+            rendered = self.reader.ranged_groups(self.growing.chunks, _group_pairs(used), (group, begin, end))
         else:
             used, group, rendered = groups
         last = int(used[-1])

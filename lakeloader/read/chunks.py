@@ -357,8 +357,11 @@ class ChunkFiles:
             raise ValueError(f"dataset {chunks.name!r} is defined by a filter: its row groups are read whole")
         refs = None
         with self._opened(chunks, index) as (handle, footer):
-            # The part layout: plain text's decoded here, any other read by pyarrow.
-            parts = footer.single_part_layout(handle, group)
+            # The part layout: the chunk's if kept (a packing plan read it), plain text's decoded
+            # here, any other read by pyarrow.
+            parts = self._kept_parts(chunks, index, footer, group)
+            if parts is None:
+                parts = footer.single_part_layout(handle, group)
             parquet = None
             if parts is None:
                 if footer.one_part_each(group):   # decoded here, but the pages made no sense
@@ -399,16 +402,32 @@ class ChunkFiles:
                          None if refs is None else refs[a:b], first)
                 for part_tokens, (first, stop), (a, b) in zip(values, doc_ranges, part_ranges.tolist())]
 
+    def _kept_parts(self, chunks: DatasetChunks, index: int, footer: Footer, group: int) -> ChunkParts | None:
+        """Row group ``group``'s part layout cut from chunk ``index``'s whole one (:meth:`chunk_parts`)
+        when the cache keeps it, else None: not for a dataset defined by a filter (its chunk's
+        layout is its selection's) nor for stored images (their references are read with them)."""
+        if chunks.filtered or any(name in footer.names for name in _IMAGE_COLUMNS):
+            return None
+        kept = self.cache.cached([("parts", chunks.fingerprint, index)])[0]
+        if kept is None:
+            return None
+        first = int(sum(footer.num_rows[:group]))
+        stop = first + int(footer.num_rows[group])
+        a, b = np.searchsorted(kept.part_doc, [first, stop]).tolist()
+        return kept.take(slice(a, b), kept.part_doc[a:b] - first, stop - first)
+
     def chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         """The part layout of every document of chunk ``index`` (small columns only)."""
         return self.cache.get(("parts", chunks.fingerprint, index), lambda: self._chunk_parts(chunks, index))
 
     def _chunk_parts(self, chunks: DatasetChunks, index: int) -> ChunkParts:
         with self._opened(chunks, index) as (handle, footer):
-            columns = [*_PART_COLUMNS, *(c for c in _IMAGE_COLUMNS[1:] if c in footer.names)]
-            parts = table_parts(open_chunk(handle, footer.metadata).read(columns=columns))
-            # Read by pyarrow, which trusts the page headers: the counts checked against the footer
-            # (itself against the catalog) and the catalog.
+            parts = self._single_part_layout(chunks, index, handle, footer)
+            if parts is None:
+                columns = [*_PART_COLUMNS, *(c for c in _IMAGE_COLUMNS[1:] if c in footer.names)]
+                parts = table_parts(open_chunk(handle, footer.metadata).read(columns=columns))
+            # Read by pyarrow, which trusts the page headers (or decoded here): the counts checked
+            # against the footer (itself against the catalog) and the catalog.
             tokens = int(parts.part_lengths.sum())
             if parts.num_docs != sum(footer.num_rows) or not (chunks.filtered or tokens == chunks.num_tokens[index]):
                 raise DamagedBytes(f"{parts.num_docs} documents of {tokens} tokens read, its footer says "
@@ -417,6 +436,23 @@ class ChunkFiles:
         if chunks.filtered:
             return select_parts(parts, self._view(chunks).chunk_selection(chunks.name, int(index)))[0]
         return parts
+
+    def _single_part_layout(self, chunks: DatasetChunks, index: int, handle: pa.NativeFile, footer: Footer
+                            ) -> ChunkParts | None:
+        """The part layout of the whole of chunk ``index`` (open as ``handle``) decoded here, row
+        group by row group, when each document has one part (plain text: a few small pages, for far
+        less than pyarrow's read of the columns costs); None otherwise."""
+        groups = range(len(footer.num_rows))
+        if any(name in footer.names for name in _IMAGE_COLUMNS) or not all(footer.one_part_each(g) for g in groups):
+            return None
+        found = [footer.single_part_layout(handle, group) for group in groups]
+        if any(parts is None for parts in found):   # decodable here, but the pages made no sense
+            self._prove(chunks, index, handle)
+            return None
+        docs = sum(parts.num_docs for parts in found)  # type: ignore[union-attr]
+        return ChunkParts(np.concatenate([parts.part_lengths for parts in found]),  # type: ignore[union-attr]
+                          np.concatenate([parts.part_kinds for parts in found]),  # type: ignore[union-attr]
+                          np.arange(docs, dtype=np.int64), docs)
 
     def _view(self, chunks: DatasetChunks) -> CatalogView:
         if self.view is None:

@@ -5,6 +5,7 @@ nearby spans; any other is decoded whole (the batches that follow reach the rest
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -74,19 +75,32 @@ def render_ranges(renderings: Renderings, chunks: DatasetChunks, chunk: int, gro
     return found
 
 
-def fill_groups(renderings: Renderings, chunks: DatasetChunks, found: SpanSet, wanted: list[tuple[int, int]],
-                lengths: np.ndarray, ranges: tuple[np.ndarray, np.ndarray, np.ndarray], from_pages: bool) -> list[int]:
-    """Fills ``found.groups`` with the renderings of the row groups ``wanted`` (``(chunk, group)``
-    of each group of ``found``, ``lengths`` their rendered tokens): the cached ones, and those not
-    cached read concurrently. ``ranges`` are the tokens the spans need (index into ``wanted``,
-    first token, one past the last; a span inside a row group, or a piece of one across row groups).
+@dataclasses.dataclass
+class ReadGroups:
+    """Row groups read for ranges of their tokens (:func:`read_groups`): the renderings, those of
+    the row groups asked for then those of further runs read from pages; for every rendering, the
+    index of its row group among those asked for and the first document it holds (within the chunk)."""
+
+    groups: list[RenderedGroup]
+    origin: list[int]
+    first_doc: list[int]
+    from_pages: list[int]   # the row groups read from pages (indexes among those asked for)
+
+
+def read_groups(renderings: Renderings, chunks: DatasetChunks, wanted: list[tuple[int, int]], first_docs: list[int],
+                lengths: np.ndarray, ranges: tuple[np.ndarray, np.ndarray, np.ndarray], from_pages: bool) -> ReadGroups:
+    """The renderings of the row groups ``wanted`` (``(chunk, group)``, ``first_docs`` the first
+    document of each, ``lengths`` their rendered tokens): the cached ones, and those not cached
+    read concurrently. ``ranges`` are the tokens asked for (index into ``wanted``, first token, one
+    past the last; a span inside a row group, a piece of one across row groups, a packed item).
 
     ``from_pages`` (a cold read): a row group not cached whose ranges reach little of it is read
     from the pages they need, and its ranges are re-pointed (in place) at renderings of just the
-    documents they reach (one per run of nearby ranges, added to ``found``). Any other is decoded
-    whole and cached. Returns the row groups read from pages (indexes into ``wanted``)."""
+    documents they reach (one per run of nearby ranges: the row group's own place, then appended).
+    Any other is decoded whole and cached."""
     groups = renderings.cached(chunks, wanted)
     missing = [j for j, rendered in enumerate(groups) if rendered is None]
+    found = ReadGroups(groups, list(range(len(wanted))), list(first_docs), [])  # type: ignore[arg-type]
     runs: dict[int, tuple[int, int]] = {}
     # (per run: where its rendering went, an index into groups, and where it starts in its row group)
     run_lo = run_hi = run_of_range = run_target = run_base = _NONE
@@ -94,24 +108,22 @@ def fill_groups(renderings: Renderings, chunks: DatasetChunks, found: SpanSet, w
         runs, run_lo, run_hi, run_of_range = page_runs(missing, ranges, lengths)
         run_target, run_base = np.zeros(len(run_lo), np.int64), np.zeros(len(run_lo), np.int64)
     reads: list[Callable[[], RenderedGroup | list[tuple[RenderedGroup, int, int]]]] = [
-        functools.partial(render_ranges, renderings, chunks, *wanted[j], found.group_first_doc[j],
+        functools.partial(render_ranges, renderings, chunks, *wanted[j], first_docs[j],
                           run_lo[runs[j][0]:runs[j][1]], run_hi[runs[j][0]:runs[j][1]]) if j in runs
         else functools.partial(renderings.get, chunks, *wanted[j]) for j in missing]
     for j, result in zip(missing, concurrently(reads)):
         if isinstance(result, RenderedGroup):
             groups[j] = result
             continue
-        first_doc = found.group_first_doc[j]
         for k, (rendered, base, first) in enumerate(result):
             g = j if k == 0 else len(groups)
             if k:
                 groups.append(rendered)
-                found.group_position.append(found.group_position[j])
-                found.group_chunk.append(found.group_chunk[j])
-                found.group_first_doc.append(first_doc + first)
+                found.origin.append(j)
+                found.first_doc.append(first_docs[j] + first)
             else:
                 groups[j] = rendered
-                found.group_first_doc[j] = first_doc + first
+                found.first_doc[j] = first_docs[j] + first
             run_target[runs[j][0] + k], run_base[runs[j][0] + k] = g, base
     if runs:   # the ranges re-pointed at their runs' renderings
         moved = np.flatnonzero(run_of_range >= 0)
@@ -120,5 +132,18 @@ def fill_groups(renderings: Renderings, chunks: DatasetChunks, found: SpanSet, w
         range_group[moved] = run_target[run]
         range_lo[moved] -= run_base[run]
         range_hi[moved] -= run_base[run]
-    found.groups.extend(groups)  # type: ignore[arg-type]
-    return list(runs)
+    found.from_pages = list(runs)
+    return found
+
+
+def fill_groups(renderings: Renderings, chunks: DatasetChunks, found: SpanSet, wanted: list[tuple[int, int]],
+                lengths: np.ndarray, ranges: tuple[np.ndarray, np.ndarray, np.ndarray], from_pages: bool) -> list[int]:
+    """Fills ``found.groups`` with the renderings of the row groups ``wanted`` (``(chunk, group)``
+    of each group of ``found``): :func:`read_groups`, a run read from pages added to ``found`` as
+    a row group of its own. Returns the row groups read from pages (indexes into ``wanted``)."""
+    read = read_groups(renderings, chunks, wanted, found.group_first_doc, lengths, ranges, from_pages)
+    found.groups.extend(read.groups)
+    found.group_position = [found.group_position[j] for j in read.origin]
+    found.group_chunk = [found.group_chunk[j] for j in read.origin]
+    found.group_first_doc = read.first_doc
+    return read.from_pages

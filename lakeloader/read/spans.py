@@ -78,7 +78,7 @@ class SpanReader:
         takes the general path (:meth:`span`; past the sequence's end, it raises)."""
         starts = np.asarray(starts, np.int64)
         first, self._started = not self._started, True
-        beyond = self.scattered and chunks.stored_bytes > 2 * self.renderings.files.cache.capacity
+        beyond = self.beyond_cache(chunks)
         self.ahead.decode_deferred()
         end = int(starts.max()) + length if len(starts) else 0   # one past the spans' last token
         if self.sequential and not first and len(starts):
@@ -96,6 +96,11 @@ class SpanReader:
         if len(starts):
             self.ahead.after_end(chunks, sequence, sequence_offsets, end)
         return found
+
+    def beyond_cache(self, chunks: DatasetChunks) -> bool:
+        """Whether every batch reads the row groups it finds uncached cold: a full shuffle over
+        more than twice the cache's bytes."""
+        return self.scattered and chunks.stored_bytes > 2 * self.renderings.files.cache.capacity
 
     def _chunk_range(self, chunks: DatasetChunks, chunk: int, start: int, stop: int, position: int) -> Piece:
         """Stream tokens ``[start, stop)`` of chunk ``chunk`` with where its documents start."""

@@ -13,6 +13,7 @@ import numpy as np
 from lakeloader.contracts.specs import Template
 from lakeloader.read.catalog_view import CatalogView, DatasetChunks
 from lakeloader.read.chunks import ChunkFiles
+from lakeloader.read.cold_pages import read_groups
 from lakeloader.read.group_tables import GroupTable, GroupTables
 from lakeloader.read.read_ahead import ReadAhead
 from lakeloader.read.renderings import Renderings
@@ -34,6 +35,7 @@ class StreamReader:
         self.renderings = Renderings(files, template, self.tables)
         self.ahead = ReadAhead(self.tables, self.renderings, in_order=sequential)
         self.span_reader = SpanReader(self.tables, self.renderings, self.ahead, scattered=scattered, sequential=sequential)
+        self._started = False   # whether ranged_groups read before (the first read cold, from pages)
 
     def chunk_lengths(self, chunks: DatasetChunks) -> np.ndarray:
         """Rendered stream tokens of each committed chunk (:meth:`GroupTables.chunk_lengths`)."""
@@ -50,6 +52,31 @@ class StreamReader:
     def rendered_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[RenderedGroup]:
         """Each ``(chunk, group)`` of ``wanted`` rendered, the missing concurrently (:meth:`Renderings.get_all`)."""
         return self.renderings.get_all(chunks, wanted)
+
+    def ranged_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]],
+                      ranges: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[RenderedGroup]:
+        """Each ``(chunk, group)`` of ``wanted`` rendered for ``ranges`` of its tokens (index into
+        ``wanted``, first token, one past the last: packed items). The first read, and every read of
+        a full shuffle beyond the cache (:meth:`SpanReader.beyond_cache`), is cold: a row group no
+        cache holds whose ranges reach little of it is read from just their pages, the ranges
+        re-pointed (in place) at renderings of the documents they reach, appended to those returned
+        (:func:`~lakeloader.read.cold_pages.read_groups`); on a first read such row groups are
+        decoded whole later (:meth:`ReadAhead.decode_later`). Otherwise :meth:`rendered_groups`."""
+        first, self._started = not self._started, True
+        beyond = self.span_reader.beyond_cache(chunks)
+        self.ahead.decode_deferred()
+        if not (first or beyond):
+            return self.renderings.get_all(chunks, wanted)
+        wanted = list(wanted)
+        used = sorted({chunk for chunk, _ in wanted})
+        tables = dict(zip(used, self.tables.of_chunks(chunks, used)))
+        first_docs = [int(tables[chunk][1][group]) for chunk, group in wanted]
+        lengths = np.array([tables[chunk][0][group + 1] - tables[chunk][0][group] for chunk, group in wanted], np.int64)
+        read = read_groups(self.renderings, chunks, wanted, first_docs, lengths, ranges, from_pages=True)
+        if first and not beyond:
+            for j in read.from_pages:
+                self.ahead.decode_later(chunks, *wanted[j], int(lengths[j]))
+        return read.groups
 
     def cached_groups(self, chunks: DatasetChunks, wanted: Sequence[tuple[int, int]]) -> list[RenderedGroup] | None:
         """Each ``(chunk, group)`` of ``wanted`` rendered if all are cached, else None
