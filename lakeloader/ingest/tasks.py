@@ -15,6 +15,7 @@ import pandas as pd
 
 from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR
+from lakeloader.catalog.stale import index_folder
 from lakeloader.catalog.store import CatalogWriter
 from lakeloader.config import Config
 from lakeloader.contracts.media import media_path
@@ -117,7 +118,7 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     for name in filtered:
         filters.setdefault(config.datasets[name].from_ or "", []).append(name)
     folders = writer.chunk_folders(names)
-    _remove_partial_files(lake, [SNAPSHOT_DIR, *folders])
+    _remove_partial_files(lake, [SNAPSHOT_DIR, *folders, *(index_folder(name) for name in names)])
     repairs = _chunks_to_repair(lake, writer, names, folders, requested)
     DocumentIndexWriter(lake, writer).drop_missing(names)
     expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
