@@ -175,15 +175,20 @@ def test_every_kind_of_image_converts_through_a_real_build(corpus: tuple[Path, d
     assert set(verify_lake(config, progress=False).status) == {"ok"}
 
 
+def image_folder(folder: Path) -> list[str]:
+    """The demo's images written into ``folder``, one file each; their names, sorted."""
+    folder.mkdir(parents=True)
+    images = all_images()
+    for name, payload in images.items():
+        (folder / name).write_bytes(payload)
+    return sorted(images)
+
+
 def test_the_lake_is_the_same_for_any_worker_count_and_after_a_failed_build_resumed(
         corpus: tuple[Path, dict[str, list[Path]]], tmp_path: Path, dask_scheduler: str) -> None:
     root, sources = corpus
-    images = all_images()
     data = tmp_path / "data"
-    (data / "img").mkdir(parents=True)
-    for name, payload in images.items():
-        (data / "img" / name).write_bytes(payload)
-    names = sorted(images)
+    names = image_folder(data / "img")
     for part in range(3):   # the last file names an image that is not there yet
         lines = [{"items": [{"text": f"doc {part}.{i}"}, {"image": f"img/{name}"}, {"image": f"img/{names[0]}"}]}
                  for i, name in enumerate(names)]
@@ -197,7 +202,7 @@ def test_the_lake_is_the_same_for_any_worker_count_and_after_a_failed_build_resu
     late = r"2\.jsonl: line 34: items\[3\] \(image 'img/late.png'\): .*late.png: not found"
     with pytest.raises(InputError, match=late):
         build(config, scheduler=dask_scheduler, progress=False)
-    (data / "img" / "late.png").write_bytes(images["wide.png"])
+    (data / "img" / "late.png").write_bytes(all_images()["wide.png"])
     build(config, scheduler=dask_scheduler, progress=False)   # resumes: the same plan, the rest built
     second = tmp_path / "two"
     second.mkdir()
@@ -209,12 +214,8 @@ def test_the_lake_is_the_same_for_any_worker_count_and_after_a_failed_build_resu
 
 
 def test_a_build_killed_mid_way_resumes_to_the_same_lake(tmp_path: Path, dask_scheduler: str) -> None:
-    images = all_images()
     data = tmp_path / "data"
-    (data / "img").mkdir(parents=True)
-    for name, payload in images.items():
-        (data / "img" / name).write_bytes(payload)
-    names = sorted(images)
+    names = image_folder(data / "img")
     for part in range(4):   # ~90 chunks of a few documents, each with two images (one shared)
         lines = [{"items": [{"text": f"doc {part}.{i}: " + "words " * 20}, {"image": f"img/{names[i % len(names)]}"},
                             {"image": f"img/{names[part]}"}]} for i in range(100)]

@@ -143,13 +143,20 @@ def test_a_follower_sees_each_version_as_its_full_snapshot(tmp_path: Path, monke
     assert max(len(delta_versions(read_pointer(lake))), 0) <= 3
 
 
-def test_recover_catalog_from_base_and_deltas(tmp_path: Path) -> None:
-    lake = Lake(str(tmp_path / "lake"))
+def published_in_steps(folder: Path, chunks: int, step: int) -> Lake:
+    """A lake at ``folder`` whose writer committed chunks ``0..chunks-1`` of dataset "a" ``step``
+    at a time, publishing after each commit (a base, then deltas)."""
+    lake = Lake(str(folder))
     writer, build_id = planned_writer(lake)
     with writer:
-        for start in range(0, 200, 40):
-            writer.commit([result("a", i) for i in range(start, start + 40)], build_id)
+        for start in range(0, chunks, step):
+            writer.commit([result("a", i) for i in range(start, start + step)], build_id)
             publish_snapshot(writer.con, lake, build_id, writer.changes)
+    return lake
+
+
+def test_recover_catalog_from_base_and_deltas(tmp_path: Path) -> None:
+    lake = published_in_steps(tmp_path / "lake", 200, 40)
     assert len(delta_versions(read_pointer(lake))) == 4
     shutil.copyfile(lake.writer_catalog_path, tmp_path / "expected.duckdb")
     prepare_writer_catalog(lake, recover=True)
@@ -161,12 +168,7 @@ def test_recover_catalog_from_base_and_deltas(tmp_path: Path) -> None:
 
 
 def test_a_damaged_or_altered_delta_is_one_error_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    lake = Lake(str(tmp_path / "lake"))
-    writer, build_id = planned_writer(lake)
-    with writer:
-        for start in range(0, 90, 30):
-            writer.commit([result("a", i) for i in range(start, start + 30)], build_id)
-            publish_snapshot(writer.con, lake, build_id, writer.changes)
+    lake = published_in_steps(tmp_path / "lake", 90, 30)
     version = read_pointer(lake)["version"]
     delta = Path(lake.path_of(f"{SNAPSHOT_DIR}/{delta_file(version)}"))
     os.remove(lake.writer_catalog_path)   # `sql LAKE` then reads the published catalog
