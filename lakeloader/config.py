@@ -215,9 +215,13 @@ class ImageResolutionConfig(_Strict):
 
 
 class InterleavedFormat(_Strict):
-    """``format: interleaved``: a list of items, each text or an image reference. Each image
-    becomes ``image_start + image_token * image_tokens + image_end`` at collation; its
-    reference travels with the example in the ``image_refs`` side field."""
+    """``format: interleaved``: a list of items, each text or an image. Each image becomes
+    ``image_start``, its placeholder tokens (``image_tokens`` of them, or one per patch under
+    ``resolution: {kind: patches}``) and ``image_end`` at collation. With ``images: references``
+    an image item is a reference string that travels with the example in ``image_refs``; with
+    ``images: stored`` the build reads each image (bytes, a path or URL, a tar member), checks it
+    and stores it in the lake, and the loader puts its pixels in the batch (``pixel_values`` or
+    ``pixel_patches``, with ``image_mask``)."""
 
     items_field: str = Field(default="items", description="Record field holding the list of items.")
     text_key: str = Field(default="text", description="Key of a text item's text.")
