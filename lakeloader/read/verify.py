@@ -17,43 +17,36 @@ from lakeloader.contracts.media import media_path
 from lakeloader.storage import sha256_of
 
 
-def _problem(lake: Lake, path: str, num_bytes: int, checksum: str, num_docs: int) -> tuple[str, str]:
+def _file_problem(lake: Lake, path: str, num_bytes: int, checksum: str, what: str | None = None,
+                  num_docs: int | None = None) -> tuple[str, str]:
+    """What is wrong with the file at ``path`` against its recorded size and sha256 (and, with
+    ``num_docs``, the document count of its Parquet footer), if anything; ``what`` names it in the
+    detail (None: a chunk file, whose row names it)."""
     full = lake.path_of(path)
     try:
         size = lake.fs.size(full)
     except FileNotFoundError:
-        return "missing", "the file does not exist"
+        return "missing", f"{what or 'the file'} does not exist"
     if size != num_bytes:
-        return "size", size_mismatch(size, num_bytes)
+        return "size", _detail(what, size_mismatch(size, num_bytes))
     with lake.fs.open(full, "rb") as handle:
         digest = sha256_of(handle)
         if digest != checksum:
-            return "checksum", sha256_mismatch(digest, checksum)
+            return "checksum", _detail(what, sha256_mismatch(digest, checksum))
+        if num_docs is None:
+            return "ok", ""
         try:
             handle.seek(0)
             rows = pq.ParquetFile(handle).metadata.num_rows
         except Exception as exc:  # reported as a finding, not raised: verify lists every problem
-            return "unreadable", f"{type(exc).__name__}: {exc}"
+            return "unreadable", _detail(what, f"{type(exc).__name__}: {exc}")
     if rows != num_docs:
-        return "rows", f"{rows} documents, the catalog says {num_docs}"
+        return "rows", _detail(what, f"{rows} documents, the catalog says {num_docs}")
     return "ok", ""
 
 
-def _file_problem(lake: Lake, path: str, num_bytes: int, checksum: str, what: str) -> tuple[str, str]:
-    """What is wrong with the file at ``path`` (``what``, in the detail) against its recorded size
-    and sha256, if anything."""
-    full = lake.path_of(path)
-    try:
-        size = lake.fs.size(full)
-    except FileNotFoundError:
-        return "missing", f"{what} does not exist"
-    if size != num_bytes:
-        return "size", f"{what} has {size_mismatch(size, num_bytes)}"
-    with lake.fs.open(full, "rb") as handle:
-        digest = sha256_of(handle)
-    if digest != checksum:
-        return "checksum", f"{what} has {sha256_mismatch(digest, checksum)}"
-    return "ok", ""
+def _detail(what: str | None, problem: str) -> str:
+    return problem if what is None else f"{what} has {problem}"
 
 
 def _media_problem(lake: Lake, path: str, num_bytes: int, checksum: str) -> tuple[str, str]:
@@ -62,7 +55,7 @@ def _media_problem(lake: Lake, path: str, num_bytes: int, checksum: str) -> tupl
 
 
 def _chunk_problem(lake: Lake, row: Any) -> tuple[str, str]:
-    found = _problem(lake, row.path, int(row.num_bytes), row.checksum, int(row.num_docs))
+    found = _file_problem(lake, row.path, int(row.num_bytes), row.checksum, num_docs=int(row.num_docs))
     if found[0] == "ok" and isinstance(row.media_checksum, str):
         return _media_problem(lake, row.path, int(row.media_bytes), row.media_checksum)
     return found
