@@ -6,7 +6,6 @@ never other pixels."""
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, NamedTuple
 
 import pyarrow as pa
@@ -21,7 +20,7 @@ from lakeloader.read.pages import (
     PAGE_DATA,
     ColumnChunk,
     DamagedBytes,
-    PageChecksumError,
+    check_crc,
     column_chunk,
     read_page_header,
 )
@@ -115,8 +114,7 @@ def _page_value(chunk_bytes: bytes, chunk: ColumnChunk) -> bytes | None:
     page = raw[start : start + header.compressed_page_size]
     if len(page) != header.compressed_page_size or start + len(page) != len(raw):
         raise DamagedBytes(f"row group {row}: its page does not fill its column chunk")
-    if header.crc is not None and zlib.crc32(page) != header.crc & 0xFFFFFFFF:
-        raise PageChecksumError(f"row group {row}: CRC checksum verification failed")
+    check_crc(header, page, 0)   # (the column chunk's one page)
     at = 4 + int.from_bytes(page[:4], "little") if chunk.max_definition_level else 0   # (the levels: one value)
     length = int.from_bytes(page[at : at + 4], "little")
     if at + 4 + length != len(page):

@@ -427,13 +427,19 @@ def _probed_header_at(handle: pa.NativeFile, chunk: ColumnChunk) -> Callable[[in
     return header_at
 
 
+def check_crc(header: PageHeader, raw: memoryview, ordinal: int) -> None:
+    """:class:`PageChecksumError` if page ``ordinal``'s stored bytes ``raw`` do not match the CRC-32
+    its ``header`` gives (a page stored without one is not checked)."""
+    if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
+        raise PageChecksumError(ordinal)
+
+
 def _page_values(page: _Page, raw: memoryview, decompress: Callable[[memoryview], bytes] | None, max_rep: int,
                  max_def: int) -> tuple[memoryview, int, int]:
     """(a page's decompressed bytes, where its values start, how many), from ``raw``, its bytes
     as stored: their CRC-32 checked."""
     header, page_header = page.header, page.data_page_header
-    if header.crc is not None and zlib.crc32(raw) != header.crc & 0xFFFFFFFF:
-        raise PageChecksumError(page.ordinal)
+    check_crc(header, raw, page.ordinal)
     body = raw
     if decompress is not None:
         try:
