@@ -1,5 +1,5 @@
-"""Chunk folders of replaced dataset plans, and documents index files no longer recorded (replaced
-by a compaction, or left by a killed build): listed by ``lakeloader status``, removed by ``lakeloader gc``.
+"""Chunk folders of replaced dataset plans (listed by ``lakeloader status``), and documents index files
+no longer recorded (replaced by a compaction, or left by a killed build): removed by ``lakeloader gc``.
 
 A dataset whose build settings change (tokenizer, format, fields or split size) gets a new
 chunk folder ``<dataset>/<settings fingerprint[:16]>``; the old folder is never read again but
@@ -47,7 +47,7 @@ def stale_chunk_folders(lake: LakeLocation, con: Any) -> pd.DataFrame:
                 continue
             sizes = [info["size"] for info in lake.fs.find(entry["name"], detail=True).values()]
             rows.append((name, folder, len(sizes), int(sum(sizes))))
-    return pd.DataFrame(rows, columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
+    return _stale_frame(rows)
 
 
 def stale_index_files(lake: LakeLocation, con: Any) -> pd.DataFrame:
@@ -56,7 +56,7 @@ def stale_index_files(lake: LakeLocation, con: Any) -> pd.DataFrame:
     killed before it committed them; one row each (``files`` 1), named by the dataset whose folder
     holds it where that is one of the lake's datasets."""
     if not con.execute(query("has_document_index")).fetchone()[0]:
-        return pd.DataFrame([], columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
+        return _stale_frame([])
     recorded = {path for (path,) in con.execute(query("document_index_paths")).fetchall()}
     names = {index_folder(name): name for (name,) in con.execute(query("dataset_plan_names")).fetchall()}
     folder = lake.path_of(INDEX_DIR).rstrip("/")
@@ -69,6 +69,10 @@ def stale_index_files(lake: LakeLocation, con: Any) -> pd.DataFrame:
         path = INDEX_DIR + full[len(folder):]
         if info.get("type") == "file" and path not in recorded:
             rows.append((names.get(path.rsplit("/", 1)[0], ""), path, 1, int(info["size"])))
+    return _stale_frame(rows)
+
+
+def _stale_frame(rows: list[tuple[str, str, int, int]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
 
 
