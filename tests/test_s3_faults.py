@@ -18,6 +18,7 @@ import aiohttp
 import boto3
 import botocore.exceptions
 import numpy as np
+import pyarrow as pa
 import pytest
 import yaml
 from moto.server import ThreadedMotoServer
@@ -25,6 +26,7 @@ from moto.server import ThreadedMotoServer
 from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.errors import StorageUnavailableError
 from lakeloader.feed.loader import Loader
+from lakeloader.ingest.document_index import DocumentIndexWriter
 from lakeloader.ingest.driver import build
 from lakeloader.storage import is_transient
 
@@ -146,6 +148,27 @@ def test_build_fails_clearly_after_the_deadline_and_resumes(tmp_path: Path, endp
     report = build(config, scheduler=dask_scheduler, progress=False)
     assert 0 < report.chunks_built < report.chunks_total  # resumed, committed chunks kept
     assert open_lake(config).sql("SELECT count(*) AS n FROM chunks WHERE status <> 'committed'").n[0] == 0
+
+
+def test_the_drivers_documents_index_files_survive_an_outage(tmp_path: Path, endpoint: Endpoint,
+                                                            dask_scheduler: str) -> None:
+    """The driver writes, lists and (to merge them) reads documents index files itself, beside its
+    chunk tasks: an outage then is retried like a chunk's, not raised into the build."""
+    config = s3_config(tmp_path, endpoint, "index", deadline=30)
+    build(config, scheduler=dask_scheduler, progress=False)
+    lake = open_lake(config)
+    rows = lake.sql("SELECT chunk, doc, num_tokens FROM documents ORDER BY chunk, doc LIMIT 50")
+    dataset = lake.sql("SELECT name FROM datasets").name[0]
+    index = DocumentIndexWriter(lake, writer=None)  # type: ignore[arg-type]  # the catalog is not touched here
+    table = pa.Table.from_pandas(rows, preserve_index=False)
+    endpoint.stop()
+    threading.Timer(2.0, endpoint.start).start()
+    written = index._write(dataset, [table], sorted(set(rows.chunk.tolist())), ordered=True)
+    endpoint.stop()
+    threading.Timer(2.0, endpoint.start).start()
+    assert index._read(dataset, written.path, written.checksum).equals(table)
+    assert any(entry["name"].endswith(written.path.rsplit("/", 1)[-1])
+               for entry in index._listing(written.path.rsplit("/", 1)[0]))
 
 
 def test_reader_retries_then_fails_clearly(tmp_path: Path, endpoint: Endpoint, dask_scheduler: str) -> None:

@@ -25,7 +25,7 @@ from lakeloader.catalog.stale import index_folder
 from lakeloader.catalog.store import CatalogWriter, IndexFile
 from lakeloader.contracts.chunk_file import ChunkResult, open_chunk
 from lakeloader.contracts.errors import CatalogIntegrityError
-from lakeloader.storage import write_atomically, write_failure
+from lakeloader.storage import with_retries, write_atomically, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class DocumentIndexWriter:
         path = f"{index_folder(dataset)}/{min(chunks, default=0)}-{max(chunks, default=0)}-{uuid.uuid4().hex[:12]}.parquet"
         url = self.lake.url_of(path)
         try:
-            write_atomically(url, data, self.lake.storage_options)
+            with_retries(lambda: write_atomically(url, data, self.lake.storage_options),
+                         what=f"writing a documents index file of dataset {dataset!r} ({url})",
+                         deadline=self.lake.io_retry_deadline)
         except OSError as exc:
             raise write_failure(f"a documents index file of dataset {dataset!r}", url, exc) from exc
         return IndexFile(path, dataset, chunks, len(table), len(data), hashlib.sha256(data).hexdigest())
@@ -93,10 +95,8 @@ class DocumentIndexWriter:
             sizes: dict[str, int] = {}
             for folder in sorted({path.rsplit("/", 1)[0] for path in files.path}):
                 self.lake.fs.invalidate_cache(self.lake.path_of(folder))
-                try:
-                    entries = self.lake.fs.ls(self.lake.path_of(folder), detail=True)
-                except FileNotFoundError:
-                    entries = []
+                entries = with_retries(lambda: self._listing(folder), deadline=self.lake.io_retry_deadline,
+                                       what=f"listing the documents index folder {self.lake.url_of(folder)}")
                 sizes.update({f"{folder}/{entry['name'].rstrip('/').rsplit('/', 1)[-1]}": int(entry["size"])
                               for entry in entries})
             lost = [row.path for row in files.itertuples(index=False) if sizes.get(row.path) != row.num_bytes]
@@ -104,6 +104,13 @@ class DocumentIndexWriter:
                 log.warning("dataset %r: %d documents index file(s) missing or damaged (%s); the documents view "
                             "reads their chunks' files", dataset, len(lost), self.lake.url_of(lost[0]))
                 self.writer.forget_index_files(lost)
+
+    def _listing(self, folder: str) -> list[dict]:
+        """The entries (with sizes) of the lake folder ``folder``; none if it does not exist."""
+        try:
+            return self.lake.fs.ls(self.lake.path_of(folder), detail=True)
+        except FileNotFoundError:
+            return []
 
     def compact(self, dataset: str, final: bool = False) -> int:
         """Merge ``dataset``'s small index files (under half ``COMPACT_DOCS`` documents), in
@@ -137,8 +144,8 @@ class DocumentIndexWriter:
     def _read(self, dataset: str, path: str, checksum: str) -> pa.Table:
         """The rows of index file ``path``, checked against its sha256 ``checksum`` (a damaged
         file is never merged into a new one)."""
-        with self.lake.fs.open(self.lake.path_of(path), "rb") as handle:
-            data = handle.read()
+        data = with_retries(lambda: self.lake.fs.cat_file(self.lake.path_of(path)), deadline=self.lake.io_retry_deadline,
+                            what=f"reading the documents index file {self.lake.url_of(path)}")
         if hashlib.sha256(data).hexdigest() != checksum:
             raise CatalogIntegrityError(
                 f"documents index file {self.lake.url_of(path)} of dataset {dataset!r} is not as the catalog "

@@ -37,7 +37,7 @@ from lakeloader.plan.planner import (
     with_planned_metadata,
 )
 from lakeloader.specs import evaluation_config, mixture_spec, packing_specs, plan_keys, token_weights
-from lakeloader.storage import write_atomically, write_failure
+from lakeloader.storage import with_retries, write_atomically, write_failure
 from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend, token_dtype, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,11 @@ class BuildReport:
 
 def _publish_tokenizer(lake: Lake, tokenizer_json: str, fingerprint: str) -> str:
     relative = f"{TOKENIZER_DIR}/{fingerprint[:16]}.json"
-    if not lake.fs.exists(lake.path_of(relative)):
-        write_atomically(lake.url_of(relative), tokenizer_json.encode(), lake.storage_options)
+    def publish() -> None:
+        if not lake.fs.exists(lake.path_of(relative)):
+            write_atomically(lake.url_of(relative), tokenizer_json.encode(), lake.storage_options)
+
+    with_retries(publish, what=f"writing the tokenizer file {lake.url_of(relative)}", deadline=lake.io_retry_deadline)
     return relative
 
 
