@@ -242,7 +242,7 @@ def test_gc_removes_the_index_files_a_compaction_replaced(
     """A compaction keeps the files it replaced (readers of earlier snapshots may read them);
     `lakeloader gc` lists and removes exactly those, and the view answers as before."""
     monkeypatch.setattr(document_index, "COMPACT_FILES", 3)
-    config = filtered_config(corpus, tmp_path)
+    config = filtered_config(corpus, tmp_path, publish_interval=0.001)   # every commit group published
     build(config, scheduler=dask_scheduler, progress=False)
     lake = open_lake(config)
     expected = lake.sql(EVERYTHING)
@@ -257,3 +257,23 @@ def test_gc_removes_the_index_files_a_compaction_replaced(
     assert {str(p.relative_to(Path(lake.path_of("_documents")).parent)) for p in Path(lake.path_of("_documents")).rglob("*") if p.is_file()} == recorded
     assert remove_stale(lake, dry_run=True).empty
     pd.testing.assert_frame_equal(open_lake(config).sql(EVERYTHING), expected)
+
+
+def test_index_files_no_snapshot_listed_are_deleted_when_replaced(
+        corpus: Corpus, built: Path, tmp_path: Path, dask_scheduler: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that publishes only at its end leaves no replaced index file behind: each was
+    written and merged before any snapshot could list it. The view answers as before."""
+    monkeypatch.setattr(document_index, "COMPACT_FILES", 3)
+    removed: list[str] = []
+    original = document_index.DocumentIndexWriter._remove_unpublished
+    monkeypatch.setattr(document_index.DocumentIndexWriter, "_remove_unpublished",
+                        lambda self, paths: (removed.extend(paths), original(self, paths))[1])
+    config = filtered_config(corpus, tmp_path, publish_interval=3600)
+    build(config, scheduler=dask_scheduler, progress=False)
+    lake = open_lake(config)
+    folder = Path(lake.path_of("_documents"))
+    on_disk = {str(p.relative_to(folder.parent)) for p in folder.rglob("*") if p.is_file()}
+    assert removed and not on_disk & set(removed)   # compactions ran, and what they replaced is gone
+    assert on_disk == set(lake.sql("SELECT path FROM document_index_files").path)
+    assert remove_stale(lake, dry_run=True).empty
+    pd.testing.assert_frame_equal(lake.sql(EVERYTHING), open_lake(built).sql(EVERYTHING))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from moto.server import ThreadedMotoServer
 
+from lakeloader.catalog.changes import ChangeLog
 from lakeloader.catalog.lake import open_lake
 from lakeloader.contracts.errors import StorageUnavailableError
 from lakeloader.feed.loader import Loader
@@ -159,7 +161,8 @@ def test_the_drivers_documents_index_files_survive_an_outage(tmp_path: Path, end
     lake = open_lake(config)
     rows = lake.sql("SELECT chunk, doc, num_tokens FROM documents ORDER BY chunk, doc LIMIT 50")
     dataset = lake.sql("SELECT name FROM datasets").name[0]
-    index = DocumentIndexWriter(lake, writer=None)  # type: ignore[arg-type]  # the catalog is not touched here
+    # The catalog is not touched here: a writer stand-in with nothing published.
+    index = DocumentIndexWriter(lake, writer=types.SimpleNamespace(changes=ChangeLog()))  # type: ignore[arg-type]
     table = pa.Table.from_pandas(rows, preserve_index=False)
     endpoint.stop()
     threading.Timer(2.0, endpoint.start).start()

@@ -53,6 +53,7 @@ class ChangeLog:
     base: int | None = None                    # the full snapshot that version adds its deltas to
     base_bytes: int = 0
     delta_bytes: int = 0                       # of the deltas published on that base
+    publishes: int = 0                         # publishes begun by this writer (each may have landed)
 
     def statement(self, name: str) -> None:
         """Note that statement ``name`` of catalog/queries.sql ran: one not listed as keyed, whole
@@ -67,8 +68,9 @@ class ChangeLog:
                 self.keys.setdefault(dataset, set()).add(int(global_index))
 
     def take(self) -> dict[str, set[int]] | None:
-        """The changes recorded so far, recording afresh from now on (a publish that fails calls
-        :meth:`lost`)."""
+        """The changes recorded so far, recording afresh from now on: a publish begins (one that
+        fails calls :meth:`lost`)."""
+        self.publishes += 1
         keys = self.keys
         if keys is not None:
             self.keys = {}

@@ -6,7 +6,9 @@ The files hold what the ``documents`` view shows of a document but its tokens (t
 ``contracts.chunk_file.document_rows``), sorted by chunk and document, with row-group statistics
 and page checksums; the catalog records each with its size and sha256 (``document_index_files``)
 and which file holds each chunk's rows (``document_index_chunks``), committed with the chunks.
-Replaced files stay in the lake: readers of older snapshots may still read them.
+Replaced files stay in the lake for readers of older snapshots (``gc`` removes them later), but
+for those no snapshot ever listed: written and replaced between two publishes, they are deleted
+at once.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class DocumentIndexWriter:
     def __init__(self, lake: Lake, writer: CatalogWriter) -> None:
         self.lake = lake
         self.writer = writer
+        # The files this writer wrote, each with the count of publishes begun before it was written:
+        # one replaced before another publish began was never published, so no reader can need it.
+        self._written: dict[str, int] = {}
 
     def _write(self, dataset: str, tables: Sequence[pa.Table], chunks: list[int], ordered: bool = False) -> IndexFile:
         """An index file of ``dataset`` holding the rows ``tables`` of ``chunks`` (some may have
@@ -68,6 +73,7 @@ class DocumentIndexWriter:
                          deadline=self.lake.io_retry_deadline)
         except OSError as exc:
             raise write_failure(f"a documents index file of dataset {dataset!r}", url, exc) from exc
+        self._written[path] = self.writer.changes.publishes
         return IndexFile(path, dataset, chunks, len(table), len(data), hashlib.sha256(data).hexdigest())
 
     def write(self, results: Sequence[ChunkResult]) -> list[IndexFile]:
@@ -137,9 +143,19 @@ class DocumentIndexWriter:
             new = self._write(dataset, [self._read(dataset, path, checksum) for path, checksum in group],
                               self.writer.index_file_chunks(paths))
             self.writer.replace_index_files(paths, new)
+            self._remove_unpublished(paths)
             merged += len(group)
         log.info("documents index of dataset %r: %d files merged", dataset, merged)
         return merged
+
+    def _remove_unpublished(self, paths: Sequence[str]) -> None:
+        """Delete the replaced index files ``paths`` that no snapshot listed (written by this writer
+        after the last publish began); the others wait for ``gc``."""
+        publishes = self.writer.changes.publishes
+        for path in paths:
+            if self._written.pop(path, None) == publishes:
+                with_retries(lambda: self.lake.fs.rm_file(self.lake.path_of(path)), deadline=self.lake.io_retry_deadline,
+                             what=f"removing the unpublished documents index file {self.lake.url_of(path)}")
 
     def _read(self, dataset: str, path: str, checksum: str) -> pa.Table:
         """The rows of index file ``path``, checked against its sha256 ``checksum`` (a damaged

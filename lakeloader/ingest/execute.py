@@ -131,9 +131,6 @@ def run_tasks(run: BuildRun, batch: TaskBatch) -> str:
             run.writer.set_build_cluster(run.build_id, workers=len(client.nthreads()), dashboard=dashboard)
             _plan_committed(client, run, batch.packing, batch.unplanned)
             _tokenize(client, run, batch, dashboard)
-            index = DocumentIndexWriter(run.lake, run.writer)
-            for name in batch.names:   # a few large files for the published lake
-                index.compact(name, final=True)
         except Exception as exc:
             if _lost_scheduler(client, exc):
                 raise _scheduler_lost(run, scheduler_address(client, run.scheduler)) from None
@@ -240,7 +237,7 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
     """Run the pending chunks' tasks, committing each group of results at hand (gathered in one
     call, committed in one transaction: never waiting for more), with a progress bar; the chunks
     of filtered datasets are evaluated (selection tasks) once their source chunk is committed, and
-    committed as they finish."""
+    committed as they finish. Then each dataset's documents index is merged into a few files."""
     threads = max(1, sum(client.nthreads().values()))
     scheduler = _Scheduler(client, batch.chunk_tasks(run.config, run.lake, run.tokenizer_url),
                            window=2 * threads + 2)
@@ -272,6 +269,8 @@ def _tokenize(client: Client, run: BuildRun, batch: TaskBatch, dashboard: str) -
         bar.close()
     if selected:
         log.info("evaluated %d chunk selections of filtered datasets", selected)
+    for name in batch.names:   # a few large files for the published lake
+        committer.index.compact(name, final=True)
 
 
 def _plan_committed(client: Client, run: BuildRun, packing: dict[str, PackingSpec],
