@@ -13,7 +13,11 @@ Alternating, ``REPEATS`` times each, median:
   then ``Image.open(...).load()`` (verify cannot load, so a checker that also measures the decoded
   size does both), the least a build that checks every image must do.
 
-Also the stored bytes (media files) next to the images' bytes in the sources, and the load average.
+Each repeat also builds the corpus with the build's end's rewrite of the media files left out (each
+image stored once per chunk, not once per dataset: ``ingest/media_dedup.py``), alternating which
+goes first: the build time with the rewrite over without it, and the bytes of the lake's current
+media files of each. Also the stored bytes (media files) next to the images' bytes in the sources,
+and the load average.
 
     .venv/bin/python benchmarks/image_build.py
 """
@@ -25,6 +29,8 @@ import os
 import shutil
 import statistics
 import time
+from pathlib import Path
+from unittest import mock
 
 import pyarrow.parquet as pq
 import yaml
@@ -33,6 +39,7 @@ from distributed import LocalCluster
 from PIL import Image
 
 from lakeloader.catalog.lake import open_lake
+from lakeloader.contracts.media import media_path
 from lakeloader.demo.images import write_image_corpus
 from lakeloader.ingest.cluster import WORKER_ENV
 from lakeloader.ingest.driver import build
@@ -50,6 +57,27 @@ def pillow_loop(images: list[bytes]) -> float:
     return time.perf_counter() - started
 
 
+def current_media(config: Path) -> list[Path]:
+    """The media files the lake's catalog reads (each chunk's, or the one its build's end rewrote)."""
+    lake = Path(yaml.safe_load(config.read_text())["lake"])
+    rows = open_lake(config).sql("SELECT c.path, m.path AS deduped FROM chunks c LEFT JOIN media_files m "
+                                 "ON m.dataset = c.dataset AND m.global_index = c.global_index "
+                                 "WHERE c.media_checksum IS NOT NULL")
+    return [lake / (deduped if isinstance(deduped, str) else media_path(chunk))
+            for chunk, deduped in zip(rows.path, rows.deduped)]
+
+
+def timed_build(config: Path, scheduler: str, rewrite: bool) -> float:
+    """Seconds of a build of ``config`` (``rewrite``: with the rewrite of the media files at its end)."""
+    started = time.perf_counter()
+    if rewrite:
+        build(config, scheduler=scheduler, progress=False)
+    else:
+        with mock.patch("lakeloader.ingest.driver.dedup_media"):
+            build(config, scheduler=scheduler, progress=False)
+    return time.perf_counter() - started
+
+
 def main() -> None:
     root = OUT / "image-bench"
     shutil.rmtree(root, ignore_errors=True)
@@ -57,18 +85,18 @@ def main() -> None:
     stored = {"images": "stored", "image_tokens": 16, "max_images": 8}
     datasets = {form: {"sources": [str(p) for p in paths], "format": "interleaved", "interleaved": stored}
                 for form, paths in sources.items()}
-    config = root / "images.yaml"
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=WORKER_ENV) as cluster:
-        builds, loops, occurrences, task_seconds = [], [], [], []
+        builds, unrewritten, loops, occurrences, task_seconds = [], [], [], [], []
         for repeat in range(REPEATS):
-            lake = root / "lake"
-            shutil.rmtree(lake, ignore_errors=True)
-            config.write_text(yaml.safe_dump({"lake": str(lake), "tokenizer": str(TOKENIZER), "datasets": datasets,
-                                              "build": {"split_size": "1MB"}}))
-            started = time.perf_counter()
-            build(config, scheduler=cluster.scheduler_address, progress=False)
-            builds.append(time.perf_counter() - started)
+            for rewrite in ((True, False) if repeat % 2 == 0 else (False, True)):
+                config = root / ("images.yaml" if rewrite else "unrewritten.yaml")
+                lake = root / ("lake" if rewrite else "lake-unrewritten")
+                shutil.rmtree(lake, ignore_errors=True)
+                config.write_text(yaml.safe_dump({"lake": str(lake), "tokenizer": str(TOKENIZER), "datasets": datasets,
+                                                  "build": {"split_size": "1MB"}}))
+                (builds if rewrite else unrewritten).append(timed_build(config, cluster.scheduler_address, rewrite))
+            config = root / "images.yaml"
             task_seconds.append(float(open_lake(config).sql("SELECT sum(seconds) AS s FROM chunks").s[0]))
             if not occurrences:   # the bytes of every image occurrence, as the sources hold them
                 ids = open_lake(config).sql("SELECT image_id FROM images ORDER BY ALL").image_id.tolist()
@@ -78,8 +106,9 @@ def main() -> None:
                     by_id.update(zip(table.column("image_id").to_pylist(), table.column("bytes").to_pylist()))
                 occurrences = [by_id[key] for key in ids]
             loops.append(pillow_loop(occurrences))
-    media_files = list((root / "lake").rglob("*.media.parquet"))
+    media_files = current_media(root / "images.yaml")
     media = sum(p.stat().st_size for p in media_files)
+    media_unrewritten = sum(p.stat().st_size for p in current_media(root / "unrewritten.yaml"))
     stored_rows = sum(pq.ParquetFile(p).metadata.num_rows for p in media_files)
     stored_images = sum(sum(map(len, pq.read_table(p, columns=["bytes"]).column("bytes").to_pylist()))
                         for p in media_files)
@@ -95,7 +124,11 @@ def main() -> None:
         "build seconds (median)": statistics.median(builds), "Pillow loop seconds (median)": statistics.median(loops),
         "source files' bytes (tars, Parquet, JSONL)": source_files,
         "image bytes of the sources' occurrences": source_bytes,
-        "media files' bytes": media, "media files / image occurrences' bytes": media / source_bytes,
+        "build seconds without the media rewrite (median)": statistics.median(unrewritten),
+        "build with / without the media rewrite": statistics.median(builds) / statistics.median(unrewritten),
+        "media files' bytes without the rewrite (each image once per chunk)": media_unrewritten,
+        "media files' bytes (each image once per dataset)": media, "with / without the rewrite": media / media_unrewritten,
+        "media files / image occurrences' bytes": media / source_bytes,
         "images stored (media rows)": stored_rows,
         "media overhead per stored image (bytes)": (media - stored_images) / max(stored_rows, 1),
         "load average (1 min)": os.getloadavg()[0],

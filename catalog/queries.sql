@@ -21,6 +21,7 @@ DELETE FROM document_index_chunks WHERE dataset = $name;
 DELETE FROM document_index_files WHERE dataset = $name;
 DELETE FROM selections WHERE dataset = $name;
 DELETE FROM chunk_images WHERE dataset = $name;
+DELETE FROM media_files WHERE dataset = $name;
 DELETE FROM row_groups WHERE dataset = $name;
 DELETE FROM chunk_examples WHERE dataset = $name;
 DELETE FROM packing_plans WHERE dataset = $name;
@@ -56,10 +57,12 @@ ORDER BY recorded_at DESC, definition;
 SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
        c.split_kind, c.split_start, c.split_stop, c.first_row,
        s.source, s.layout, s.compression, s.source_raw, c.num_bytes, c.checksum,
-       coalesce(d.encoder, '') AS encoder, c.media_bytes, c.media_checksum
+       coalesce(d.encoder, '') AS encoder, c.media_bytes, c.media_checksum,
+       m.path AS deduped_path, m.num_bytes AS deduped_bytes, m.checksum AS deduped_checksum
 FROM chunks c
 JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
+LEFT JOIN media_files m ON m.dataset = c.dataset AND m.global_index = c.global_index
 WHERE (c.status = 'committed') = $committed AND list_contains($datasets, c.dataset)
 ORDER BY c.global_index, list_position($datasets, c.dataset);
 
@@ -529,10 +532,13 @@ GROUP BY d.name, d.num_rejects, p.source_dataset, p.selection ORDER BY d.name;
 
 -- name: committed_chunk_files
 -- (Chunks of datasets defined by a filter are their source's files, checked as the source's.)
-SELECT dataset, global_index, path, num_bytes, checksum, num_docs, media_bytes, media_checksum FROM chunks
-WHERE status = 'committed'
-  AND dataset NOT IN (SELECT name FROM dataset_plans WHERE source_dataset IS NOT NULL)
-ORDER BY dataset, global_index;
+-- (A chunk whose media file a build's end rewrote is checked by that file, deduped_*.)
+SELECT c.dataset, c.global_index, c.path, c.num_bytes, c.checksum, c.num_docs, c.media_bytes, c.media_checksum,
+       m.path AS deduped_path, m.num_bytes AS deduped_bytes, m.checksum AS deduped_checksum
+FROM chunks c LEFT JOIN media_files m ON m.dataset = c.dataset AND m.global_index = c.global_index
+WHERE c.status = 'committed'
+  AND c.dataset NOT IN (SELECT name FROM dataset_plans WHERE source_dataset IS NOT NULL)
+ORDER BY c.dataset, c.global_index;
 
 -- name: tokenizer_path
 SELECT tokenizer_path FROM dataset_plans WHERE list_contains($datasets, name) LIMIT 1;
@@ -839,3 +845,57 @@ INSERT INTO {table} BY NAME FROM delta_rows;
 -- Width and height of every image occurrence of a dataset's committed chunks (the audit's image
 -- tokens, counted under the config's resolution).
 SELECT width, height FROM images WHERE dataset = $name;
+
+-- name: media_rewrites
+-- The committed chunks of dataset $name whose media file (their own: no media_files row) holds
+-- images that a lower chunk holds too, with the ids of the images they are the lowest chunk of
+-- (keep), to rewrite without the others (ingest/media_dedup.py).
+WITH owners AS (
+    SELECT image_id, min(global_index) AS owner FROM chunk_images WHERE dataset = $name GROUP BY image_id
+), held AS (
+    SELECT DISTINCT i.global_index, i.image_id, o.owner
+    FROM chunk_images i JOIN owners o ON o.image_id = i.image_id
+    WHERE i.dataset = $name
+)
+SELECT c.global_index, c.path, c.media_bytes, c.media_checksum,
+       coalesce(list(h.image_id ORDER BY h.image_id) FILTER (WHERE h.owner = c.global_index), []::VARCHAR[]) AS keep
+FROM chunks c JOIN held h ON h.global_index = c.global_index
+WHERE c.dataset = $name AND c.status = 'committed' AND c.media_checksum IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM media_files m WHERE m.dataset = c.dataset AND m.global_index = c.global_index)
+GROUP BY c.global_index, c.path, c.media_bytes, c.media_checksum
+HAVING bool_or(h.owner < c.global_index)
+ORDER BY c.global_index;
+
+-- name: insert_media_files
+INSERT OR REPLACE INTO media_files
+SELECT $dataset, unnest($global_index), unnest($path), unnest($num_images), unnest($num_bytes), unnest($checksum);
+
+-- name: forget_media_files
+-- (Chunks $global_index of $dataset read their own media files again.)
+DELETE FROM media_files WHERE dataset = $dataset AND list_contains($global_index, global_index);
+
+-- name: deduped_media_files
+-- Each chunk file whose media file a build's end rewrote, and that file.
+SELECT c.path, m.path FROM media_files m
+JOIN chunks c ON c.dataset = m.dataset AND c.global_index = m.global_index;
+
+-- name: image_home
+-- The lowest chunk holding image $image_id in the dataset(s) of chunk file $chunk_path: its chunk
+-- file and its rewritten media file (NULL: its own media file holds its images).
+SELECT c.path, m.path FROM chunk_images i
+JOIN chunks c ON c.dataset = i.dataset AND c.global_index = i.global_index
+LEFT JOIN media_files m ON m.dataset = i.dataset AND m.global_index = i.global_index
+WHERE i.image_id = $image_id AND i.dataset IN (SELECT dataset FROM chunks WHERE path = $chunk_path)
+ORDER BY i.global_index LIMIT 1;
+
+-- name: media_file_paths
+-- The chunk file of every committed chunk storing images, and its rewritten media file (or NULL).
+SELECT c.dataset, c.path, m.path FROM chunks c
+LEFT JOIN media_files m ON m.dataset = c.dataset AND m.global_index = c.global_index
+WHERE c.media_checksum IS NOT NULL AND c.status = 'committed';
+
+-- name: has_media_files
+-- Whether the catalog has the media_files table (a catalog written before it has none).
+SELECT count(*) > 0 FROM (SELECT table_name AS name, database_name FROM duckdb_tables()
+                          UNION ALL SELECT view_name, database_name FROM duckdb_views())
+WHERE database_name = current_database() AND name = 'media_files';

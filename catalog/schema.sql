@@ -125,6 +125,20 @@ CREATE TABLE IF NOT EXISTS chunk_images (
     PRIMARY KEY (dataset, global_index, doc, image)
 );
 
+-- Media files rewritten by a build's end (ingest/media_dedup.py): a chunk's media file without the
+-- images a lower chunk of its dataset holds, so each image is stored once per dataset. An image's
+-- home is the media file of the lowest chunk holding it (chunk_images): that chunk's row here,
+-- else its <chunk>.media.parquet. A chunk without a row reads its own <chunk>.media.parquet.
+CREATE TABLE IF NOT EXISTS media_files (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,
+    path         VARCHAR NOT NULL,         -- relative to the lake root (contracts/media.py deduped_media_path)
+    num_images   INTEGER NOT NULL,         -- the images it holds
+    num_bytes    BIGINT NOT NULL,
+    checksum     VARCHAR NOT NULL,         -- sha256
+    PRIMARY KEY (dataset, global_index)
+);
+
 -- Row groups of committed chunks: readers seek to a token without opening other row groups.
 CREATE TABLE IF NOT EXISTS row_groups (
     dataset      VARCHAR NOT NULL,

@@ -21,14 +21,15 @@ import dataclasses
 from collections.abc import Iterable
 
 KEYED_TABLES = ("chunks", "row_groups", "chunk_images", "selections", "chunk_examples", "rejects",
-                "document_index_chunks")
+                "document_index_chunks", "media_files")
 STATIC_TABLES = ("shard_plans",)
 # Statements that change keyed tables only for the chunks their caller records (CatalogWriter.commit,
 # commit_plans).
 KEYED_STATEMENTS = frozenset({
     "commit_chunk", "commit_batch_chunks", "commit_batch_row_groups", "commit_batch_images", "commit_batch_examples",
     "commit_batch_missing_examples", "commit_batch_selections", "commit_batch_rejects", "insert_chunk_examples",
-    "insert_document_index_chunks", "move_document_index_chunks", "forget_document_index_chunks"})
+    "insert_document_index_chunks", "move_document_index_chunks", "forget_document_index_chunks",
+    "insert_media_files", "forget_media_files"})
 # Statements that change whole tables only.
 WHOLE_STATEMENTS = frozenset({
     "set_on_error", "record_definition", "insert_packing_plan", "touch_mixture", "insert_mixture",
@@ -40,7 +41,7 @@ READ_STATEMENTS = frozenset({
     "dataset_plan", "chunk_count", "chunk_folders", "chunk_tasks", "chunks_without_plan",
     "datasets_without_documents", "filtered_datasets", "pending_selections", "reader_dataset", "built_plan_files",
     "built_plan_chunks", "committed_among", "document_index_files_of_dataset", "document_index_chunks_of",
-    "document_index_chunk_keys"})
+    "document_index_chunk_keys", "media_rewrites"})
 
 
 @dataclasses.dataclass

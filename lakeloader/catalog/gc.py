@@ -1,5 +1,5 @@
-"""``lakeloader gc``: remove the stale chunk folders of replaced dataset plans and the documents index
-files no longer recorded, never while a build runs."""
+"""``lakeloader gc``: remove the stale chunk folders of replaced dataset plans, the documents index
+files no longer recorded and the media files no longer read, never while a build runs."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def _hold_catalog(lake: Lake) -> duckdb.DuckDBPyConnection | None:
 
 
 def remove_stale(lake: Lake, *, dry_run: bool = False) -> pd.DataFrame:
-    """Remove the lake's stale chunk folders and documents index files (see :func:`stale_paths`)
-    and return them.
+    """Remove the lake's stale chunk folders, documents index files and media files (see
+    :func:`stale_paths`) and return them.
 
     Refuses while a build holds the catalog, and holds a local lake's catalog lock meanwhile so
     that no build starts. Never touches the folders of the plans in force; a reader still on a

@@ -1,5 +1,6 @@
-"""Chunk folders of replaced dataset plans (listed by ``lakeloader status``), and documents index files
-no longer recorded (replaced by a compaction, or left by a killed build): removed by ``lakeloader gc``.
+"""Chunk folders of replaced dataset plans (listed by ``lakeloader status``), documents index files
+no longer recorded (replaced by a compaction, or left by a killed build), and media files no longer
+read (replaced by a build's end rewriting them, see ingest/media_dedup.py): removed by ``lakeloader gc``.
 
 A dataset whose build settings change (tokenizer, format, fields or split size) gets a new
 chunk folder ``<dataset>/<settings fingerprint[:16]>``; the old folder is never read again but
@@ -10,6 +11,7 @@ are named per source file, and those of a removed file are not listed here.)
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import re
 from typing import Any
 
@@ -17,9 +19,11 @@ import pandas as pd
 
 from lakeloader.catalog.location import LakeLocation
 from lakeloader.catalog.sql import query
+from lakeloader.contracts.media import media_path
 
 STALE_COLUMNS = ["dataset", "folder", "files", "bytes"]
 _FINGERPRINT_FOLDER = re.compile(r"^[0-9a-f]{16}$")
+_DEDUPED_MEDIA = re.compile(r"\.media\.[0-9a-f]{16}\.parquet$")   # contracts/media.py deduped_media_path
 INDEX_DIR = "_documents"   # documents index files: <INDEX_DIR>/<index_folder digest>/<file>.parquet
 
 
@@ -72,11 +76,35 @@ def stale_index_files(lake: LakeLocation, con: Any) -> pd.DataFrame:
     return _stale_frame(rows)
 
 
+def stale_media_files(lake: LakeLocation, con: Any) -> pd.DataFrame:
+    """Media files in the folders of committed chunks storing images that the catalog (``con``)
+    reads none of: a chunk's own media file once a build's end rewrote it (kept for readers of
+    earlier snapshots until ``gc``), and rewritten ones no longer recorded (of a re-plan, or of a
+    build killed before it recorded them); one row each (``files`` 1)."""
+    if not con.execute(query("has_media_files")).fetchone()[0]:
+        return _stale_frame([])
+    rows = con.execute(query("media_file_paths")).fetchall()
+    read = {deduped or media_path(chunk) for _, chunk, deduped in rows}
+    replaced = {media_path(chunk) for _, chunk, deduped in rows if deduped}
+    folders: dict[str, str] = {posixpath.dirname(chunk): dataset for dataset, chunk, _ in rows}
+    found = []
+    for folder, dataset in sorted(folders.items()):
+        try:
+            entries = lake.fs.ls(lake.path_of(folder), detail=True)
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            path = f"{folder}/{entry['name'].rstrip('/').rsplit('/', 1)[-1]}"
+            if entry["type"] == "file" and path not in read and (path in replaced or _DEDUPED_MEDIA.search(path)):
+                found.append((dataset, path, 1, int(entry["size"])))
+    return _stale_frame(found)
+
+
 def _stale_frame(rows: list[tuple[str, str, int, int]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=STALE_COLUMNS).astype({"files": "int64", "bytes": "int64"})
 
 
 def stale_paths(lake: LakeLocation, con: Any) -> pd.DataFrame:
     """What ``lakeloader gc`` removes: the stale chunk folders, then the stale documents index files."""
-    frames = [stale_chunk_folders(lake, con), stale_index_files(lake, con)]
-    return pd.concat(frames, ignore_index=True) if len(frames[1]) else frames[0]
+    frames = [stale_chunk_folders(lake, con), stale_index_files(lake, con), stale_media_files(lake, con)]
+    return pd.concat([frame for frame in frames if len(frame)] or frames[:1], ignore_index=True)

@@ -49,7 +49,7 @@ _COLUMN = re.compile(r"^\s*(\w+)\s+[A-Z]")
 _CONSTRAINTS = {"PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT"}
 # Tables a catalog written before them lacks, read as empty (their CREATE TABLE of schema.sql run
 # in the reader's own in-memory database): views of views.sql read them.
-_LATER_TABLES = ("chunk_images",)
+_LATER_TABLES = ("chunk_images", "media_files")
 _ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
@@ -515,6 +515,19 @@ class IndexFile:
                 "num_bytes": self.num_bytes, "checksum": self.checksum}
 
 
+@dataclasses.dataclass(frozen=True)
+class MediaFile:
+    """A chunk's media file rewritten without the images a lower chunk holds: its lake-relative
+    path, its chunk, the images it holds, its size and sha256 (a row of ``media_files``)."""
+
+    dataset: str
+    global_index: int
+    path: str
+    num_images: int
+    num_bytes: int
+    checksum: str
+
+
 class CatalogWriter:
     """The single read-write connection of a build; every write happens in one transaction."""
 
@@ -853,6 +866,31 @@ class CatalogWriter:
             self.changes.chunks(self._run("document_index_chunk_keys", {"paths": list(paths)}).fetchall())
             self._run("forget_document_index_chunks", {"paths": list(paths)})
             self._run("drop_document_index_files", {"paths": list(paths)})
+
+    def media_rewrites(self, dataset: str) -> pd.DataFrame:
+        """The committed chunks of ``dataset`` whose own media file holds images a lower chunk holds
+        too: global_index, path, media_bytes, media_checksum and ``keep`` (the ids of the images
+        they are the lowest chunk of)."""
+        return self._run("media_rewrites", {"name": dataset}).df()
+
+    def record_media_files(self, files: Sequence[MediaFile]) -> None:
+        """Record the rewritten media files ``files`` (one transaction; the files they replace stay
+        in the lake for readers of older snapshots)."""
+        for dataset in sorted({file.dataset for file in files}):
+            mine = [file for file in files if file.dataset == dataset]
+            self.changes.chunks((dataset, file.global_index) for file in mine)
+            with self.transaction():
+                self._run("insert_media_files", {
+                    "dataset": dataset, "global_index": [f.global_index for f in mine], "path": [f.path for f in mine],
+                    "num_images": [f.num_images for f in mine], "num_bytes": [f.num_bytes for f in mine],
+                    "checksum": [f.checksum for f in mine]})
+
+    def forget_media_files(self, dataset: str, global_indices: Sequence[int]) -> None:
+        """Forget the rewritten media files of chunks ``global_indices`` of ``dataset``: they read
+        their own media files again (until the next build's end rewrites them)."""
+        self.changes.chunks((dataset, index) for index in global_indices)
+        with self.transaction():
+            self._run("forget_media_files", {"dataset": dataset, "global_index": [int(i) for i in global_indices]})
 
     def commit(self, results: Sequence[ChunkResult], build_id: int, index_files: Sequence[IndexFile] = ()) -> int:
         """Commit finished chunks with their row groups, images, packing counts, selections, rejects

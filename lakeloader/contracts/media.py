@@ -6,7 +6,10 @@ file with one row per distinct image of the chunk, in order of first use, one ro
 (so reading one image is one ranged read of its ``bytes`` column chunk), no dictionary, no
 compression of the bytes (they are compressed already), page checksums. An image is addressed by
 its **image id**, the sha256 of its original bytes (:func:`image_id`): the same image used twice in
-a chunk is stored once. The chunk file's ``part_refs`` column holds an image part's id; its
+a chunk is stored once. At a build's end each chunk holding images that a lower chunk of its dataset
+holds too gets a **deduplicated media file** (:func:`deduped_media_path`, recorded in the catalog's
+``media_files``): its media file without those images, so each image is stored once per dataset.
+An image's home is then the media file of the lowest chunk holding it. The chunk file's ``part_refs`` column holds an image part's id; its
 ``part_widths`` and ``part_heights`` columns hold the image's size after EXIF orientation (0 for a
 text part), so packing and seeks are planned from the chunk file without reading a pixel.
 """
@@ -49,3 +52,9 @@ def media_path(chunk_path: str) -> str:
     if not chunk_path.endswith(".parquet"):
         raise ValueError(f"chunk path {chunk_path!r} does not end in .parquet")
     return chunk_path[: -len(".parquet")] + MEDIA_SUFFIX
+
+
+def deduped_media_path(chunk_path: str, checksum: str) -> str:
+    """The deduplicated media file of the chunk file at ``chunk_path`` whose sha256 is ``checksum``
+    (named by its content, so rewriting it again gives the same name)."""
+    return media_path(chunk_path)[: -len(".parquet")] + f".{checksum[:16]}.parquet"

@@ -116,7 +116,7 @@ class Loader:
         self.view = CatalogView(self.lake, config.io_retry_deadline, live=catalog)
         self.files = ChunkFiles(self.lake, loader.verify, loader.cache_bytes, loader.disk_cache_bytes,
                                 config.io_retry_deadline, view=self.view)
-        self.media = MediaFiles(self.lake, config.io_retry_deadline)
+        self.media = MediaFiles(self.lake, config.io_retry_deadline, self.view)
         self.dataset_names = names = settings.names
         self.view.check_own_plans(config, names)   # the lake's plan of each name is this config's definition
         self.tokenizer = self.lake.tokenizer_at(self.view.tokenizer_path(names), names)

@@ -26,6 +26,7 @@ from lakeloader.contracts import VERSION
 from lakeloader.contracts.errors import BuildInterrupted, LakeloaderError, LakeWriteError, SourceError
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.ingest.execute import BuildRun, Totals, run_tasks
+from lakeloader.ingest.media_dedup import dedup_media
 from lakeloader.ingest.tasks import TaskBatch, choose_tasks
 from lakeloader.ingest.writer_catalog import prepare_writer_catalog, publish
 from lakeloader.plan.growth import grown_plan
@@ -241,6 +242,7 @@ def _run_recorded(run: BuildRun, batch: TaskBatch, started: float) -> tuple[str,
     try:
         if batch.has_work:
             dashboard = run_tasks(run, batch)
+        dedup_media(run.lake, run.writer, batch.names)   # every chunk committed: each image stored once
         _check_documents(run.writer, batch.names, run.config)
         status = "succeeded"
     except BaseException as exc:

@@ -7,16 +7,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from lakeloader.contracts.formats import Document, Part
-from lakeloader.contracts.media import MEDIA_SCHEMA, image_id
+from lakeloader.contracts.media import MEDIA_ID_COLUMN, MEDIA_SCHEMA, image_id
 from lakeloader.images import BadImage, ImageInfo, inspect_image
 from lakeloader.storage import is_transient
 
@@ -154,11 +155,23 @@ def encode_media_file(images: StoredImages) -> bytes:
     """The media file of a chunk's ``images`` (``contracts/media.py``): a row and a row group per
     distinct image in order of first use, bytes uncompressed, no dictionary, page checksums;
     deterministic in its inputs."""
-    table = pa.table([
+    return _encode_media_table(pa.table([
         pa.array(images.ids, pa.string()), pa.array(images.data, pa.binary()),
         pa.array([i.width for i in images.infos], pa.int32()), pa.array([i.height for i in images.infos], pa.int32()),
         pa.array([i.format for i in images.infos], pa.string()), pa.array([i.mode for i in images.infos], pa.string()),
-    ], schema=MEDIA_SCHEMA)
+    ], schema=MEDIA_SCHEMA))
+
+
+def keep_images(data: bytes, keep: Collection[str]) -> tuple[bytes, int]:
+    """The media file ``data`` without the images not in ``keep`` (ids), the others in their order,
+    written as :func:`encode_media_file` writes (so a file rewritten twice is the same bytes); and
+    how many images it holds."""
+    table = pq.read_table(pa.BufferReader(data), use_threads=False)
+    kept = table.filter(pc.is_in(table.column(MEDIA_ID_COLUMN), pa.array(sorted(keep), pa.string())))
+    return _encode_media_table(pa.table(kept.columns, schema=MEDIA_SCHEMA)), kept.num_rows
+
+
+def _encode_media_table(table: pa.Table) -> bytes:
     sink = io.BytesIO()
     with pq.ParquetWriter(sink, MEDIA_SCHEMA, compression="none", use_dictionary=False, write_statistics=False,
                           store_schema=True, write_page_checksum=True) as writer:

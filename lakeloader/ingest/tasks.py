@@ -166,9 +166,17 @@ def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folde
         sizes.update(_chunk_file_sizes(lake, folder))
     wanted = set(requested)
     rows = []
+    lost: dict[str, list[int]] = {}
     for row in committed.itertuples(index=False):
         size = sizes.get(row.path)
         has_media = isinstance(row.media_checksum, str)
+        deduped = isinstance(row.deduped_checksum, str)
+        if deduped and (sizes.get(row.deduped_path) != row.deduped_bytes or (row.dataset, int(row.global_index)) in wanted):
+            # Forgotten, and rewritten at the build's end; until then the chunk reads its own media
+            # file, which is checked below (gc may have removed it).
+            lost.setdefault(row.dataset, []).append(int(row.global_index))
+            deduped = False
+        has_media = has_media and not deduped   # (a rewritten one's own media file is not read)
         media = sizes.get(media_path(row.path)) if has_media else None
         if size is None:
             problem = "its file is missing"
@@ -185,6 +193,11 @@ def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folde
         log.warning("chunk %d of dataset %r (%s): %s; rebuilding it", row.global_index, row.dataset,
                     lake.url_of(row.path), problem)
         rows.append(row)
+    for dataset, indices in lost.items():
+        log.warning("dataset %r: %d rewritten media file(s) missing, damaged or to repair (chunk %d, say); "
+                    "their chunks read their own media files until this build's end rewrites them", dataset,
+                    len(indices), indices[0])
+        writer.forget_media_files(dataset, indices)
     return pd.DataFrame(rows, columns=committed.columns)
 
 

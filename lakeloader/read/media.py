@@ -15,6 +15,7 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.contracts.chunk_file import open_chunk
 from lakeloader.contracts.errors import ChunkIntegrityError
 from lakeloader.contracts.media import MEDIA_BYTES_COLUMN, MEDIA_ID_COLUMN, image_id, media_path
+from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.lru import LRU
 from lakeloader.read.pages import (
     PAGE_DATA,
@@ -27,24 +28,71 @@ from lakeloader.read.pages import (
 from lakeloader.storage import with_retries
 
 FOOTERS_KEPT = 256   # media files whose footer and id -> row group map are kept
+HOMES_KEPT = 1 << 16   # images whose media file (not their chunk's) is kept
+
+
+class _NotHeld(LookupError):
+    """The media file read holds no such image (its chunk's rewritten file: a lower chunk holds it)."""
 
 
 class MediaFiles:
-    """Reads images by id from the media files of a lake's chunks."""
+    """Reads images by id from the media files of a lake's chunks; with a catalog ``view``, from
+    the media file holding each now (``contracts/media.py``: the chunk's own, as a build's end
+    rewrote it, or the one of the lowest chunk of its dataset holding the image)."""
 
-    def __init__(self, lake: Lake, io_retry_deadline: float = 0.0) -> None:
+    def __init__(self, lake: Lake, io_retry_deadline: float = 0.0, view: CatalogView | None = None) -> None:
         self.lake = lake
         self.io_retry_deadline = io_retry_deadline
+        self.view = view
         self._footers: LRU[str, MediaFooter] = LRU(FOOTERS_KEPT)
+        self._deduped: dict[str, str] | None = None   # chunk file -> its rewritten media file (the view's)
+        self._homes: LRU[str, str | None] = LRU(HOMES_KEPT)   # image id -> a media file holding it
 
     def image_bytes(self, chunk_path: str, image: str) -> bytes:
         """The original bytes of image ``image`` (its id) of the chunk at lake path ``chunk_path``,
         checked: its row group's page checksums, and the sha256 of the bytes against the id."""
-        path = media_path(chunk_path)
+        try:
+            return self._image_bytes(chunk_path, image)
+        except ChunkIntegrityError:
+            if self.view is None:
+                raise
+            # Where an older snapshot said, a file removed since (`lakeloader gc`): the newest says where it is.
+            self.view.refresh()
+            self._deduped = None
+            self._homes.clear()
+            return self._image_bytes(chunk_path, image)
+
+    def _media_of(self, chunk_path: str) -> str:
+        """The media file the chunk at ``chunk_path`` reads its images from first."""
+        if self.view is None:
+            return media_path(chunk_path)
+        if self._deduped is None:
+            self._deduped = self.view.deduped_media()
+        return self._deduped.get(chunk_path) or media_path(chunk_path)
+
+    def _home(self, chunk_path: str, image: str) -> str | None:
+        """A media file holding ``image`` (of the lowest chunk holding it in the dataset of
+        ``chunk_path``), where the view knows one."""
+        view = self.view
+        return None if view is None else self._homes.get(image, lambda: view.image_home(chunk_path, image))
+
+    def _image_bytes(self, chunk_path: str, image: str) -> bytes:
+        path = self._media_of(chunk_path)
         where = f"image {image[:16]}… of media file {self.lake.url_of(path)}"
         try:
-            return with_retries(lambda: self._read(path, image, where), what=f"reading {where}",
-                                deadline=self.io_retry_deadline)
+            try:
+                return with_retries(lambda: self._read(path, image, where), what=f"reading {where}",
+                                    deadline=self.io_retry_deadline)
+            except _NotHeld:
+                home = self._home(chunk_path, image)
+                if home is None or home == path:
+                    raise
+                where = f"image {image[:16]}… of media file {self.lake.url_of(home)}"
+                return with_retries(lambda: self._read(home, image, where), what=f"reading {where}",
+                                    deadline=self.io_retry_deadline)
+        except _NotHeld:
+            raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
+                                      "`lakeloader verify CONFIG --repair`") from None
         except FileNotFoundError:
             raise ChunkIntegrityError(f"{where}: the media file is missing. The lake is damaged: run "
                                       "`lakeloader verify CONFIG --repair`") from None
@@ -56,8 +104,7 @@ class MediaFiles:
         footer = self._footers.get(path, lambda: self._footer(path))
         row = footer.rows.get(image)
         if row is None:
-            raise ChunkIntegrityError(f"{where}: the media file holds no such image. The lake is damaged: run "
-                                      "`lakeloader verify CONFIG --repair`")
+            raise _NotHeld(path)
         chunk = footer.chunks[row]
         data = None if chunk is None else _page_value(self._range(path, chunk.data_page_offset,
                                                                   chunk.total_compressed_size), chunk)

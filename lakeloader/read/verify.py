@@ -49,15 +49,18 @@ def _detail(what: str | None, problem: str) -> str:
     return problem if what is None else f"{what} has {problem}"
 
 
-def _media_problem(lake: Lake, path: str, num_bytes: int, checksum: str) -> tuple[str, str]:
-    """What is wrong with the media file (its images) of the chunk at ``path``, if anything."""
-    return _file_problem(lake, media_path(path), num_bytes, checksum, f"its media file {media_path(path)}")
-
-
 def _chunk_problem(lake: Lake, row: Any) -> tuple[str, str]:
+    """What is wrong with the chunk file of ``row`` (a committed_chunk_files row) or the media file
+    it reads its images from (the one a build's end rewrote, else its own), if anything."""
     found = _file_problem(lake, row.path, int(row.num_bytes), row.checksum, num_docs=int(row.num_docs))
-    if found[0] == "ok" and isinstance(row.media_checksum, str):
-        return _media_problem(lake, row.path, int(row.media_bytes), row.media_checksum)
+    if found[0] != "ok":
+        return found
+    if isinstance(row.deduped_checksum, str):
+        return _file_problem(lake, row.deduped_path, int(row.deduped_bytes), row.deduped_checksum,
+                             f"its media file {row.deduped_path}")
+    if isinstance(row.media_checksum, str):
+        path = media_path(row.path)
+        return _file_problem(lake, path, int(row.media_bytes), row.media_checksum, f"its media file {path}")
     return found
 
 
