@@ -1,7 +1,8 @@
 """Each image stored once per dataset (ingest/media_dedup.py): real Dask builds of documents that
 reuse the demo's real images across many chunks. Once the build's end rewrites the media files,
 the lake's current media files hold each image once, store fewer bytes, and give bitwise the
-batches the lake gave before the rewrite (a loader opened before it included, after ``gc``); a
+batches the lake gave before the rewrite (a loader opened before it included, after ``gc``, and one
+reading while the lake builds); a
 build killed in the rewrite and run again, and a grown plan, end as an uninterrupted build; verify,
 repair and gc keep the rewritten files whole; and the writes are recorded as deltas."""
 
@@ -16,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import assert_batches_equal, global_batches, write_config
+from conftest import assert_batches_equal, global_batches, loader_during_build, start_build_thread, write_config
 from lakeloader import Loader
 from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import Lake, open_lake
@@ -136,6 +137,21 @@ def test_each_image_is_stored_once_and_batches_are_those_before_the_rewrite(
     assert_batches_equal([early.batch(step) for step in range(STEPS)], reference, "a loader of the older snapshot")
     early.close()
     assert (verify_lake(config, progress=False).status == "ok").all()
+
+
+def test_a_loader_reading_while_the_lake_builds_gets_the_same_batches(tmp_path: Path, data: Path, deduped: Path,
+                                                                     dask_scheduler: str) -> None:
+    config = _config(tmp_path, data)
+    builder, live, errors = start_build_thread(config, scheduler=dask_scheduler, progress=False)
+    loader = loader_during_build(config, builder, live)
+    try:
+        during = [loader.batch(step) for step in range(STEPS)]
+    finally:
+        loader.close()
+        builder.join()
+    assert not errors
+    assert any(media for _, media in _current_media(config))
+    assert_batches_equal(during, global_batches(deduped, 1, range(STEPS)), "read while building")
 
 
 def test_a_build_killed_in_the_rewrite_and_run_again_ends_with_the_same_lake(
