@@ -372,10 +372,13 @@ SELECT dataset, definition, fingerprint, config
 FROM published_snapshot.dataset_definitions ORDER BY dataset, recorded_at DESC, definition;
 
 -- name: reader_index_chunks
--- Every planned chunk: reader_chunks' columns and the file record (reader_chunk_record's).
-SELECT dataset, global_index, num_docs, num_tokens, status = 'committed' AS committed, num_parts,
-       path, num_bytes, checksum, shard_index
-FROM published_snapshot.chunks ORDER BY dataset, global_index;
+-- Every planned chunk: reader_chunks' columns, the file record (reader_chunk_record's) and the
+-- media file a build's end rewrote for it (deduped_media_files').
+SELECT c.dataset, c.global_index, c.num_docs, c.num_tokens, c.status = 'committed' AS committed, c.num_parts,
+       c.path, c.num_bytes, c.checksum, c.shard_index, m.path AS media_file
+FROM published_snapshot.chunks c
+LEFT JOIN published_snapshot.media_files m ON m.dataset = c.dataset AND m.global_index = c.global_index
+ORDER BY c.dataset, c.global_index;
 
 -- name: reader_index_row_groups
 -- The row groups of committed chunks, with the columns reader_row_groups_of reads.
@@ -703,8 +706,8 @@ SELECT {by}, count(*)::BIGINT AS documents, coalesce(sum(num_tokens), 0)::BIGINT
 FROM documents GROUP BY {by} ORDER BY {by};
 
 -- name: image_stats
--- Image occurrences, distinct images, their stored bytes and size percentiles per dataset of the
--- images view (datasets storing their images).
+-- Image occurrences, distinct images, the occurrences' bytes (image_bytes: each image as often as
+-- it is used) and size percentiles per dataset of the images view (datasets storing their images).
 SELECT dataset, count(*)::BIGINT AS images, count(DISTINCT image_id)::BIGINT AS distinct_images,
        sum(num_bytes)::BIGINT AS image_bytes,
        quantile_disc(width, 0.5)::INTEGER AS width_p50, max(width)::INTEGER AS width_max,
@@ -849,7 +852,8 @@ SELECT width, height FROM images WHERE dataset = $name;
 -- name: media_rewrites
 -- The committed chunks of dataset $name whose media file (their own: no media_files row) holds
 -- images that a lower chunk holds too, with the ids of the images they are the lowest chunk of
--- (keep), to rewrite without the others (ingest/media_dedup.py).
+-- (keep), to rewrite without the others (dropped: each with the lowest chunk holding it), in
+-- global order (ingest/media_dedup.py).
 WITH owners AS (
     SELECT image_id, min(global_index) AS owner FROM chunk_images WHERE dataset = $name GROUP BY image_id
 ), held AS (
@@ -858,7 +862,9 @@ WITH owners AS (
     WHERE i.dataset = $name
 )
 SELECT c.global_index, c.path, c.media_bytes, c.media_checksum,
-       coalesce(list(h.image_id ORDER BY h.image_id) FILTER (WHERE h.owner = c.global_index), []::VARCHAR[]) AS keep
+       coalesce(list(h.image_id ORDER BY h.image_id) FILTER (WHERE h.owner = c.global_index), []::VARCHAR[]) AS keep,
+       list({'image_id': h.image_id, 'owner': h.owner} ORDER BY h.image_id) FILTER (WHERE h.owner < c.global_index)
+           AS dropped
 FROM chunks c JOIN held h ON h.global_index = c.global_index
 WHERE c.dataset = $name AND c.status = 'committed' AND c.media_checksum IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM media_files m WHERE m.dataset = c.dataset AND m.global_index = c.global_index)
@@ -879,14 +885,12 @@ DELETE FROM media_files WHERE dataset = $dataset AND list_contains($global_index
 SELECT c.path, m.path FROM media_files m
 JOIN chunks c ON c.dataset = m.dataset AND c.global_index = m.global_index;
 
--- name: image_home
--- The lowest chunk holding image $image_id in the dataset(s) of chunk file $chunk_path: its chunk
--- file and its rewritten media file (NULL: its own media file holds its images).
-SELECT c.path, m.path FROM chunk_images i
-JOIN chunks c ON c.dataset = i.dataset AND c.global_index = i.global_index
-LEFT JOIN media_files m ON m.dataset = i.dataset AND m.global_index = i.global_index
-WHERE i.image_id = $image_id AND i.dataset IN (SELECT dataset FROM chunks WHERE path = $chunk_path)
-ORDER BY i.global_index LIMIT 1;
+-- name: current_media_files
+-- The committed chunks of dataset $name storing images: chunk file and rewritten media file (or NULL).
+SELECT c.global_index, c.path, m.path AS deduped FROM chunks c
+LEFT JOIN media_files m ON m.dataset = c.dataset AND m.global_index = c.global_index
+WHERE c.dataset = $name AND c.status = 'committed' AND c.media_checksum IS NOT NULL
+ORDER BY c.global_index;
 
 -- name: media_file_paths
 -- The chunk file of every committed chunk storing images, and its rewritten media file (or NULL).

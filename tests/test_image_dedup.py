@@ -22,11 +22,12 @@ from lakeloader import Loader
 from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.store import CatalogWriter, MediaFile
-from lakeloader.contracts.media import MEDIA_ID_COLUMN, media_path
+from lakeloader.contracts.media import MEDIA_HOMES_KEY, MEDIA_ID_COLUMN, media_path
 from lakeloader.demo.images import all_images
 from lakeloader.ingest import media_dedup
 from lakeloader.ingest.driver import build
 from lakeloader.ingest.repair import repair_lake
+from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.verify import verify_lake
 
 PATCHES = {"kind": "patches", "patch_size": 8, "min_pixels": 256, "max_pixels": 4096, "max_patches": 32}
@@ -127,6 +128,12 @@ def test_each_image_is_stored_once_and_batches_are_those_before_the_rewrite(
     build(config, scheduler=dask_scheduler, progress=False)   # nothing to build: the build's end rewrites
     ids, after = _stored(config)
     assert sorted(ids) == sorted(set(ids)) and len(ids) == distinct
+    for chunk, rewritten in _current_media(config):   # each image it dropped: its home holds it
+        if rewritten:
+            footer = pq.read_metadata(config.parent / "lake" / rewritten).metadata
+            for image, home in json.loads(footer[MEDIA_HOMES_KEY]).items():
+                held = pq.read_table(config.parent / "lake" / home, columns=[MEDIA_ID_COLUMN]).column(0).to_pylist()
+                assert image in held
     assert _distinct(config) == (occurrences, distinct)   # the images view counts occurrences still
     assert after < before
     assert _lake_files(config.parent / "lake") == _lake_files(deduped.parent / "lake")
@@ -229,3 +236,14 @@ def test_the_rewrites_are_recorded_as_changes_of_their_chunks(tmp_path: Path) ->
         assert writer.changes.keys == {"d": {3, 5}}
         assert writer.media_rewrites("d").empty
         assert writer.changes.keys == {"d": {3, 5}}
+
+
+def test_a_loader_finds_every_image_without_opening_a_catalog_database(deduped: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewritten files come from the reader index, each image's home from its chunk's file."""
+    connected: list[bool] = []
+    monkeypatch.setattr(CatalogView, "_connect", lambda self, snapshot: connected.append(True))
+    with Loader(deduped) as loader:
+        batches = [loader.batch(step) for step in range(STEPS)]
+    assert not connected
+    assert sum(int(b["image_mask"].sum()) for b in batches) > 0

@@ -41,7 +41,7 @@ READ_STATEMENTS = frozenset({
     "dataset_plan", "chunk_count", "chunk_folders", "chunk_tasks", "chunks_without_plan",
     "datasets_without_documents", "filtered_datasets", "pending_selections", "reader_dataset", "built_plan_files",
     "built_plan_chunks", "committed_among", "document_index_files_of_dataset", "document_index_chunks_of",
-    "document_index_chunk_keys", "media_rewrites"})
+    "document_index_chunk_keys", "media_rewrites", "current_media_files"})
 
 
 @dataclasses.dataclass

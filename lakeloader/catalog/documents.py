@@ -418,7 +418,7 @@ def document_stats(con: duckdb.DuckDBPyConnection, by: str | None = None) -> pd.
 
 
 def image_stats(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    """Per dataset storing its images: image occurrences, distinct images, stored image bytes,
+    """Per dataset storing its images: image occurrences, distinct images, the occurrences' bytes,
     and percentiles of width, height, pixels and bytes (a frame without rows when there are none)."""
     return con.execute(query("image_stats")).df()
 

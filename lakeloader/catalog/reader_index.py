@@ -10,7 +10,8 @@ batch (that cost ~40 ms of every open, and a query ~25 ms more at 200,000 chunks
 Files (uncompressed Arrow IPC, one record batch each, rows in (dataset, global_index[, row_group])
 order; the metadata of ``chunks`` locates each dataset's rows in every file):
 
-- ``chunks``: one row per planned chunk: counts, committed, and the file record;
+- ``chunks``: one row per planned chunk: counts, committed, the file record, and the media file a
+  build's end rewrote for it (``media_file``, null: none);
 - ``row_groups``: one row per row group of a committed chunk: its counts;
 - ``examples``: one row per chunk counted under a packing plan: its examples.
 """
@@ -130,6 +131,9 @@ def _column(table: pa.Table, name: str) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
+_CHUNK_COLUMNS = ("num_docs", "num_tokens", "committed", "num_parts")   # the query reader_chunks'
+_MEDIA_FILE = "media_file"   # a chunk's media file rewritten by a build's end (null: its own); indexes
+                             # written before media files were rewritten lack it
 # The columns the lookups below read, each with the test its type must pass.
 _COLUMNS: dict[str, dict[str, Callable[[pa.DataType], bool]]] = {
     "chunks": {"global_index": pa.types.is_int64, "num_docs": pa.types.is_integer, "num_tokens": pa.types.is_integer,
@@ -228,13 +232,12 @@ class _Layer:
         has (the query tokenizer_path; every dataset of a lake has the lake's tokenizer)."""
         return next((self.datasets[name].tokenizer_path for name in datasets if name in self.datasets), None)
 
-    def chunks(self, name: str) -> pa.Table:
+    def chunks(self, name: str, columns: Sequence[str] = _CHUNK_COLUMNS) -> pa.Table:
         """Every planned chunk of dataset ``name`` (the columns of the query reader_chunks with
-        the part counts; no rows for a dataset the snapshot has not)."""
+        the part counts, or ``columns``; no rows for a dataset the snapshot has not)."""
         found = self.datasets.get(name)
         a, b = found.chunks if found else (0, 0)
-        return self.tables["chunks"].select(["global_index", "num_docs", "num_tokens", "committed",
-                                             "num_parts"]).slice(a, b - a)
+        return self.tables["chunks"].select(["global_index", *columns]).slice(a, b - a)
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether the snapshot keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""
@@ -358,13 +361,13 @@ class ReaderIndex:
         changed = self._changed.get(name)
         return np.zeros(len(global_indexes), bool) if changed is None else np.isin(global_indexes, changed)
 
-    def chunks(self, name: str) -> pa.Table:
+    def chunks(self, name: str, columns: Sequence[str] = _CHUNK_COLUMNS) -> pa.Table:
         """Every planned chunk of dataset ``name`` (the columns of the query reader_chunks with
-        the part counts; no rows for a dataset the snapshot has not)."""
-        base = self._base.chunks(name)
+        the part counts, or ``columns``; no rows for a dataset the snapshot has not)."""
+        base = self._base.chunks(name, columns)
         if self._top is None or name not in self._changed:
             return base
-        top = self._top.chunks(name)
+        top = self._top.chunks(name, columns)
         planned = _column(base, "global_index").to_numpy()
         replaced = _column(top, "global_index").to_numpy()
         at = np.searchsorted(planned, replaced)
@@ -373,6 +376,21 @@ class ReaderIndex:
         take = np.arange(len(planned))
         take[at] = len(planned) + np.arange(len(replaced))
         return pa.concat_tables([base, top]).take(pa.array(take))
+
+    def media_files(self) -> dict[str, str] | None:
+        """Chunk file -> the media file a build's end rewrote for it (lake paths), of every
+        dataset (the query deduped_media_files); None for an index written before media files
+        were rewritten (it has no ``media_file`` column)."""
+        if _MEDIA_FILE not in self._base.tables["chunks"].column_names:
+            return None
+        found: dict[str, str] = {}
+        for name in self._meta.datasets:
+            table = self.chunks(name, ["path", _MEDIA_FILE])
+            if not pa.types.is_string(table.schema.field(_MEDIA_FILE).type):
+                raise _altered(self._where, ValueError(f"its chunks' {_MEDIA_FILE} are not strings"))
+            rewritten = table.filter(table.column(_MEDIA_FILE).is_valid())
+            found.update(zip(rewritten.column("path").to_pylist(), rewritten.column(_MEDIA_FILE).to_pylist()))
+        return found
 
     def examples(self, name: str, plan_key: str, prefix: int) -> dict[str, np.ndarray]:
         """Examples of each chunk before ``prefix`` counted under ``plan_key`` (as the query

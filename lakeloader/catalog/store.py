@@ -27,6 +27,7 @@ from lakeloader.catalog.sql import query, sql_file
 from lakeloader.config import SqlConfig
 from lakeloader.contracts.chunk_file import IMAGE_ROW_FIELDS, ChunkResult, PlanStats
 from lakeloader.contracts.errors import CatalogError, CatalogIntegrityError, CatalogLockedError, LakeloaderError
+from lakeloader.contracts.media import media_path
 from lakeloader.contracts.specs import MixtureSpec, PackingSpec
 from lakeloader.index.mixture import mixture_rows
 from lakeloader.plan.growth import BuiltPlan
@@ -869,9 +870,16 @@ class CatalogWriter:
 
     def media_rewrites(self, dataset: str) -> pd.DataFrame:
         """The committed chunks of ``dataset`` whose own media file holds images a lower chunk holds
-        too: global_index, path, media_bytes, media_checksum and ``keep`` (the ids of the images
-        they are the lowest chunk of)."""
+        too, in global order: global_index, path, media_bytes, media_checksum, ``keep`` (the ids
+        of the images they are the lowest chunk of) and ``dropped`` (the others, each an
+        ``image_id`` and the ``owner``: the lowest chunk holding it)."""
         return self._run("media_rewrites", {"name": dataset}).df()
+
+    def current_media_files(self, dataset: str) -> dict[int, str]:
+        """Per committed chunk of ``dataset`` storing images: the media file it reads them from
+        (the one a build's end rewrote, else its own)."""
+        rows = self._run("current_media_files", {"name": dataset}).fetchall()
+        return {int(index): deduped or media_path(path) for index, path, deduped in rows}
 
     def record_media_files(self, files: Sequence[MediaFile]) -> None:
         """Record the rewritten media files ``files`` (one transaction; the files they replace stay

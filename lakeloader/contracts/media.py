@@ -9,7 +9,8 @@ its **image id**, the sha256 of its original bytes (:func:`image_id`): the same 
 a chunk is stored once. At a build's end each chunk holding images that a lower chunk of its dataset
 holds too gets a **deduplicated media file** (:func:`deduped_media_path`, recorded in the catalog's
 ``media_files``): its media file without those images, so each image is stored once per dataset.
-An image's home is then the media file of the lowest chunk holding it. The chunk file's ``part_refs`` column holds an image part's id; its
+An image's **home** is the media file of the lowest chunk holding it; a deduplicated file's footer
+names the home of each image of its chunk it no longer holds (:data:`MEDIA_HOMES_KEY`). The chunk file's ``part_refs`` column holds an image part's id; its
 ``part_widths`` and ``part_heights`` columns hold the image's size after EXIF orientation (0 for a
 text part), so packing and seeks are planned from the chunk file without reading a pixel.
 """
@@ -36,6 +37,9 @@ MEDIA_SCHEMA = pa.schema([
 PART_WIDTHS_COLUMN = "part_widths"
 PART_HEIGHTS_COLUMN = "part_heights"
 MEDIA_SUFFIX = ".media.parquet"
+# Key of a deduplicated media file's footer metadata: JSON, image id -> the lake path of its home
+# (the media file holding it), for each image of the chunk the file no longer holds.
+MEDIA_HOMES_KEY = b"lakeloader.homes"
 # The default of ``interleaved.max_pixels``: an image of more pixels is refused before its pixels are
 # decoded (Pillow's check of a decompression bomb, made exact). Here, not in images.py, so the
 # config (beside images.py in the foundation) can name it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import posixpath
 from collections.abc import Callable, Collection
 from typing import Any
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from lakeloader.contracts.formats import Document, Part
-from lakeloader.contracts.media import MEDIA_ID_COLUMN, MEDIA_SCHEMA, image_id
+from lakeloader.contracts.media import MEDIA_HOMES_KEY, MEDIA_ID_COLUMN, MEDIA_SCHEMA, image_id
 from lakeloader.images import BadImage, ImageInfo, inspect_image
 from lakeloader.storage import is_transient
 
@@ -162,18 +163,20 @@ def encode_media_file(images: StoredImages) -> bytes:
     ], schema=MEDIA_SCHEMA))
 
 
-def keep_images(data: bytes, keep: Collection[str]) -> tuple[bytes, int]:
+def keep_images(data: bytes, keep: Collection[str], homes: dict[str, str]) -> tuple[bytes, int]:
     """The media file ``data`` without the images not in ``keep`` (ids), the others in their order,
-    written as :func:`encode_media_file` writes (so a file rewritten twice is the same bytes); and
-    how many images it holds."""
+    its footer naming the home (a lake path) of each image dropped (``homes``), written as
+    :func:`encode_media_file` writes (so a file rewritten twice is the same bytes); and how many
+    images it holds."""
     table = pq.read_table(pa.BufferReader(data), use_threads=False)
     kept = table.filter(pc.is_in(table.column(MEDIA_ID_COLUMN), pa.array(sorted(keep), pa.string())))
-    return _encode_media_table(pa.table(kept.columns, schema=MEDIA_SCHEMA)), kept.num_rows
+    schema = MEDIA_SCHEMA.with_metadata({MEDIA_HOMES_KEY: json.dumps(homes, sort_keys=True, separators=(",", ":"))})
+    return _encode_media_table(pa.table(kept.columns, schema=schema)), kept.num_rows
 
 
 def _encode_media_table(table: pa.Table) -> bytes:
     sink = io.BytesIO()
-    with pq.ParquetWriter(sink, MEDIA_SCHEMA, compression="none", use_dictionary=False, write_statistics=False,
+    with pq.ParquetWriter(sink, table.schema, compression="none", use_dictionary=False, write_statistics=False,
                           store_schema=True, write_page_checksum=True) as writer:
         for row in range(len(table)):
             writer.write_table(table.slice(row, 1), row_group_size=1)

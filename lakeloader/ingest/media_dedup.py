@@ -5,8 +5,9 @@ Chunk tasks run in parallel and each writes its chunk's distinct images (``inges
 an image used in several chunks is first stored in each. Its **home** is the media file of the
 lowest chunk (global index) holding it: a function of the committed chunks alone, whatever the
 tasks' timing. Once every chunk is committed, the driver rewrites each other chunk's media file
-keeping only the images it is the home of (:func:`~lakeloader.ingest.media.keep_images`: the same
-bytes however often it is rewritten), named by its content beside the chunk
+keeping only the images it is the home of, its footer naming the home of each other (the media
+file holding it now; :func:`~lakeloader.ingest.media.keep_images`: the same bytes however often it
+is rewritten), named by its content beside the chunk
 (``contracts/media.py`` ``deduped_media_path``) and recorded in ``media_files`` with its size and
 sha256. The file it replaces stays in the lake for readers of older snapshots until ``lakeloader
 gc``. A chunk added later (a grown plan appends chunks after the built ones) is rewritten by the
@@ -48,10 +49,16 @@ def dedup_media(lake: Lake, writer: CatalogWriter, datasets: Sequence[str]) -> D
     every chunk of the datasets is committed."""
     totals = DedupTotals()
     for name in datasets:
+        rewrites = writer.media_rewrites(name)
+        if rewrites.empty:
+            continue
+        current = writer.current_media_files(name)   # (in global order: each home is rewritten first)
         pending: list[MediaFile] = []
-        for row in writer.media_rewrites(name).itertuples(index=False):
+        for row in rewrites.itertuples(index=False):
             keep = [str(image) for image in row.keep]
-            pending.append(_rewrite(lake, name, int(row.global_index), row.path, row.media_checksum, keep))
+            homes = {str(image["image_id"]): current[int(image["owner"])] for image in row.dropped}
+            pending.append(_rewrite(lake, name, int(row.global_index), row.path, row.media_checksum, keep, homes))
+            current[pending[-1].global_index] = pending[-1].path
             totals.files += 1
             totals.bytes_before += int(row.media_bytes)
             totals.bytes_after += pending[-1].num_bytes
@@ -66,9 +73,10 @@ def dedup_media(lake: Lake, writer: CatalogWriter, datasets: Sequence[str]) -> D
 
 
 def _rewrite(lake: Lake, dataset: str, global_index: int, chunk_path: str, checksum: str,
-             keep: Sequence[str]) -> MediaFile:
+             keep: Sequence[str], homes: dict[str, str]) -> MediaFile:
     """The media file of chunk ``global_index`` (file ``chunk_path``) whose sha256 is ``checksum``,
-    without the images not in ``keep``, written into the lake."""
+    without the images not in ``keep``, naming the home of each other (``homes``), written into
+    the lake."""
     source = media_path(chunk_path)
     url = lake.url_of(source)
     data = with_retries(lambda: lake.fs.cat_file(lake.path_of(source)), deadline=lake.io_retry_deadline,
@@ -77,7 +85,7 @@ def _rewrite(lake: Lake, dataset: str, global_index: int, chunk_path: str, check
         raise ChunkIntegrityError(
             f"media file {url} of chunk {global_index} of dataset {dataset!r} is not as the catalog records it "
             "(sha256): it was altered or damaged. Run `lakeloader verify CONFIG --repair`")
-    new, count = keep_images(data, keep)
+    new, count = keep_images(data, keep, homes)
     digest = hashlib.sha256(new).hexdigest()
     path = deduped_media_path(chunk_path, digest)
     target = lake.url_of(path)

@@ -28,7 +28,6 @@ from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import LiveCatalog, define_views
 from lakeloader.config import Config
 from lakeloader.contracts.errors import CatalogError, LakeloaderError
-from lakeloader.contracts.media import media_path
 from lakeloader.read.lru import LRU
 from lakeloader.storage import with_retries
 
@@ -420,16 +419,12 @@ class CatalogView:
 
     def deduped_media(self) -> dict[str, str]:
         """Chunk file -> the media file a build's end rewrote for it (lake paths, ``media_files``);
-        a chunk not named reads its own media file."""
+        a chunk not named reads its own media file. From the reader index where it has them."""
+        index = self.reader_index()
+        found = index.media_files() if index is not None else None
+        if found is not None:
+            return found
         return {str(chunk): str(media) for chunk, media in self.named("deduped_media_files")}
-
-    def image_home(self, chunk_path: str, image: str) -> str | None:
-        """The media file of the lowest chunk holding image ``image`` in the dataset of chunk file
-        ``chunk_path`` (its rewritten one, else its own); None if no chunk holds it."""
-        row = self.named("image_home", {"chunk_path": chunk_path, "image_id": image}, FetchOne)
-        if row is None:
-            return None
-        return str(row[1]) if row[1] is not None else media_path(str(row[0]))
 
     def plan_registered(self, name: str, plan_key: str) -> bool:
         """Whether a build keeps per-chunk counts of packing plan ``plan_key`` for ``name``."""

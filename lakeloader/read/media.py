@@ -6,6 +6,7 @@ never other pixels."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 import pyarrow as pa
@@ -14,7 +15,7 @@ import pyarrow.parquet as pq
 from lakeloader.catalog.lake import Lake
 from lakeloader.contracts.chunk_file import open_chunk
 from lakeloader.contracts.errors import ChunkIntegrityError
-from lakeloader.contracts.media import MEDIA_BYTES_COLUMN, MEDIA_ID_COLUMN, image_id, media_path
+from lakeloader.contracts.media import MEDIA_BYTES_COLUMN, MEDIA_HOMES_KEY, MEDIA_ID_COLUMN, image_id, media_path
 from lakeloader.read.catalog_view import CatalogView
 from lakeloader.read.lru import LRU
 from lakeloader.read.pages import (
@@ -28,17 +29,21 @@ from lakeloader.read.pages import (
 from lakeloader.storage import with_retries
 
 FOOTERS_KEPT = 256   # media files whose footer and id -> row group map are kept
-HOMES_KEPT = 1 << 16   # images whose media file (not their chunk's) is kept
 
 
 class _NotHeld(LookupError):
-    """The media file read holds no such image (its chunk's rewritten file: a lower chunk holds it)."""
+    """The media file read holds no such image; ``home``: the media file its footer names as
+    holding it (a deduplicated file's), if any."""
+
+    def __init__(self, home: str | None) -> None:
+        super().__init__(home)
+        self.home = home
 
 
 class MediaFiles:
     """Reads images by id from the media files of a lake's chunks; with a catalog ``view``, from
-    the media file holding each now (``contracts/media.py``: the chunk's own, as a build's end
-    rewrote it, or the one of the lowest chunk of its dataset holding the image)."""
+    the one each chunk reads now (``contracts/media.py``: its own, or the one a build's end
+    rewrote, whose footer names the home of each image it no longer holds)."""
 
     def __init__(self, lake: Lake, io_retry_deadline: float = 0.0, view: CatalogView | None = None) -> None:
         self.lake = lake
@@ -46,7 +51,6 @@ class MediaFiles:
         self.view = view
         self._footers: LRU[str, MediaFooter] = LRU(FOOTERS_KEPT)
         self._deduped: dict[str, str] | None = None   # chunk file -> its rewritten media file (the view's)
-        self._homes: LRU[str, str | None] = LRU(HOMES_KEPT)   # image id -> a media file holding it
 
     def image_bytes(self, chunk_path: str, image: str) -> bytes:
         """The original bytes of image ``image`` (its id) of the chunk at lake path ``chunk_path``,
@@ -59,22 +63,15 @@ class MediaFiles:
             # Where an older snapshot said, a file removed since (`lakeloader gc`): the newest says where it is.
             self.view.refresh()
             self._deduped = None
-            self._homes.clear()
             return self._image_bytes(chunk_path, image)
 
     def _media_of(self, chunk_path: str) -> str:
-        """The media file the chunk at ``chunk_path`` reads its images from first."""
+        """The media file the chunk at ``chunk_path`` reads its images from."""
         if self.view is None:
             return media_path(chunk_path)
         if self._deduped is None:
             self._deduped = self.view.deduped_media()
         return self._deduped.get(chunk_path) or media_path(chunk_path)
-
-    def _home(self, chunk_path: str, image: str) -> str | None:
-        """A media file holding ``image`` (of the lowest chunk holding it in the dataset of
-        ``chunk_path``), where the view knows one."""
-        view = self.view
-        return None if view is None else self._homes.get(image, lambda: view.image_home(chunk_path, image))
 
     def _image_bytes(self, chunk_path: str, image: str) -> bytes:
         path = self._media_of(chunk_path)
@@ -83,11 +80,11 @@ class MediaFiles:
             try:
                 return with_retries(lambda: self._read(path, image, where), what=f"reading {where}",
                                     deadline=self.io_retry_deadline)
-            except _NotHeld:
-                home = self._home(chunk_path, image)
-                if home is None or home == path:
+            except _NotHeld as moved:
+                home = moved.home
+                if home is None:
                     raise
-                where = f"image {image[:16]}… of media file {self.lake.url_of(home)}"
+                where = f"image {image[:16]}… of media file {self.lake.url_of(home)} (its home)"
                 return with_retries(lambda: self._read(home, image, where), what=f"reading {where}",
                                     deadline=self.io_retry_deadline)
         except _NotHeld:
@@ -104,7 +101,7 @@ class MediaFiles:
         footer = self._footers.get(path, lambda: self._footer(path))
         row = footer.rows.get(image)
         if row is None:
-            raise _NotHeld(path)
+            raise _NotHeld(footer.homes.get(image))
         chunk = footer.chunks[row]
         data = None if chunk is None else _page_value(self._range(path, chunk.data_page_offset,
                                                                   chunk.total_compressed_size), chunk)
@@ -145,6 +142,7 @@ class MediaFooter(NamedTuple):
     rows: dict[str, int]                # image id -> its row group
     chunks: list[ColumnChunk | None]    # per row group: its bytes column chunk, None if not stored as
                                         # this contract's writer stores it (one uncompressed PLAIN page)
+    homes: dict[str, str]               # a deduplicated file's: image id -> the media file holding it
 
 
 def _page_value(chunk_bytes: bytes, chunk: ColumnChunk) -> bytes | None:
@@ -193,4 +191,21 @@ def _footer(handle: object) -> MediaFooter:
             raise pa.ArrowInvalid(f"{len(ids)} image ids in {metadata.num_row_groups} row groups, expected one each")
     column = metadata.schema.names.index(MEDIA_BYTES_COLUMN)
     return MediaFooter(metadata, {image: row for row, image in enumerate(ids) if image is not None},
-                       [_plain_chunk(metadata, row, column) for row in range(metadata.num_row_groups)])
+                       [_plain_chunk(metadata, row, column) for row in range(metadata.num_row_groups)],
+                       _homes(metadata))
+
+
+def _homes(metadata: pq.FileMetaData) -> dict[str, str]:
+    """The homes a deduplicated media file's footer names (``MEDIA_HOMES_KEY``); none for another
+    (a ValueError if they are not an object of strings: each is checked as a name inside the lake
+    when it is read)."""
+    raw = (metadata.metadata or {}).get(MEDIA_HOMES_KEY)
+    if raw is None:
+        return {}
+    try:
+        homes = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise pa.ArrowInvalid(f"its footer's {MEDIA_HOMES_KEY.decode()} is not JSON ({exc})") from None
+    if not isinstance(homes, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in homes.items()):
+        raise pa.ArrowInvalid(f"its footer's {MEDIA_HOMES_KEY.decode()} is not an object of image ids and paths")
+    return homes
