@@ -157,7 +157,9 @@ def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folde
                       requested: Collection[tuple[str, int]]) -> pd.DataFrame:
     """Committed chunks whose file or media file is missing or not the size the catalog records (found by
     listing each of the datasets' chunk ``folders``, not by reading the files), plus those in
-    ``requested``."""
+    ``requested``. A media file a build's end rewrote that is missing, of the wrong size or of a
+    requested chunk is forgotten (the chunk's own media file is checked instead; this build's end
+    writes it again)."""
     committed = writer.committed_chunks(names)
     if committed.empty:
         return committed
