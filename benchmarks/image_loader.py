@@ -4,16 +4,23 @@ A lake of the demo image corpus (``lakeloader.demo.images``: matplotlib's real p
 icons and Pillow-made images; JPEG, PNG, WEBP, GIF; ``--copies`` times over) is built once with
 ``interleaved.images: stored`` and a ``fixed`` 224 x 224 resolution. Each round reads ``--steps``
 batches with ``loader.image_cache_bytes`` of 1 byte (every image decoded again) and
-``loader.prefetch: 0`` in this process (``workers: 0``), and runs the baseline over the very images
-those batches hold, in the same order: ``Image.open(...).convert("RGB").resize(fit, BICUBIC)``
-into a numpy array. The pixel fill alone (the loader's part that reads, checks, decodes and
-resizes the images into the batch) is timed too. All are timed in CPU seconds of this process (images per second of one
-core: the loader's whole batch, tokens included, against the loop's decoding alone), so other
-load on the machine shifts them less. Rounds alternate; medians are reported with the load average. Then the same
-steps in wall-clock time with ``loader.workers`` 0, 1 and 2, alternating (steady state: after
-each worker's first block; the figures to compare with each other), with the CPU time per image
-of this process and its workers together (what workers add, whatever the load), and the peak RSS
-of this process and of its children.
+``loader.prefetch: 0`` in this process (``workers: 0``; one loader, after an untimed first pass over
+the same steps: the steady state of a long run, each media file's footer parsed), and runs the baseline over the very images
+those batches hold, in the same order: a plain Pillow loop making the same pixels
+(:func:`plain_pixels`: ``Image.open``, ``ImageOps.exif_transpose``, the documented conversion to
+RGB -- 16-bit to its high byte, alpha composited onto white -- and a bicubic resize to fit, into a
+numpy array); that it makes bitwise the loader's pixels is checked on one round's images. The
+loop most write, ``open().convert("RGB").resize()``, is timed too for reference: it drops alpha
+instead of compositing it (and clips 16-bit), so its pixels differ for most of this corpus. The
+pixel fill alone (the loader's part that reads, checks, decodes and resizes the images into the
+batch) is timed too. All are timed in CPU seconds of this process (images per second of one core:
+the loader's whole batch, tokens included, against the loop's decoding alone), so other load on
+the machine shifts them less. Rounds alternate; medians are reported with the load average. Then
+the same steps in wall-clock time with ``loader.workers`` 0, 1 and 2, alternating, in the steady
+state: once the workers have started and filled their rings (their CPU time stands still), and
+the batches they built ahead have been taken untimed; with the CPU time per image of this
+process and its workers together (what workers add, whatever the load), and the peak RSS of this
+process and of its children.
 
     .venv/bin/python benchmarks/image_loader.py [--copies 8] [--steps 24] [--repeat 3]
 """
@@ -21,6 +28,7 @@ of this process and of its children.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import logging
@@ -30,16 +38,18 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import yaml
-from PIL import Image
+from PIL import Image, ImageOps
 
 from _common import REPO, report
 from lakeloader import Loader
 from lakeloader.demo.images import all_images, write_image_corpus
 from lakeloader.feed.pixels import PixelFill
+from lakeloader.feed.workers import BLOCK, LENT
 from lakeloader.index.image_tokens import fit_sizes
 from lakeloader.ingest.driver import build
 
@@ -70,9 +80,9 @@ def with_workers(config: Path, workers: int) -> Path:
     return path
 
 
-def loader_round(config: Path, steps: int) -> tuple[float, float, list[str]]:
-    """(CPU seconds of this process for ``steps`` batches, of those in the pixel fill, the image
-    ids the batches hold in order)."""
+def loader_round(loader: Loader, steps: int) -> tuple[float, float, list[str]]:
+    """(CPU seconds of this process for batches 1 to ``steps`` of ``loader``, of those in the
+    pixel fill, the image ids the batches hold in order)."""
     in_fill = [0.0]
     original = PixelFill.fill
 
@@ -81,30 +91,71 @@ def loader_round(config: Path, steps: int) -> tuple[float, float, list[str]]:
         original(self, *args)  # type: ignore[arg-type]
         in_fill[0] += time.process_time() - started
 
-    with Loader(config) as loader:
-        loader.batch(0)   # opened, the first row groups read: what follows is the steady state
-        PixelFill.fill = timed  # type: ignore[method-assign]
-        ids: list[str] = []
-        try:
-            started = time.process_time()
-            for step in range(1, steps + 1):   # each batch dropped, as a training loop does: its memory recycled
-                batch = loader.batch(step)
-                ids += batch["image_refs"][batch["image_mask"]].tolist()
-                del batch
-            seconds = time.process_time() - started
-        finally:
-            PixelFill.fill = original  # type: ignore[method-assign]
+    PixelFill.fill = timed  # type: ignore[method-assign]
+    ids: list[str] = []
+    try:
+        started = time.process_time()
+        for step in range(1, steps + 1):   # each batch dropped, as a training loop does: its memory recycled
+            batch = loader.batch(step)
+            ids += batch["image_refs"][batch["image_mask"]].tolist()
+            del batch
+        seconds = time.process_time() - started
+    finally:
+        PixelFill.fill = original  # type: ignore[method-assign]
     return seconds, in_fill[0], ids
 
 
-def pillow_round(data: list[bytes]) -> float:
-    """CPU seconds of the plain loop: open, convert, resize to fit, to an array."""
+@functools.lru_cache(maxsize=4096)
+def fit(width: int, height: int) -> tuple[int, int]:
+    """The size an image of ``width`` x ``height`` is resized to (to fit :data:`SIZE`)."""
+    w, h = fit_sizes(np.array([width]), np.array([height]), SIZE)
+    return int(w[0]), int(h[0])
+
+
+def plain_pixels(raw: bytes) -> np.ndarray:
+    """The baseline: a plain Pillow loop's pixels of one image, converted to RGB as
+    ``lakeloader/images.py`` documents it, resized to fit :data:`SIZE`."""
+    image = Image.open(io.BytesIO(raw))
+    ImageOps.exif_transpose(image, in_place=True)
+    if image.mode.startswith("I;16"):
+        image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
+    if image.mode == "P" and "transparency" in image.info or image.mode in ("RGBA", "LA", "PA"):
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    image = image.convert("RGB")
+    return np.asarray(image.resize(fit(*image.size), Image.Resampling.BICUBIC))
+
+
+def convert_only_pixels(raw: bytes) -> np.ndarray:
+    """The loop most write: ``convert("RGB")`` (alpha dropped, 16-bit clipped), resized to fit."""
+    image = Image.open(io.BytesIO(raw)).convert("RGB")
+    return np.asarray(image.resize(fit(*image.size), Image.Resampling.BICUBIC))
+
+
+def pillow_round(data: list[bytes], pixels: Callable[[bytes], np.ndarray]) -> float:
+    """CPU seconds of a plain loop making ``pixels`` of each image of ``data``."""
     started = time.process_time()
     for raw in data:
-        image = Image.open(io.BytesIO(raw)).convert("RGB")
-        w, h = (int(x[0]) for x in fit_sizes(np.array([image.width]), np.array([image.height]), SIZE))
-        np.asarray(image.resize((w, h), Image.Resampling.BICUBIC))
+        pixels(raw)
     return time.process_time() - started
+
+
+def check_baseline(config: Path, steps: int, by_id: dict[str, bytes]) -> tuple[int, int, int]:
+    """(images of ``steps`` batches, how many of them :func:`plain_pixels` makes bitwise as the
+    loader does, how many :func:`convert_only_pixels` does)."""
+    images = same = same_convert = 0
+    with Loader(config) as loader:
+        for step in range(1, steps + 1):
+            batch = loader.batch(step)
+            for row, number in zip(*np.nonzero(batch["image_mask"])):
+                raw = by_id[batch["image_refs"][row, number]]
+                slot = batch["pixel_values"][row, number]
+                for pixels, count in ((plain_pixels(raw), 0), (convert_only_pixels(raw), 1)):
+                    h, w = pixels.shape[:2]
+                    equal = np.array_equal(slot[:h, :w], pixels) and not slot[h:].any() and not slot[:h, w:].any()
+                    same += equal and count == 0
+                    same_convert += equal and count == 1
+                images += 1
+    return images, same, same_convert
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -116,17 +167,26 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def workers_round(config: Path, steps: int) -> tuple[float, float]:
-    """(images/s, wall, of a loader with workers over ``steps`` batches, CPU ms per image of this
-    process and its workers together), once the workers have started (their spawn and imports
-    take seconds on a loaded machine): after 8 steps and 3 s."""
-    warm = 8
+def workers_round(config: Path, steps: int, workers: int) -> tuple[float, float]:
+    """(images/s, wall, of a loader with ``workers`` workers over ``steps`` batches, CPU ms per
+    image of this process and its workers together), in the steady state: after 8 steps, once
+    the workers have started (their spawn and imports take seconds on a loaded machine) and filled
+    their rings (their first touch of a slot's shared memory is a page fault per 4 KiB: one-off),
+    and once the batches they built ahead meanwhile have been taken."""
     with Loader(config) as loader:
         iterator = loader.iter_from(0)
-        for _ in range(warm):
+        for _ in range(8):
             next(iterator)
-        time.sleep(3)
-        pids = [os.getpid(), *(child.pid for child in multiprocessing.active_children() if child.pid)]
+        children = [child.pid for child in multiprocessing.active_children() if child.pid]
+        used, deadline = -1.0, time.monotonic() + 60
+        while children and time.monotonic() < deadline:   # until the workers stand still
+            time.sleep(0.5)
+            used, before = cpu_seconds(children), used
+            if used == before:
+                break
+        for _ in range(workers * (BLOCK + 1 + LENT)):   # (each worker's ring: built ahead)
+            next(iterator)
+        pids = [os.getpid(), *children]
         started, cpu, images = time.perf_counter(), cpu_seconds(pids), 0
         for _ in range(steps):
             images += int(next(iterator)["image_mask"].sum())
@@ -145,24 +205,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = make_lake(Path(tmp), args.copies)
         by_id = {hashlib.sha256(d).hexdigest(): d for d in all_images().values()}
-        loader_rates, fill_rates, pillow_rates = [], [], []
-        for _ in range(args.repeat):
-            seconds, in_fill, ids = loader_round(config, args.steps)
-            loader_rates.append(len(ids) / seconds)
-            fill_rates.append(len(ids) / in_fill)
-            pillow_rates.append(len(ids) / pillow_round([by_id[i] for i in ids]))
+        loader_rates, fill_rates, pillow_rates, convert_rates = [], [], [], []
+        with Loader(config) as loader:
+            loader_round(loader, args.steps)   # (untimed: the steady state of a long run, media footers parsed)
+            for _ in range(args.repeat):
+                seconds, in_fill, ids = loader_round(loader, args.steps)
+                loader_rates.append(len(ids) / seconds)
+                fill_rates.append(len(ids) / in_fill)
+                data = [by_id[i] for i in ids]
+                pillow_rates.append(len(ids) / pillow_round(data, plain_pixels))
+                convert_rates.append(len(ids) / pillow_round(data, convert_only_pixels))
+        images, same, same_convert = check_baseline(config, args.steps, by_id)
+        if same != images:
+            raise AssertionError(f"the baseline makes other pixels than the loader for {images - same} of {images} images")
         figures: dict[str, object] = {
             "images per round": len(ids),
             "pixel fill images/s (read, check, decode, resize into the batch; 1 core)": statistics.median(fill_rates),
             "whole batches, images/s (tokens too; workers 0, 1 core)": statistics.median(loader_rates),
-            "Pillow loop images/s (1 core)": statistics.median(pillow_rates),
-            "ratio pixel fill / Pillow": statistics.median(a / b for a, b in zip(fill_rates, pillow_rates)),
-            "ratio whole batches / Pillow": statistics.median(a / b for a, b in zip(loader_rates, pillow_rates)),
+            "Pillow loop images/s, the same pixels (1 core)": statistics.median(pillow_rates),
+            "baseline pixels bitwise the loader's": f"{same} of {images}",
+            "ratio pixel fill / Pillow loop": statistics.median(a / b for a, b in zip(fill_rates, pillow_rates)),
+            "ratio whole batches / Pillow loop": statistics.median(a / b for a, b in zip(loader_rates, pillow_rates)),
+            "convert('RGB') loop images/s (alpha dropped; 1 core)": statistics.median(convert_rates),
+            "convert('RGB') loop pixels bitwise the loader's": f"{same_convert} of {images}",
+            "ratio pixel fill / convert('RGB') loop": statistics.median(a / b for a, b in zip(fill_rates, convert_rates)),
         }
         rounds: dict[int, list[tuple[float, float]]] = {0: [], 1: [], 2: []}
         for _ in range(args.repeat):   # (alternating: load from other processes shifts all three alike)
             for workers in rounds:
-                rounds[workers].append(workers_round(with_workers(config, workers), args.steps))
+                rounds[workers].append(workers_round(with_workers(config, workers), args.steps, workers))
         for workers, got in rounds.items():
             figures[f"loader images/s, wall (workers {workers})"] = statistics.median(rate for rate, _ in got)
         for workers, got in rounds.items():

@@ -7,6 +7,7 @@ never other pixels."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, NamedTuple
 
 import pyarrow as pa
@@ -130,7 +131,14 @@ class MediaFiles:
         (no open, whose size lookup and read-ahead would cost a request and more bytes each)."""
         if not self.lake.is_local:
             return bytes(self.lake.fs.cat_file(self.lake.path_of(path), start=start, end=start + size))
-        with open(self.lake.path_of(path), "rb") as handle:
+        where = self.lake.path_of(path)
+        if hasattr(os, "pread"):   # (POSIX: one pread, no file object: half the cost of open, seek, read)
+            descriptor = os.open(where, os.O_RDONLY)
+            try:
+                return os.pread(descriptor, size, start)
+            finally:
+                os.close(descriptor)
+        with open(where, "rb") as handle:
             handle.seek(start)
             return handle.read(size)
 
