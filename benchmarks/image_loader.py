@@ -121,7 +121,8 @@ def plain_pixels(raw: bytes) -> np.ndarray:
         image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
     if image.mode == "P" and "transparency" in image.info or image.mode in ("RGBA", "LA", "PA"):
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
-    image = image.convert("RGB")
+    if image.mode != "RGB":   # (``convert`` copies an RGB image: 1.1 ms of a 512 x 600 photo)
+        image = image.convert("RGB")
     return np.asarray(image.resize(fit(*image.size), Image.Resampling.BICUBIC))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from PIL import Image
@@ -82,14 +82,15 @@ class PixelFill:
         """Write the pixels of ``placed`` (in each row, in the order of its ``image_positions``),
         and zeros everywhere else (each byte written once: no zeroing pass before)."""
         patches_at = np.zeros(len(batch["image_mask"]), np.int64)
-        for image in placed:
-            pixels = self.pixels(image)
+        for image, pixels in zip(placed, self._all_pixels(placed)):
             if self.resolution.kind == "fixed":
                 height, width = pixels.shape[:2]
                 slot = batch["pixel_values"][image.row, image.number]
                 slot[:height, :width] = pixels
-                slot[:height, width:] = 0
-                slot[height:] = 0
+                if width < slot.shape[1]:   # (an empty slice's assignment costs a microsecond too)
+                    slot[:height, width:] = 0
+                if height < slot.shape[0]:
+                    slot[height:] = 0
             else:
                 rows, cols = pixels.shape[0], pixels.shape[1]
                 at = int(patches_at[image.row])
@@ -109,28 +110,41 @@ class PixelFill:
             for row, at in enumerate(patches_at.tolist()):
                 batch["pixel_patches"][row, at:] = 0
 
-    def pixels(self, image: PlacedImage) -> np.ndarray:
-        """The image resized by the resolution (uint8, read-only, cached): ``[h, w, 3]`` fitted
-        under ``fixed``; ``[rows, cols, patch*patch*3]`` patches under ``patches``."""
-        return self._images.get(image.image, lambda: self._resized(image))
+    def _all_pixels(self, placed: Sequence[PlacedImage]) -> Iterator[np.ndarray]:
+        """Each image of ``placed`` resized by the resolution (uint8, read-only, cached): ``[h, w, 3]``
+        fitted under ``fixed``; ``[rows, cols, patch*patch*3]`` patches under ``patches``. The bytes
+        of those not cached are read first, all of them, then each is decoded when it is asked for:
+        each pass's code and data stay in the CPU's caches (5 % of the fill against reading and
+        decoding in turn), and one image's pixels at a time are held."""
+        found = self._images.cached([image.image for image in placed])
+        data = {image.image: self.media.image_bytes(image.chunk_path, image.image)
+                for image, pixels in zip(placed, found) if pixels is None}
+        for image, pixels in zip(placed, found):
+            yield pixels if pixels is not None else self._images.get(
+                image.image, lambda: self._resized(image, data[image.image]))  # noqa: B023 - called at once
 
-    def _resized(self, image: PlacedImage) -> np.ndarray:
-        data = self.media.image_bytes(image.chunk_path, image.image)
+    def _resized(self, image: PlacedImage, data: bytes) -> np.ndarray:
         try:
             decoded = decode_rgb(data, self.max_pixels)
         except BadImage as exc:   # checked when built: these bytes decoded then
             raise ChunkIntegrityError(f"image {image.image[:16]}… of chunk {image.chunk_path} no longer decodes "
                                       f"({exc}): is the installed Pillow another build than the lake's?") from None
         if self.resolution.kind == "fixed":
-            out = np.asarray(decoded.resize(_fit(*decoded.size, self.resolution.size), RESAMPLE))
+            out = _array(decoded.resize(_fit(*decoded.size, self.resolution.size), RESAMPLE))
         else:
             p = self.resolution.patch_size
             rows, cols = _grid(*decoded.size, self.resolution)
-            resized = np.asarray(decoded.resize((cols * p, rows * p), RESAMPLE))
+            resized = _array(decoded.resize((cols * p, rows * p), RESAMPLE))
             out = np.ascontiguousarray(resized.reshape(rows, p, cols, p, 3).transpose(0, 2, 1, 3, 4)
                                        ).reshape(rows, cols, p * p * 3)
         out.setflags(write=False)
         return out
+
+
+def _array(image: Image.Image) -> np.ndarray:
+    """An RGB image's pixels, ``[height, width, 3]`` uint8 (read-only): its bytes as they are,
+    without ``np.asarray``'s array interface (a tenth more for the same bytes)."""
+    return np.frombuffer(image.tobytes(), np.uint8).reshape(image.height, image.width, 3)
 
 
 # Sizes repeat across a lake's images: one image's fit or grid is a dict lookup, not numpy on arrays of one.
