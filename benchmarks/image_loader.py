@@ -2,25 +2,26 @@
 
 A lake of the demo image corpus (``lakeloader.demo.images``: matplotlib's real photos, logos and
 icons and Pillow-made images; JPEG, PNG, WEBP, GIF; ``--copies`` times over) is built once with
-``interleaved.images: stored`` and a ``fixed`` 224 x 224 resolution. Each round reads ``--steps``
-batches with ``loader.image_cache_bytes`` of 1 byte (every image decoded again) and
-``loader.prefetch: 0`` in this process (``workers: 0``; one loader, after an untimed first pass over
-the same steps: the steady state of a long run, each media file's footer parsed), and runs the baseline over the very images
-those batches hold, in the same order: a plain Pillow loop making the same pixels
-(:func:`plain_pixels`: ``Image.open``, ``ImageOps.exif_transpose``, the documented conversion to
-RGB -- 16-bit to its high byte, alpha composited onto white -- and a bicubic resize to fit, into a
-numpy array); that it makes bitwise the loader's pixels is checked on one round's images. The
-loop most write, ``open().convert("RGB").resize()``, is timed too for reference: it drops alpha
-instead of compositing it (and clips 16-bit), so its pixels differ for most of this corpus. The
-pixel fill alone (the loader's part that reads, checks, decodes and resizes the images into the
-batch) is timed too. All are timed in CPU seconds of this process (images per second of one core:
-the loader's whole batch, tokens included, against the loop's decoding alone), so other load on
-the machine shifts them less. Rounds alternate; medians are reported with the load average. Then
-the same steps in wall-clock time with ``loader.workers`` 0, 1 and 2, alternating, in the steady
-state: once the workers have started and filled their rings (their CPU time stands still), and
-the batches they built ahead have been taken untimed; with the CPU time per image of this
-process and its workers together (what workers add, whatever the load), and the peak RSS of this
-process and of its children.
+``interleaved.images: stored`` and a ``fixed`` 224 x 224 resolution. One loader (``workers: 0``,
+``loader.prefetch: 0``, ``loader.image_cache_bytes`` of 1 byte: every image decoded again) reads
+``--steps`` batches once untimed (the steady state of a long run: each media file's footer parsed),
+then in each round again, and the baseline runs over the very images those batches hold, in the
+same order: a plain Pillow loop making the same pixels (:func:`plain_pixels`: ``Image.open``,
+``ImageOps.exif_transpose``, the documented conversion to RGB -- 16-bit to its high byte, alpha
+composited onto white, ``convert`` only where the mode is not RGB -- and a bicubic resize to fit,
+into a numpy array); that it makes the loader's pixels bitwise is checked on one round's images.
+The loop most write, ``open().convert("RGB").resize()``, is timed too for reference: it drops
+alpha instead of compositing it (and clips 16-bit), so its pixels differ for most of this corpus.
+The pixel fill alone (the loader's part that reads, checks, decodes and resizes the images into
+the batch) is timed too. All are timed in CPU seconds of this process (images per second of one
+core: the loader's whole batch, tokens included, against the loop's decoding alone), so other load
+on the machine shifts them less. Rounds alternate; medians are reported with the load average.
+Then the same steps in wall-clock time with ``loader.workers`` 0, 1 and 2, alternating, in the
+steady state: once the workers have started and filled their rings (their CPU time stands still;
+a slot's first use faults its shared memory in, a page per 4 KiB, once), and the batches they
+built ahead have been taken untimed; with the CPU time per image of this process and its workers
+together (what workers add, whatever the load), and the peak RSS of this process and of its
+children.
 
     .venv/bin/python benchmarks/image_loader.py [--copies 8] [--steps 24] [--repeat 3]
 """
