@@ -163,6 +163,15 @@ def test_batches_are_bitwise_the_same_for_any_process_count(patches_lake: Path,
         assert_batches_equal(global_batches(patches_lake, processes, range(STEPS)), reference, f"P={processes}")
 
 
+def test_pixels_are_the_same_whatever_the_bytes_read_before_decoding(patches_lake: Path,
+                                                                     reference: list[dict[str, Any]],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's images read a byte's worth at a time (each read, then decoded, in turn) give the
+    batches of the whole batch's images read first."""
+    monkeypatch.setattr("lakeloader.feed.pixels.READ_AHEAD_BYTES", 1)
+    assert_batches_equal(global_batches(patches_lake, 1, range(STEPS)), reference, "one image read at a time")
+
+
 def test_pixels_built_in_a_workers_slot_over_its_previous_batch_are_the_same(
         patches_lake: Path, reference: list[dict[str, Any]]) -> None:
     """A worker builds each batch in its shared-memory slot, over the slot's previous batch (the

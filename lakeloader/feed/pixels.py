@@ -38,6 +38,7 @@ from lakeloader.read.media import MediaFiles
 
 PIXEL_FIELDS = ("pixel_values", "pixel_patches", "patch_image", "patch_grid", "image_mask")
 RESAMPLE = Image.Resampling.BICUBIC
+READ_AHEAD_BYTES = 8 << 20   # an image batch's stored bytes read before they are decoded, at most (about)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +114,24 @@ class PixelFill:
     def _all_pixels(self, placed: Sequence[PlacedImage]) -> Iterator[np.ndarray]:
         """Each image of ``placed`` resized by the resolution (uint8, read-only, cached): ``[h, w, 3]``
         fitted under ``fixed``; ``[rows, cols, patch*patch*3]`` patches under ``patches``. The bytes
-        of those not cached are read first, all of them, then each is decoded when it is asked for:
-        each pass's code and data stay in the CPU's caches (5 % of the fill against reading and
-        decoding in turn), and one image's pixels at a time are held."""
+        of those not cached are read first, :data:`READ_AHEAD_BYTES` at a time, then each is decoded
+        when it is asked for: each pass's code and data stay in the CPU's caches (5 % of the fill
+        against reading and decoding in turn), and one image's pixels at a time are held."""
         found = self._images.cached([image.image for image in placed])
-        data = {image.image: self.media.image_bytes(image.chunk_path, image.image)
-                for image, pixels in zip(placed, found) if pixels is None}
-        for image, pixels in zip(placed, found):
-            yield pixels if pixels is not None else self._images.get(
-                image.image, lambda: self._resized(image, data[image.image]))  # noqa: B023 - called at once
+        start = 0
+        while start < len(placed):
+            data: dict[str, bytes] = {}
+            held, stop = 0, start
+            while stop < len(placed) and held < READ_AHEAD_BYTES:
+                image = placed[stop]
+                if found[stop] is None and image.image not in data:
+                    data[image.image] = self.media.image_bytes(image.chunk_path, image.image)
+                    held += len(data[image.image])
+                stop += 1
+            for image, pixels in zip(placed[start:stop], found[start:stop]):
+                yield pixels if pixels is not None else self._images.get(
+                    image.image, lambda: self._resized(image, data[image.image]))  # noqa: B023 - called at once
+            start = stop
 
     def _resized(self, image: PlacedImage, data: bytes) -> np.ndarray:
         try:
