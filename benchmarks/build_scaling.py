@@ -88,6 +88,7 @@ def generated_catalog(chunks: int) -> Path:
         writer.con.execute("INSERT INTO row_groups (dataset, global_index, row_group, first_doc, num_docs, "
                            "first_token, num_tokens, num_parts, part_tokens) "
                            "SELECT 'd', global_index, 0, 0, docs, 0, tokens, [docs], [tokens] FROM stats")
+        writer.recount_progress()
         publish_snapshot(writer.con, lake, None)
     config = folder / "config.yaml"
     config.write_text(yaml.safe_dump({

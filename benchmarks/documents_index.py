@@ -126,6 +126,7 @@ def generated_lake(chunks: int, docs_per_chunk: int) -> Path:
                              token_type="uint16", vocab_size=8204, split_size=1, on_error="raise")
         writer.con.execute("UPDATE chunks SET status = 'committed', num_docs = ?, num_tokens = 0, num_bytes = 1, "
                            "checksum = '0', num_records = ?", [docs_per_chunk, docs_per_chunk])
+        writer.recount_progress()
         per_file = max(1, COMPACT_DOCS // docs_per_chunk)
         for first in range(0, chunks, per_file):
             count = min(per_file, chunks - first)

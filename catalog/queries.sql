@@ -250,6 +250,22 @@ FROM datasets ORDER BY name;
 SELECT dataset, shard_index, source, status, num_splits, chunks_done, docs_done, tokens_done, rejects
 FROM shards ORDER BY dataset, shard_index;
 
+-- name: shard_totals
+-- Shards of datasets $datasets (NULL: every dataset), and how many are complete (from the counters).
+SELECT coalesce(sum(num_shards), 0)::BIGINT, coalesce(sum(shards_done), 0)::BIGINT FROM dataset_progress
+WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+
+-- name: shard_status_unfinished
+-- shard_status of the first $limit shards not complete of datasets $datasets (NULL: every dataset),
+-- found in shard_progress alone (a shard without chunks is complete).
+SELECT s.dataset, s.shard_index, s.source, s.status, s.num_splits, s.chunks_done, s.docs_done, s.tokens_done, s.rejects
+FROM shards s
+SEMI JOIN (SELECT dataset, shard_index FROM shard_progress
+           WHERE chunks_done <> num_splits AND ($datasets IS NULL OR list_contains($datasets, dataset))
+           ORDER BY dataset, shard_index LIMIT $limit) u
+       ON u.dataset = s.dataset AND u.shard_index = s.shard_index
+ORDER BY s.dataset, s.shard_index;
+
 -- name: recent_builds
 SELECT build_id, status, started_at, ended_at, workers, chunks_built, docs, tokens,
        round(tokens_per_s) AS tokens_per_s, round(tokens_per_s / nullif(workers, 0)) AS tokens_per_s_per_worker,
@@ -575,12 +591,11 @@ INSERT OR IGNORE INTO lake_meta VALUES ('lake_id', $lake_id);
 -- which may be an older plan's of its source). Any other folder of a dataset is stale.
 -- (A chunk's file in its own plan's folder, as every chunk of a dataset built from sources, is
 -- matched by a prefix comparison: only the others' folders are extracted.)
+-- (The others are kept in plan_folders.)
 SELECT DISTINCT folder FROM (
     SELECT chunk_dir AS folder FROM dataset_plans
     UNION ALL
-    SELECT regexp_extract(c.path, '^(.*)/[^/]*$', 1) AS folder
-    FROM chunks c JOIN dataset_plans d ON d.name = c.dataset
-    WHERE NOT starts_with(c.path, d.chunk_dir || '/') OR contains(c.path[length(d.chunk_dir) + 2:], '/')
+    SELECT folder FROM plan_folders
 ) ORDER BY folder;
 
 -- name: running_builds
@@ -903,3 +918,124 @@ WHERE c.media_checksum IS NOT NULL AND c.status = 'committed';
 SELECT count(*) > 0 FROM (SELECT table_name AS name, database_name FROM duckdb_tables()
                           UNION ALL SELECT view_name, database_name FROM duckdb_views())
 WHERE database_name = current_database() AND name = 'media_files';
+
+-- name: counted_dataset_progress
+-- The rows of dataset_progress counted from the chunk rows (columns in table order): what the
+-- counters always equal. A shard is complete as the shards view has it: as many chunks committed
+-- as it has splits (none, for a file without any).
+WITH per_shard AS (
+    SELECT dataset, shard_index, count(*) FILTER (WHERE status = 'committed') AS done
+    FROM chunks GROUP BY dataset, shard_index
+), shard_counts AS (
+    SELECT s.dataset, count(*) AS num_shards, count(*) FILTER (WHERE coalesce(p.done, 0) = s.num_splits) AS shards_done
+    FROM shard_plans s LEFT JOIN per_shard p ON p.dataset = s.dataset AND p.shard_index = s.shard_index
+    GROUP BY s.dataset
+), chunk_counts AS (
+    SELECT dataset, count(*) AS num_chunks, count(*) FILTER (WHERE status = 'committed') AS chunks_done,
+           coalesce(min(global_index) FILTER (WHERE status <> 'committed'), count(*)) AS prefix_chunks,
+           sum(num_docs) AS num_docs, sum(num_tokens) AS num_tokens, sum(num_bytes) AS num_bytes,
+           sum(source_bytes) AS source_bytes
+    FROM chunks GROUP BY dataset
+), reject_counts AS (
+    SELECT dataset, count(*) AS num_rejects FROM rejects GROUP BY dataset
+)
+SELECT d.name AS dataset, coalesce(s.num_shards, 0)::BIGINT AS num_shards,
+       coalesce(s.shards_done, 0)::BIGINT AS shards_done, coalesce(c.num_chunks, 0)::BIGINT AS num_chunks,
+       coalesce(c.chunks_done, 0)::BIGINT AS chunks_done, coalesce(c.prefix_chunks, 0)::BIGINT AS prefix_chunks,
+       coalesce(c.num_docs, 0)::BIGINT AS num_docs, coalesce(c.num_tokens, 0)::BIGINT AS num_tokens,
+       coalesce(c.num_bytes, 0)::BIGINT AS num_bytes, coalesce(c.source_bytes, 0)::BIGINT AS source_bytes,
+       coalesce(r.num_rejects, 0)::BIGINT AS num_rejects
+FROM dataset_plans d
+LEFT JOIN shard_counts s ON s.dataset = d.name
+LEFT JOIN chunk_counts c ON c.dataset = d.name
+LEFT JOIN reject_counts r ON r.dataset = d.name
+
+-- name: counted_shard_progress
+-- The rows of shard_progress counted from the chunk rows (columns in table order).
+SELECT c.dataset, min(c.global_index)::BIGINT AS global_index, c.shard_index, s.num_splits::BIGINT AS num_splits,
+       count(*) FILTER (WHERE c.status = 'committed')::BIGINT AS chunks_done,
+       coalesce(sum(c.num_docs), 0)::BIGINT AS docs_done,
+       coalesce(sum(c.num_tokens), 0)::BIGINT AS tokens_done,
+       coalesce(sum(c.num_rejects), 0)::BIGINT AS rejects
+FROM chunks c JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
+GROUP BY c.dataset, c.shard_index, s.num_splits
+
+-- name: counted_plan_folders
+-- The rows of plan_folders found from the chunk rows. (A chunk's file in its own plan's folder, as
+-- every chunk of a dataset built from sources, is matched by a prefix comparison: only the others'
+-- folders are extracted.)
+SELECT DISTINCT c.dataset, regexp_extract(c.path, '^(.*)/[^/]*$', 1) AS folder
+FROM chunks c JOIN dataset_plans d ON d.name = c.dataset
+WHERE NOT starts_with(c.path, d.chunk_dir || '/') OR contains(c.path[length(d.chunk_dir) + 2:], '/')
+
+-- name: counted_view
+-- A reader's table of counters of a catalog written before them: their count from the chunk rows
+-- (placeholders: the table, and its counted_dataset_progress, counted_shard_progress or
+-- counted_plan_folders).
+CREATE VIEW {table} AS {select};
+
+-- name: progress_differs
+-- Whether the counters differ from their count from the chunk rows (placeholders datasets, shards
+-- and folders: counted_dataset_progress, counted_shard_progress and counted_plan_folders).
+SELECT EXISTS (FROM dataset_progress EXCEPT ALL FROM ({datasets}))
+    OR EXISTS (FROM ({datasets}) EXCEPT ALL FROM dataset_progress)
+    OR EXISTS (FROM shard_progress EXCEPT ALL FROM ({shards}))
+    OR EXISTS (FROM ({shards}) EXCEPT ALL FROM shard_progress)
+    OR EXISTS (FROM plan_folders EXCEPT ALL FROM ({folders}))
+    OR EXISTS (FROM ({folders}) EXCEPT ALL FROM plan_folders);
+
+-- name: recount_progress
+-- The counters of datasets $datasets (NULL: every dataset) counted afresh from their chunk rows
+-- (placeholders as above).
+DELETE FROM dataset_progress WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+DELETE FROM shard_progress WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+INSERT INTO dataset_progress SELECT * FROM ({datasets}) WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+INSERT INTO shard_progress SELECT * FROM ({shards}) WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+DELETE FROM plan_folders WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+INSERT INTO plan_folders SELECT * FROM ({folders}) WHERE $datasets IS NULL OR list_contains($datasets, dataset);
+
+-- name: count_committed_dataset
+-- What a commit adds to one dataset's counters: the chunks it committed, their sums and the
+-- shards it completed. $first, the lowest of those chunks, is where the committed prefix ended if
+-- the commit moves it (every chunk below the prefix is committed, so the commit's chunks lie at or
+-- above it): then it ends at the first uncommitted chunk of the $window from $first on, or after
+-- that window (the caller looks further). Returns the prefix and the planned chunks.
+UPDATE dataset_progress SET
+    shards_done = shards_done + $shards_done, chunks_done = chunks_done + $chunks,
+    num_docs = num_docs + $num_docs, num_tokens = num_tokens + $num_tokens, num_bytes = num_bytes + $num_bytes,
+    source_bytes = source_bytes + $source_bytes, num_rejects = num_rejects + $num_rejects,
+    prefix_chunks = CASE WHEN prefix_chunks = $first THEN coalesce(
+        (SELECT min(global_index) FROM chunks
+         WHERE dataset = $dataset AND global_index BETWEEN $first AND $first + $window - 1 AND status <> 'committed'),
+        least($first + $window, num_chunks)) ELSE prefix_chunks END
+WHERE dataset = $dataset
+RETURNING prefix_chunks, num_chunks;
+
+-- name: count_committed_shards
+-- What a commit adds to its shards' counters: per shard (one element each). Returns their keys and
+-- whether they are complete now (then by this commit: it commits at least one chunk of each).
+UPDATE shard_progress p SET
+    chunks_done = p.chunks_done + b.chunks, docs_done = p.docs_done + b.num_docs,
+    tokens_done = p.tokens_done + b.num_tokens, rejects = p.rejects + b.num_rejects
+FROM (SELECT unnest($dataset) AS dataset, unnest($shard_index) AS shard_index, unnest($chunks) AS chunks,
+             unnest($num_docs) AS num_docs, unnest($num_tokens) AS num_tokens, unnest($num_rejects) AS num_rejects) b
+WHERE p.dataset = b.dataset AND p.shard_index = b.shard_index
+RETURNING p.dataset, p.global_index, p.chunks_done = p.num_splits;
+
+-- name: count_committed_shard
+-- count_committed_shards for a commit of one shard: its values as scalars, found without a join
+-- (about half the time: what a driver receiving results one at a time pays for each).
+UPDATE shard_progress SET
+    chunks_done = chunks_done + $chunks, docs_done = docs_done + $num_docs,
+    tokens_done = tokens_done + $num_tokens, rejects = rejects + $num_rejects
+WHERE dataset = $dataset AND shard_index = $shard_index
+RETURNING dataset, global_index, chunks_done = num_splits;
+
+-- name: next_uncommitted
+-- The lowest global index of an uncommitted chunk of a dataset in [$lo, $hi] (NULL: none): where
+-- its committed prefix ends, looked for a window at a time from where count_committed_dataset left it.
+SELECT min(global_index) FROM chunks
+WHERE dataset = $name AND global_index BETWEEN $lo AND $hi AND status <> 'committed';
+
+-- name: set_committed_prefix
+UPDATE dataset_progress SET prefix_chunks = $prefix WHERE dataset = $name;

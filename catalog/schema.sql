@@ -301,3 +301,47 @@ CREATE TABLE IF NOT EXISTS document_index_chunks (
     path         VARCHAR NOT NULL,         -- the index file (document_index_files.path)
     PRIMARY KEY (dataset, global_index)
 );
+
+-- Progress counters: what the views datasets and shards report of the chunk rows, kept by the
+-- writer in the transaction of every change of those rows (commits, plans), so that status reads a
+-- row per dataset and per shard whatever the number of chunks. They always equal their count from
+-- the chunk rows (queries.sql counted_dataset_progress, counted_shard_progress), which the writer
+-- checks when it opens the catalog and counts afresh where they differ (a catalog written before
+-- them, one recovered from a snapshot, one changed by hand). Readers of a catalog without them
+-- read those counts instead.
+CREATE TABLE IF NOT EXISTS dataset_progress (
+    dataset       VARCHAR PRIMARY KEY,     -- a dataset plan in force
+    num_shards    BIGINT NOT NULL,         -- rows of shard_plans
+    shards_done   BIGINT NOT NULL,         -- of them complete (committed chunks = num_splits)
+    num_chunks    BIGINT NOT NULL,         -- planned chunks
+    chunks_done   BIGINT NOT NULL,         -- committed chunks
+    prefix_chunks BIGINT NOT NULL,         -- committed_prefix.num_chunks
+    num_docs      BIGINT NOT NULL,         -- sums over the chunk rows
+    num_tokens    BIGINT NOT NULL,
+    num_bytes     BIGINT NOT NULL,
+    source_bytes  BIGINT NOT NULL,
+    num_rejects   BIGINT NOT NULL          -- rows of rejects
+);
+
+-- Per shard with planned chunks. Keyed by its first chunk, so incremental snapshots carry the row
+-- with that chunk's rows (catalog/changes.py KEYED_TABLES).
+CREATE TABLE IF NOT EXISTS shard_progress (
+    dataset      VARCHAR NOT NULL,
+    global_index BIGINT NOT NULL,          -- the shard's lowest global index
+    shard_index  INTEGER NOT NULL,
+    num_splits   BIGINT NOT NULL,          -- shard_plans.num_splits: complete when chunks_done is as many
+    chunks_done  BIGINT NOT NULL,          -- committed chunks
+    docs_done    BIGINT NOT NULL,          -- sums over the chunk rows
+    tokens_done  BIGINT NOT NULL,
+    rejects      BIGINT NOT NULL,          -- sum of chunks.num_rejects
+    PRIMARY KEY (dataset, global_index)
+);
+
+-- The folders a dataset's planned chunk files lie in other than its plan's own (chunk_dir): a
+-- filtered dataset's source files of an older plan of its source. With the chunk_dir of each plan
+-- in force, the folders the catalog reads (live_chunk_folders), found without reading every chunk.
+CREATE TABLE IF NOT EXISTS plan_folders (
+    dataset VARCHAR NOT NULL,
+    folder  VARCHAR NOT NULL,
+    PRIMARY KEY (dataset, folder)
+);

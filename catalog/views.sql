@@ -1,7 +1,8 @@
--- Views derived from the tables of schema.sql. Progress is never stored twice: it is computed here.
+-- Views derived from the tables of schema.sql. Progress is read from its counters (dataset_progress,
+-- shard_progress), which the writer keeps equal to their count from the chunk rows.
 -- They build on prefix.sql (committed_prefix), defined first: readers need only that one.
 
--- Per-shard progress.
+-- Per-shard progress (the counters of shard_progress: a row per shard whatever the number of chunks).
 CREATE OR REPLACE VIEW shards AS
 SELECT
     s.dataset,
@@ -11,18 +12,17 @@ SELECT
     s.compression,
     s.size_bytes,
     s.num_splits,
-    count(c.global_index) FILTER (WHERE c.status = 'committed') AS chunks_done,
-    coalesce(sum(c.num_docs), 0)::BIGINT AS docs_done,
-    coalesce(sum(c.num_tokens), 0)::BIGINT AS tokens_done,
-    coalesce(sum(c.num_rejects), 0)::BIGINT AS rejects,
+    coalesce(p.chunks_done, 0)::BIGINT AS chunks_done,
+    coalesce(p.docs_done, 0)::BIGINT AS docs_done,
+    coalesce(p.tokens_done, 0)::BIGINT AS tokens_done,
+    coalesce(p.rejects, 0)::BIGINT AS rejects,
     CASE
-        WHEN chunks_done = s.num_splits THEN 'complete'
-        WHEN chunks_done > 0 THEN 'building'
+        WHEN coalesce(p.chunks_done, 0) = s.num_splits THEN 'complete'
+        WHEN p.chunks_done > 0 THEN 'building'
         ELSE 'planned'
     END AS status
 FROM shard_plans s
-LEFT JOIN chunks c ON c.dataset = s.dataset AND c.shard_index = s.shard_index
-GROUP BY s.dataset, s.shard_index, s.source, s.layout, s.compression, s.size_bytes, s.num_splits;
+LEFT JOIN shard_progress p ON p.dataset = s.dataset AND p.shard_index = s.shard_index;
 
 -- Committed-prefix chunks with cumulative document and token offsets within their dataset.
 CREATE OR REPLACE VIEW chunk_offsets AS
@@ -42,44 +42,32 @@ FROM chunks c
 JOIN committed_prefix p ON p.dataset = c.dataset AND c.global_index < p.num_chunks
 WINDOW w AS (PARTITION BY c.dataset ORDER BY c.global_index ROWS UNBOUNDED PRECEDING);
 
--- One row per dataset with its progress.
+-- One row per dataset with planned chunks and its progress (the counters of dataset_progress).
 CREATE OR REPLACE VIEW datasets AS
 SELECT
     d.name,
     d.fingerprint,
     CASE
-        WHEN agg.chunks_done = agg.num_chunks THEN 'complete'
-        WHEN agg.chunks_done > 0 THEN 'building'
+        WHEN p.chunks_done = p.num_chunks THEN 'complete'
+        WHEN p.chunks_done > 0 THEN 'building'
         ELSE 'planned'
     END AS status,
-    (SELECT count(*) FROM shard_plans s WHERE s.dataset = d.name) AS num_shards,
-    agg.num_chunks,
-    agg.chunks_done,
-    p.num_chunks AS prefix_chunks,
-    agg.num_docs,
-    agg.num_tokens,
-    agg.num_bytes,
-    agg.source_bytes,
-    (SELECT count(*) FROM rejects r WHERE r.dataset = d.name) AS num_rejects,
+    p.num_shards,
+    p.num_chunks,
+    p.chunks_done,
+    p.prefix_chunks,
+    p.num_docs,
+    p.num_tokens,
+    p.num_bytes,
+    p.source_bytes,
+    p.num_rejects,
     d.format,
     d.token_type,
     d.vocab_size,
     d.chunk_dir,
     d.planned_at
 FROM dataset_plans d
-JOIN (
-    SELECT
-        dataset,
-        count(*) AS num_chunks,
-        count(*) FILTER (WHERE status = 'committed') AS chunks_done,
-        coalesce(sum(num_docs), 0)::BIGINT AS num_docs,
-        coalesce(sum(num_tokens), 0)::BIGINT AS num_tokens,
-        coalesce(sum(num_bytes), 0)::BIGINT AS num_bytes,
-        coalesce(sum(source_bytes), 0)::BIGINT AS source_bytes
-    FROM chunks
-    GROUP BY dataset
-) agg ON agg.dataset = d.name
-JOIN committed_prefix p ON p.dataset = d.name;
+JOIN dataset_progress p ON p.dataset = d.name AND p.num_chunks > 0;
 
 -- The mixture schedule of a registered mixture (tables mixtures, mixture_stages, mixture_nodes),
 -- the analyst's view of lakeloader.index.mixture.schedule (what the loader and the audit use; equal

@@ -17,7 +17,7 @@ import pandas as pd
 
 from lakeloader.catalog.sql import ALLOWED_SQL, STATUS_TABLES
 from lakeloader.contracts.errors import LakeloaderError
-from lakeloader.report.tables import FORMATS, audit_heading, format_frame, format_status
+from lakeloader.report.tables import FORMATS, SHOWN_SHARDS, audit_heading, format_frame, format_status
 
 if TYPE_CHECKING:
     from lakeloader.feed.loader import Loader
@@ -58,7 +58,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from lakeloader.catalog.lake import open_lake
 
-    tables = open_lake(args.target).status(whole_lake=args.whole_lake)
+    text = args.table is None and args.format == "table"   # the text lists SHOWN_SHARDS shards at most
+    tables = open_lake(args.target).status(whole_lake=args.whole_lake, shards_shown=SHOWN_SHARDS if text else None)
     if args.table is not None:
         _print_frame(tables[args.table], args.format)
         return 0

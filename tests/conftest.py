@@ -21,8 +21,11 @@ import pytest
 import yaml
 import zstandard
 
+from lakeloader.catalog.lake import open_lake
 from lakeloader.catalog.pointer import delta_file, delta_key, delta_versions, seal_pointer
+from lakeloader.catalog.progress import counted
 from lakeloader.catalog.reader_index import TABLES, index_file
+from lakeloader.catalog.sql import query
 from lakeloader.catalog.store import LiveCatalog
 from lakeloader.contracts.errors import LakeloaderError
 from lakeloader.feed.loader import Loader
@@ -278,6 +281,16 @@ def global_batches(config: Path, processes: int, steps: range) -> list[dict[str,
 
 
 Batch = dict[str, Any]
+
+
+def assert_progress_counted(target: str | os.PathLike[str]) -> None:
+    """The progress counters of the lake of ``target`` (a config or a lake) equal their count from
+    its chunk rows (catalog/progress.py)."""
+    con = open_lake(target).connect()
+    try:
+        assert not con.execute(query("progress_differs").format(**counted())).fetchone()[0]
+    finally:
+        con.close()
 
 
 def assert_batches_equal(a: Batch | list[Batch], b: Batch | list[Batch], what: str = "",

@@ -36,6 +36,7 @@ from lakeloader.read.verify import verify_lake
 from conftest import (
     Lakes,
     assert_batches_equal,
+    assert_progress_counted,
     global_batches,
     small_lake_request,
     stdlib_texts,
@@ -76,6 +77,7 @@ def assert_lake_as_built(config: Path, files: dict[str, bytes], batches: list[di
     assert all(hashlib.sha256(data).hexdigest() == checksums(lake)[path] for path, data in files.items())
     assert (verify_lake(config, progress=False).status == "ok").all()
     assert_batches_equal(global_batches(config, 1, STEPS), batches)
+    assert_progress_counted(config)
 
 
 def test_build_rebuilds_missing_and_truncated_chunks(local_lake: Any, dask_scheduler: str,

@@ -29,7 +29,7 @@ import pytest
 from lakeloader.catalog.lake import open_lake
 from lakeloader.ingest.driver import build
 
-from conftest import stdlib_texts, write_config, write_jsonl
+from conftest import assert_progress_counted, stdlib_texts, write_config, write_jsonl
 
 # Standard-library packages as shards of very unequal size (about 1.4 MB down to 50 KB of text).
 CORPUS_PACKAGES = ("encodings", "idlelib", "unittest", "distutils", "lib2to3", "asyncio", "email", "json")
@@ -201,6 +201,7 @@ def lake_state(lake_root: Path) -> LakeState:
 
 
 def assert_same_lake(lake_root: Path, reference: LakeState) -> None:
+    assert_progress_counted(lake_root)
     state = lake_state(lake_root)
     pd.testing.assert_frame_equal(state.chunks, reference.chunks)
     pd.testing.assert_frame_equal(state.row_groups, reference.row_groups)

@@ -35,8 +35,8 @@ from lakeloader.ingest.driver import build
 from lakeloader.plan.planner import plan_dataset
 
 from conftest import RunLoaders as Loaders
-from conftest import (assert_batches_equal, assert_epochs_whole, read_run, resume_run, stdlib_texts, write_config,
-                      write_jsonl)
+from conftest import (assert_batches_equal, assert_epochs_whole, assert_progress_counted, read_run, resume_run,
+                      stdlib_texts, write_config, write_jsonl)
 
 SEQ_LEN = 32
 BATCH = 8
@@ -214,6 +214,7 @@ def test_a_grown_plan_keeps_its_chunks_and_a_fresh_build_orders_all_files(dask_s
     assert set(after["shard_index"][len(before):]) == {2, 3}   # the new files' chunks after the old ones
     growth = lake.sql("SELECT dataset, extends, chunks_before FROM plan_growth ORDER BY dataset")
     assert growth.values.tolist() == [["g", old["g"], len(before)], ["short", old["short"], len(before)]]
+    assert_progress_counted(config)
     build(config, scheduler=dask_scheduler, progress=False)   # again, nothing added: the grown plan stays
     assert open_lake(config).sql(f"SELECT {columns} FROM chunks WHERE dataset = 'g' ORDER BY global_index").equals(after)
     fresh = plan_dataset("g", load_config(config), "x")

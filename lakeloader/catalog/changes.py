@@ -3,8 +3,9 @@ changed, so that the next publish writes only those (catalog/delta.py) and not t
 
 Tables fall in three kinds (catalog/schema.sql):
 
-- keyed (``KEYED_TABLES``): rows of one chunk, keyed by (dataset, global_index); a delta carries
-  every row of each chunk changed since the previous publish, replacing that chunk's rows;
+- keyed (``KEYED_TABLES``): rows of one chunk, keyed by (dataset, global_index) (a shard's
+  counters, ``shard_progress``, by its first chunk); a delta carries every row of each chunk changed
+  since the previous publish, replacing that chunk's rows;
 - static (``STATIC_TABLES``): written only when a dataset is planned, which makes the next publish
   a full snapshot;
 - whole: every other table, small whatever the lake's size (plans, builds, mixtures, lake_meta),
@@ -21,7 +22,7 @@ import dataclasses
 from collections.abc import Iterable
 
 KEYED_TABLES = ("chunks", "row_groups", "chunk_images", "selections", "chunk_examples", "rejects",
-                "document_index_chunks", "media_files")
+                "document_index_chunks", "media_files", "shard_progress")
 STATIC_TABLES = ("shard_plans",)
 # Statements that change keyed tables only for the chunks their caller records (CatalogWriter.commit,
 # commit_plans).
@@ -29,19 +30,20 @@ KEYED_STATEMENTS = frozenset({
     "commit_chunk", "commit_batch_chunks", "commit_batch_row_groups", "commit_batch_images", "commit_batch_examples",
     "commit_batch_missing_examples", "commit_batch_selections", "commit_batch_rejects", "insert_chunk_examples",
     "insert_document_index_chunks", "move_document_index_chunks", "forget_document_index_chunks",
-    "insert_media_files", "forget_media_files"})
+    "insert_media_files", "forget_media_files", "count_committed_shards", "count_committed_shard"})
 # Statements that change whole tables only.
 WHOLE_STATEMENTS = frozenset({
     "set_on_error", "record_definition", "insert_packing_plan", "touch_mixture", "insert_mixture",
     "insert_mixture_stage", "insert_mixture_node", "start_build", "set_build_cluster", "finish_build",
     "interrupt_stale_builds", "set_schema_version", "init_lake_id", "set_lake_meta",
-    "insert_document_index_file", "drop_document_index_files"})
+    "insert_document_index_file", "drop_document_index_files", "count_committed_dataset", "set_committed_prefix"})
 READ_STATEMENTS = frozenset({
     "begin_transaction", "commit_transaction", "rollback_transaction", "checkpoint", "schema_version",
     "dataset_plan", "chunk_count", "chunk_folders", "chunk_tasks", "chunks_without_plan",
     "datasets_without_documents", "filtered_datasets", "pending_selections", "reader_dataset", "built_plan_files",
     "built_plan_chunks", "committed_among", "document_index_files_of_dataset", "document_index_chunks_of",
-    "document_index_chunk_keys", "media_rewrites", "current_media_files"})
+    "document_index_chunk_keys", "media_rewrites", "current_media_files", "progress_differs",
+    "next_uncommitted"})
 
 
 @dataclasses.dataclass

@@ -184,26 +184,49 @@ class Lake(LakeLocation):
         if self.config is not None and self.datasets is not None:
             check_own_plans_in(con, self.config, self.datasets, self.url)
 
-    def status(self, whole_lake: bool = False) -> dict[str, pd.DataFrame]:   # keys: STATUS_TABLES
+    def status(self, whole_lake: bool = False, shards_shown: int | None = None
+               ) -> dict[str, pd.DataFrame]:   # keys: STATUS_TABLES
         """Per-dataset and per-shard progress, the recent builds and the stale chunk folders of
         replaced dataset plans (``stale_folders``; ``lakeloader gc`` removes them), as DataFrames:
         of the config's datasets, or of every dataset of the lake with ``whole_lake`` (the builds:
-        every build of the lake)."""
+        every build of the lake). Its time does not grow with the number of chunks (the catalog's
+        progress counters), nor, given ``shards_shown``, with the number of shards: then the
+        shards of a lake of more than that many are only the first that many not complete, and
+        the frame's ``attrs`` ``shards`` and ``complete`` count them all."""
         con = self.connect()
         try:
             if not whole_lake:
                 self._check_own_plans(con)
             tables = {name: con.execute(query(q)).df() for name, q in
-                      (("datasets", "dataset_status"), ("shards", "shard_status"), ("builds", "recent_builds"))}
+                      (("datasets", "dataset_status"), ("builds", "recent_builds"))}
+            datasets = list(self.datasets) if self.datasets is not None and not whole_lake else None
+            tables["shards"] = self._shards(con, datasets, shards_shown)
             tables["stale_folders"] = stale_chunk_folders(self, con)
-            if self.datasets is not None and not whole_lake:
+            if datasets is not None:
                 for name, column in (("datasets", "name"), ("shards", "dataset"), ("stale_folders", "dataset")):
-                    tables[name] = tables[name][tables[name][column].isin(self.datasets)].reset_index(drop=True)
+                    attrs = tables[name].attrs
+                    tables[name] = tables[name][tables[name][column].isin(datasets)].reset_index(drop=True)
+                    tables[name].attrs.update(attrs)
             return {name: tables[name] for name in STATUS_TABLES}
         except duckdb.Error as exc:
             raise self.catalog_damage(exc) or exc
         finally:
             con.close()
+
+
+    @staticmethod
+    def _shards(con: duckdb.DuckDBPyConnection, datasets: list[str] | None, shown: int | None) -> pd.DataFrame:
+        """The shards of ``Lake.status`` of ``datasets`` (None: every dataset): every one, or with
+        ``shown`` and more shards than that, the first ``shown`` not complete, counted in ``attrs``."""
+        if shown is None:
+            return con.execute(query("shard_status")).df()
+        total, complete = con.execute(query("shard_totals"), {"datasets": datasets}).fetchone()
+        if total <= shown:
+            frame = con.execute(query("shard_status")).df()
+        else:
+            frame = con.execute(query("shard_status_unfinished"), {"datasets": datasets, "limit": shown}).df()
+        frame.attrs.update(shards=int(total), complete=int(complete))
+        return frame
 
 
 _WIDE_INTEGER = re.compile(r"^(U?HUGEINT|DECIMAL\(\d+,\s*0\))$")

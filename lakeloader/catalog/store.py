@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -23,6 +24,8 @@ import pyarrow as pa
 
 from lakeloader.catalog.changes import KEYED_TABLES, STATIC_TABLES, ChangeLog
 from lakeloader.catalog.identity import replaced_definitions
+from lakeloader.catalog import progress
+from lakeloader.catalog.progress import commit_sums, counted, counted_views
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.config import SqlConfig
 from lakeloader.contracts.chunk_file import IMAGE_ROW_FIELDS, ChunkResult, PlanStats
@@ -40,7 +43,9 @@ log = logging.getLogger(__name__)
 # they replace, and per table they carry its rows.
 Overlay = tuple[pa.Table, dict[str, pa.Table]]
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
+# Schema versions the writer upgrades on open: 2, before the progress counters (counted then).
+_UPGRADED_VERSIONS = ("2",)
 # How long closing the build's catalog waits for a query on a cursor handed out of it to end.
 CLOSE_WAIT_SECONDS = 60.0
 _LOCK_PID = re.compile(r"PID (\d+)")
@@ -249,8 +254,9 @@ def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, 
                    overlay: Overlay | None = None) -> str:
     """The reader's view of each table of ``stored`` (its stored columns): schema.sql's columns by
     name, so no other column of the file is read; a column schema.sql added after the catalog was
-    written reads NULL (so lakes built before it still read), and a table of ``_LATER_TABLES`` it
-    lacks is empty. A column of schema.sql that the file lacks, or has as a generated column, is a
+    written reads NULL (so lakes built before it still read), a table of ``_LATER_TABLES`` it
+    lacks is empty, and a table of progress counters it lacks is their count from its chunk rows
+    (catalog/progress.py ``counted_views``). A column of schema.sql that the file lacks, or has as a generated column, is a
     CatalogError naming it. With an ``overlay`` loaded (``_load_overlay``), a keyed table's rows of
     the chunks it replaces are its rows, and a whole table is its rows."""
     statements = []
@@ -272,7 +278,7 @@ def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, 
         statements.append(query(kind).format(table=name, columns=", ".join(selected)))
     statements += [f"CREATE TABLE {name} ({body});" for name, body in _TABLE_BODY.findall(sql_file("schema"))
                    if name in _LATER_TABLES and name not in stored]
-    return "".join(statements)
+    return "".join(statements) + counted_views(stored)
 
 
 def _load_overlay(con: duckdb.DuckDBPyConnection, stored: dict[str, set[str]], overlay: Overlay, where: str) -> None:
@@ -574,7 +580,7 @@ class CatalogWriter:
     def _apply_schema(self) -> None:
         self.con.execute(sql_file("schema"))
         found = self._run("schema_version").fetchone()
-        if found and found[0] != SCHEMA_VERSION:
+        if found and found[0] != SCHEMA_VERSION and found[0] not in _UPGRADED_VERSIONS:
             raise CatalogError(
                 f"catalog {self.path} has schema version {found[0]}, this lakeloader writes "
                 f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version"
@@ -582,6 +588,24 @@ class CatalogWriter:
         self._run("set_schema_version", {"version": SCHEMA_VERSION})
         self._run("init_lake_id", {"lake_id": uuid.uuid4().hex})
         define_views(self.con)
+        self._check_progress()
+
+    def _check_progress(self) -> None:
+        """Count the progress counters afresh where they differ from the chunk rows: a catalog
+        written before them, or one whose chunk rows were changed by other SQL than the writer's."""
+        if self._run_counting("progress_differs").fetchone()[0]:
+            log.info("catalog %s: counting its progress counters from its chunk rows", self.path)
+            self.recount_progress()
+
+    def recount_progress(self, datasets: Sequence[str] | None = None) -> None:
+        """Count the progress counters of ``datasets`` (None: every dataset) afresh from their
+        chunk rows, in one transaction: for code changing chunk rows by SQL of its own (the
+        demo's grown lakes, benchmarks), which the writer's own writes never need."""
+        with self.transaction():
+            self._recount(datasets)
+
+    def _recount(self, datasets: Sequence[str] | None) -> None:
+        self._run_counting("recount_progress", {"datasets": None if datasets is None else list(datasets)})
 
     def close(self) -> None:
         """Checkpoint and close the connection (closed even when the checkpoint fails)."""
@@ -666,8 +690,16 @@ class CatalogWriter:
                 self.con.unregister(name)
 
     def _run(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+        return self._execute(name, query(name), params)
+
+    def _run_counting(self, name: str, params: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+        """Run statement ``name`` whose placeholders are the progress counters' count from the
+        chunk rows (:func:`~lakeloader.catalog.progress.counted`)."""
+        return self._execute(name, query(name).format(**counted()), params)
+
+    def _execute(self, name: str, text: str, params: dict[str, Any] | None) -> duckdb.DuckDBPyConnection:
         self.changes.statement(name)
-        statements = [s for s in query(name).split(";") if s.strip()]
+        statements = [s for s in text.split(";") if s.strip()]
         result = self.con
         for statement in statements:
             result = self.con.execute(statement, params) if params else self.con.execute(statement)
@@ -759,6 +791,7 @@ class CatalogWriter:
                     "line": None, "reason": missing.reason, "shard_index": None,
                     "split_index": None, "global_index": None, "build_id": None,
                 })
+            self._recount([plan.name])
         if adopted:
             log.info("dataset %r: re-planned; %d committed chunk(s) of unchanged files kept", plan.name, adopted)
         return True
@@ -939,12 +972,42 @@ class CatalogWriter:
                 self._run("commit_batch_selections", _selection_columns(fresh))
             if any(r.rejects for r in fresh):
                 self._run("commit_batch_rejects", {**_reject_columns(fresh, splits), "build_id": build_id})
+            if fresh:
+                self._count_commits(fresh, splits)
             for file in index_files:
                 self.changes.chunks((file.dataset, index) for index in file.chunks)
                 self._run("insert_document_index_file", file.record())
                 self._run("insert_document_index_chunks",
                           {"dataset": file.dataset, "global_index": file.chunks, "path": file.path})
         return len(fresh)
+
+    def _count_commits(self, fresh: Sequence[ChunkResult], splits: dict[tuple[str, int], tuple[int, int]]) -> None:
+        """Add chunks ``fresh``, just committed, to the progress counters, and move the committed
+        prefix of each dataset whose prefix ended at one of them to the next uncommitted chunk."""
+        per_dataset, per_shard = commit_sums(fresh, splits)
+        if len(per_shard["dataset"]) == 1:
+            shards = self._run("count_committed_shard", {name: values[0] for name, values in per_shard.items()}).fetchall()
+        else:
+            shards = self._run("count_committed_shards", per_shard).fetchall()
+        self.changes.chunks((dataset, key) for dataset, key, _ in shards)
+        completed = collections.Counter(dataset for dataset, _, complete in shards if complete)
+        for sums in per_dataset:
+            dataset, window = sums["dataset"], progress.PREFIX_WINDOW
+            prefix, planned = self._run("count_committed_dataset", {
+                **sums, "shards_done": completed[dataset], "window": window}).fetchone()
+            if prefix == sums["first"] + window < planned:   # no uncommitted chunk in the window
+                self._run("set_committed_prefix", {"name": dataset, "prefix": self._prefix_end(dataset, prefix, planned)})
+
+    def _prefix_end(self, dataset: str, start: int, planned: int) -> int:
+        """The lowest global index from ``start`` on of an uncommitted chunk of ``dataset`` (of
+        ``planned`` chunks), or ``planned``: windows of rows from ``start`` on, growing."""
+        window = progress.PREFIX_WINDOW
+        while start < planned:
+            found = self._run("next_uncommitted", {"name": dataset, "lo": start, "hi": start + window - 1}).fetchone()[0]
+            if found is not None:
+                return int(found)
+            start, window = start + window, window * 2
+        return planned
 
     def start_build(self, *, workers: int, scheduler: str, dashboard: str, version: str, encoder: str = "") -> int:
         """Record a new build run (marking runs left 'running' by a crash as interrupted);

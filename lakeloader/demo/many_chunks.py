@@ -40,6 +40,7 @@ def grow(lake: Lake, dataset: str, chunks: int) -> int:
                 con.execute(query("demo_copy_rows").format(table=table), {"name": dataset})
                 con.execute(query("demo_delete_rows").format(table=table), {"name": dataset})
                 con.execute(query("demo_repeat_rows").format(table=table), {"chunks": chunks, "base": committed})
+        writer.recount_progress([dataset])
         return publish_snapshot(con, lake, None)
 
 

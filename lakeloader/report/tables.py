@@ -47,12 +47,15 @@ SHOWN_SHARDS = 20
 
 def _shards_text(shards: pd.DataFrame) -> str:
     """The shards section of the text status (``SHOWN_SHARDS``); csv and json list every shard."""
-    if len(shards) <= SHOWN_SHARDS:
+    total = shards.attrs.get("shards", len(shards))   # (Lake.status(shards_shown=...) counts them there)
+    if total <= SHOWN_SHARDS:
         return format_frame(shards, "table")
     unfinished = shards[shards.status != "complete"]
+    complete = shards.attrs.get("complete", len(shards) - len(unfinished))
     shown = format_frame(unfinished.head(SHOWN_SHARDS), "table") if len(unfinished) else ""
-    more = f", {len(unfinished) - SHOWN_SHARDS:,} more not complete" if len(unfinished) > SHOWN_SHARDS else ""
-    return (f"{shown}({len(shards) - len(unfinished):,} of {len(shards):,} shards complete{more}; "
+    more = total - complete - SHOWN_SHARDS
+    more_text = f", {more:,} more not complete" if more > 0 else ""
+    return (f"{shown}({complete:,} of {total:,} shards complete{more_text}; "
             "`lakeloader status TARGET --format csv --table shards` lists every shard)\n")
 
 
