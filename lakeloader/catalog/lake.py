@@ -213,7 +213,6 @@ class Lake(LakeLocation):
         finally:
             con.close()
 
-
     @staticmethod
     def _shards(con: duckdb.DuckDBPyConnection, datasets: list[str] | None, shown: int | None) -> pd.DataFrame:
         """The shards of ``Lake.status`` of ``datasets`` (None: every dataset): every one, or with

@@ -1,5 +1,6 @@
-"""Progress counters (catalog/schema.sql ``dataset_progress``, ``shard_progress``): what a commit adds
-to them, and the SQL counting them from the chunk rows, which they always equal.
+"""Progress counters (catalog/schema.sql ``dataset_progress``, ``shard_progress``, and
+``plan_folders``, kept alike): what a commit adds to them, and the SQL counting them from the chunk
+rows, which they always equal.
 
 The writer keeps them in the transaction of every change of the chunk rows (``CatalogWriter``:
 commits add a batch's sums, a new plan counts its dataset afresh, an open checks them all), so
@@ -21,7 +22,6 @@ PREFIX_WINDOW = 4096
 
 _DATASET_SUMS = ("chunks", "num_docs", "num_tokens", "num_bytes", "source_bytes", "num_rejects")
 _SHARD_SUMS = ("chunks", "num_docs", "num_tokens", "num_rejects")
-
 
 # Each table of counters (and plan_folders, kept alike) and the statement counting its rows.
 COUNTED = {"dataset_progress": "counted_dataset_progress", "shard_progress": "counted_shard_progress",

@@ -22,9 +22,9 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
+from lakeloader.catalog import progress
 from lakeloader.catalog.changes import KEYED_TABLES, STATIC_TABLES, ChangeLog
 from lakeloader.catalog.identity import replaced_definitions
-from lakeloader.catalog import progress
 from lakeloader.catalog.progress import commit_sums, counted, counted_views
 from lakeloader.catalog.sql import query, sql_file
 from lakeloader.config import SqlConfig
@@ -256,9 +256,9 @@ def _reader_tables(con: duckdb.DuckDBPyConnection, path: str, stored: dict[str, 
     name, so no other column of the file is read; a column schema.sql added after the catalog was
     written reads NULL (so lakes built before it still read), a table of ``_LATER_TABLES`` it
     lacks is empty, and a table of progress counters it lacks is their count from its chunk rows
-    (catalog/progress.py ``counted_views``). A column of schema.sql that the file lacks, or has as a generated column, is a
-    CatalogError naming it. With an ``overlay`` loaded (``_load_overlay``), a keyed table's rows of
-    the chunks it replaces are its rows, and a whole table is its rows."""
+    (catalog/progress.py ``counted_views``). A column of schema.sql that the file lacks, or has as
+    a generated column, is a CatalogError naming it. With an ``overlay`` loaded (``_load_overlay``),
+    a keyed table's rows of the chunks it replaces are its rows, and a whole table is its rows."""
     statements = []
     for name, columns in stored.items():
         missing = [column for column in schema_columns()[name] if column.lower() not in columns]
@@ -986,7 +986,8 @@ class CatalogWriter:
         prefix of each dataset whose prefix ended at one of them to the next uncommitted chunk."""
         per_dataset, per_shard = commit_sums(fresh, splits)
         if len(per_shard["dataset"]) == 1:
-            shards = self._run("count_committed_shard", {name: values[0] for name, values in per_shard.items()}).fetchall()
+            one = {name: values[0] for name, values in per_shard.items()}
+            shards = self._run("count_committed_shard", one).fetchall()
         else:
             shards = self._run("count_committed_shards", per_shard).fetchall()
         self.changes.chunks((dataset, key) for dataset, key, _ in shards)
@@ -996,14 +997,16 @@ class CatalogWriter:
             prefix, planned = self._run("count_committed_dataset", {
                 **sums, "shards_done": completed[dataset], "window": window}).fetchone()
             if prefix == sums["first"] + window < planned:   # no uncommitted chunk in the window
-                self._run("set_committed_prefix", {"name": dataset, "prefix": self._prefix_end(dataset, prefix, planned)})
+                end = self._prefix_end(dataset, prefix, planned)
+                self._run("set_committed_prefix", {"name": dataset, "prefix": end})
 
     def _prefix_end(self, dataset: str, start: int, planned: int) -> int:
         """The lowest global index from ``start`` on of an uncommitted chunk of ``dataset`` (of
         ``planned`` chunks), or ``planned``: windows of rows from ``start`` on, growing."""
         window = progress.PREFIX_WINDOW
         while start < planned:
-            found = self._run("next_uncommitted", {"name": dataset, "lo": start, "hi": start + window - 1}).fetchone()[0]
+            window_rows = {"name": dataset, "lo": start, "hi": start + window - 1}
+            found = self._run("next_uncommitted", window_rows).fetchone()[0]
             if found is not None:
                 return int(found)
             start, window = start + window, window * 2
