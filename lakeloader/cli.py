@@ -307,9 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     sql = commands.add_parser(
         "sql", help="run SQL against the catalog",
         description="Query the lake's DuckDB catalog. Allowed: " + ALLOWED_SQL + " Tables: "
-        "datasets, shards, chunks, row_groups, rejects, builds, mixtures, mixture_stages, "
-        "mixture_nodes, packing_plans, chunk_examples, chunk_images, media_files; views: committed_prefix, chunk_offsets, "
-        "packing, documents (one row per document of the committed chunks: dataset, chunk, doc, source, line, "
+        "chunks, row_groups, rejects, builds, dataset_plans, shard_plans, plan_growth, mixtures, mixture_stages, "
+        "mixture_nodes, packing_plans, chunk_examples, chunk_images, media_files, document_index_files, "
+        "document_index_chunks, dataset_progress, shard_progress; views: datasets and shards (one row each, with "
+        "their progress), committed_prefix, chunk_offsets, packing, documents (one row per document of the committed chunks: dataset, chunk, doc, source, line, "
         "num_tokens, num_parts, tokens_<kind> per part kind, and each metadata field), images (one row per "
         "image occurrence of the committed chunks: dataset, chunk, doc, image, image_id, width, height, "
         "format, mode, num_bytes); "
