@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import shutil
-from pathlib import Path
 
 import pandas as pd
 import yaml
