@@ -51,12 +51,6 @@ _CONSTRAINTS = {"PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "CONSTRAINT"}
 # in the reader's own in-memory database): views of views.sql read them.
 _LATER_TABLES = ("chunk_images",)
 _ADDED = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN IF NOT EXISTS (\w+) ([\w\[\]]+);", re.MULTILINE)
-# The build's catalog connection. DuckDB's defaults let it keep up to 80% of the host's memory and
-# hand memory its queries freed back to the system only past 128 MB outstanding: the driver's
-# memory then grew with every chunk committed (its allocator's retained pages). Its catalog work
-# (commits, pages of tasks, publishes) fits these bounds with room to spare (~35 MB at 32,000 chunks);
-# a larger query spills beside the catalog file, as DuckDB does.
-_WRITER_CONFIG = {"memory_limit": "256MB", "allocator_flush_threshold": "4MB"}
 # Readers' in-memory databases: no extension installed or loaded behind a query's back, no stored
 # secrets read, and no spilling to disk (DuckDB's default folder is beside the database file).
 _READER_CONFIG = {
@@ -534,7 +528,7 @@ class CatalogWriter:
         existed = os.path.exists(path)
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            self.con = duckdb.connect(path, config=_WRITER_CONFIG)
+            self.con = duckdb.connect(path)
         except OSError as exc:
             raise write_failure("the lake's catalog", path, exc) from exc
         except duckdb.Error as exc:
