@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import yaml
 from _common import OUT, REPO, report
 
@@ -54,7 +55,7 @@ from lakeloader.ingest.chunk import build_chunk
 from lakeloader.ingest.driver import _register_packing, _register_plans
 from lakeloader.ingest import execute
 from lakeloader.ingest.execute import BuildRun, ResultCommitter
-from lakeloader.ingest.tasks import TaskBatch, choose_tasks
+from lakeloader.ingest.tasks import PendingChunks, TaskBatch, choose_tasks
 from lakeloader.storage import write_atomically
 from lakeloader.tokenizer import encoder_name, load_tokenizer, resolve_backend
 
@@ -329,7 +330,7 @@ def through_dask(config: Path, template: Path, chunk_template: ChunkResult, chun
     original = execute.build_chunk
     execute.build_chunk = functools.partial(generated_chunk, chunk_template)
     try:
-        pending = run.writer.pending_chunks(["d"]).head(chunks)
+        pending = PendingChunks(run.writer, ["d"], min(chunks, run.writer.pending_chunk_count(["d"])), pd.DataFrame())
         batch = TaskBatch(["d"], {}, pending, {}, {}, len(pending))
         wall, cpu = time.perf_counter(), time.process_time()
         execute.run_tasks(dataclasses.replace(run, workers=2), batch)

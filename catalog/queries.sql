@@ -53,7 +53,9 @@ ORDER BY recorded_at DESC, definition;
 
 -- name: chunk_tasks
 -- Chunks of the datasets, committed or not ($committed), with what a build task needs to (re)build
--- them and their catalog record (size and checksum, null until committed) to check files against.
+-- them and their catalog record (size and checksum, null until committed) to check files against,
+-- a page of them: the first $rows (NULL: all) after chunk $after_index of the $after_position-th
+-- of $datasets (-1, 0: from the first).
 SELECT c.dataset, c.global_index, c.shard_index, c.split_index, c.path,
        c.split_kind, c.split_start, c.split_stop, c.first_row,
        s.source, s.layout, s.compression, s.source_raw, c.num_bytes, c.checksum,
@@ -64,7 +66,9 @@ JOIN shard_plans s ON s.dataset = c.dataset AND s.shard_index = c.shard_index
 JOIN dataset_plans d ON d.name = c.dataset
 LEFT JOIN media_files m ON m.dataset = c.dataset AND m.global_index = c.global_index
 WHERE (c.status = 'committed') = $committed AND list_contains($datasets, c.dataset)
-ORDER BY c.global_index, list_position($datasets, c.dataset);
+  AND (c.global_index, list_position($datasets, c.dataset)) > ($after_index, $after_position)
+ORDER BY c.global_index, list_position($datasets, c.dataset)
+LIMIT $rows;
 
 -- name: commit_batch_chunks
 -- A batch of finished chunks is committed in one transaction by a few statements whatever its
@@ -539,6 +543,9 @@ SELECT chunk_dir FROM dataset_plans WHERE list_contains($datasets, name);
 
 -- name: chunk_count
 SELECT count(*) FROM chunks WHERE list_contains($datasets, dataset);
+
+-- name: pending_chunk_count
+SELECT count(*) FROM chunks WHERE status <> 'committed' AND list_contains($datasets, dataset);
 
 -- name: datasets_without_documents
 -- Completely built datasets none of whose records became a document (all rejected or unreadable),

@@ -862,14 +862,23 @@ class CatalogWriter:
         return self._run("pending_selections", {"datasets": list(datasets), "committed": committed,
                                                 "built": keys}).df()
 
-    def pending_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
-        """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in order)."""
-        return self._run("chunk_tasks", {"datasets": list(datasets), "committed": False}).df()
+    def pending_chunks(self, datasets: Sequence[str], after: tuple[int, int] = (-1, 0),
+                       rows: int | None = None) -> pd.DataFrame:
+        """Uncommitted chunks of ``datasets``, by global index (datasets interleaved in their order):
+        the first ``rows`` (None: all) after ``after``, a global index and the position of its
+        dataset in ``datasets`` counted from 1 (``(-1, 0)``: from the first)."""
+        return self._run("chunk_tasks", {"datasets": list(datasets), "committed": False, "after_index": after[0],
+                                         "after_position": after[1], "rows": rows}).df()
+
+    def pending_chunk_count(self, datasets: Sequence[str]) -> int:
+        """How many chunks of ``datasets`` are not committed."""
+        return int(self._run("pending_chunk_count", {"datasets": list(datasets)}).fetchone()[0])
 
     def committed_chunks(self, datasets: Sequence[str]) -> pd.DataFrame:
         """Committed chunks of ``datasets`` with their task columns (those of :meth:`pending_chunks`)
         and their recorded ``num_bytes`` and ``checksum``."""
-        return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True}).df()
+        return self._run("chunk_tasks", {"datasets": list(datasets), "committed": True, "after_index": -1,
+                                         "after_position": 0, "rows": None}).df()
 
     def committed_among(self, dataset: str, global_indices: Sequence[int]) -> set[int]:
         """Those of chunks ``global_indices`` of ``dataset`` committed already."""

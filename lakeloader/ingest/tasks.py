@@ -30,13 +30,56 @@ from lakeloader.storage import with_retries
 
 log = logging.getLogger(__name__)
 
+# Pending chunks read from the catalog at a time as their tasks are submitted: the driver holds no
+# row per chunk of the lake (~450 bytes each as a DataFrame: ~0.5 GB at a million chunks).
+PAGE_ROWS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingChunks:
+    """The chunks a build run tokenizes (``len``: how many), read from the writer catalog a page of
+    ``page_rows`` at a time: the uncommitted chunks of ``datasets`` by global index (datasets
+    interleaved in their order), and the committed ones to rebuild (``repairs``, rows of
+    :meth:`CatalogWriter.committed_chunks`) merged in by global index. A chunk committed after the
+    page that holds it was read is not left out: pages follow the last chunk read, and only chunks
+    read (submitted) commit."""
+
+    writer: CatalogWriter
+    datasets: list[str]
+    count: int
+    repairs: pd.DataFrame
+    page_rows: int = PAGE_ROWS
+
+    def __len__(self) -> int:
+        return self.count
+
+    def rows(self) -> Iterator[Any]:
+        """The chunks' rows (columns of :meth:`CatalogWriter.pending_chunks`), ``len`` of them."""
+        after, done, left = (-1, 0), -1, self.count
+        while left > 0:
+            page = self.writer.pending_chunks(self.datasets, after, self.page_rows)
+            last = len(page) < self.page_rows
+            upto = float("inf") if last else int(page.global_index.iloc[-1])
+            repairs = self.repairs
+            if len(repairs):
+                repairs = repairs[(repairs.global_index > done) & (repairs.global_index <= upto)]
+            if len(repairs):
+                page = pd.concat([page, repairs[page.columns]]).sort_values("global_index", kind="stable")
+            for row in page.head(left).itertuples(index=False):
+                yield row
+            left -= len(page)
+            if last:
+                return
+            after = (int(page.global_index.iloc[-1]), self.datasets.index(page.dataset.iloc[-1]) + 1)
+            done = upto
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskBatch:
     """The work of one build run.
 
-    ``pending``: chunks to tokenize, by global index (uncommitted ones and repairs), with the
-    columns of :meth:`CatalogWriter.pending_chunks`. ``repairs``: ``(dataset, global_index)`` of
+    ``pending``: chunks to tokenize, by global index (uncommitted ones and repairs), read from the
+    catalog as their tasks are submitted. ``repairs``: ``(dataset, global_index)`` of
     each committed chunk rebuilt -> the checksum its new file must have. ``unplanned``: per
     dataset, committed chunks (not rebuilt) whose counts under ``packing`` are missing.
     ``total``: planned chunks of ``names``. ``selections``: chunks of datasets defined by a filter
@@ -47,7 +90,7 @@ class TaskBatch:
 
     names: list[str]
     packing: dict[str, PackingSpec]
-    pending: pd.DataFrame
+    pending: PendingChunks
     repairs: dict[tuple[str, int], str]
     unplanned: dict[str, pd.DataFrame]
     total: int
@@ -74,7 +117,7 @@ class TaskBatch:
     def chunk_tasks(self, config: Config, lake: Lake, tokenizer_url: str) -> Iterator[ChunkTask]:
         """The task of each pending chunk, in ``pending``'s order."""
         formats = {name: dataset.record_format() for name, dataset in config.datasets.items()}
-        for row in self.pending.itertuples(index=False):
+        for row in self.pending.rows():
             dataset = config.datasets[row.dataset]
             yield ChunkTask(
                 dataset=row.dataset,
@@ -122,11 +165,10 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
     repairs = _chunks_to_repair(lake, writer, names, folders, requested)
     DocumentIndexWriter(lake, writer).drop_missing(names)
     expected = {(row.dataset, int(row.global_index)): row.checksum for row in repairs.itertuples(index=False)}
-    pending = writer.pending_chunks(names)
+    pending = PendingChunks(writer, names, writer.pending_chunk_count(names) + len(repairs), repairs, PAGE_ROWS)
     if len(repairs):  # their packing counts come with the rebuilt chunks, not from their files
         unplanned = {name: rows[~rows.global_index.isin(repairs.global_index[repairs.dataset == name])]
                      for name, rows in unplanned.items()}
-        pending = pd.concat([pending, repairs[pending.columns]]).sort_values("global_index", kind="stable")
     total = writer.chunk_count(names)
     log.info("%d of %d chunks to build%s", len(pending), total,
              f" ({len(repairs)} committed ones to repair)" if len(repairs) else "")
