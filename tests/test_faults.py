@@ -292,3 +292,26 @@ def test_a_local_clusters_workers_keep_quiet_when_their_scheduler_closes() -> No
 
     with dask_client(workers=1, dashboard=None) as client:
         assert list(client.run(installed).values()) == [True]
+
+
+def test_a_local_clusters_scheduler_keeps_quiet_about_gathers_the_build_cancelled() -> None:
+    """Ctrl-C while the driver gathers results: the build cancels those tasks, and the scheduler
+    (in the build's process) logged an error for the gather of their forgotten keys after the
+    build's one line (seen under load in the Ctrl-C test above). Other gather errors still show,
+    and the filter lives only as long as the build's own cluster."""
+    import logging
+
+    from lakeloader.ingest.cluster import _hide_forgotten_gathers, dask_client
+
+    def record(states: dict[str, str]) -> logging.LogRecord:
+        return logging.LogRecord("distributed.scheduler", logging.ERROR, __file__, 1,
+                                 "Couldn't gather keys: %s", (states,), None)
+
+    assert not _hide_forgotten_gathers(record({"chunk-d-6": "forgotten", "chunk-d-4": "forgotten"}))
+    assert _hide_forgotten_gathers(record({"chunk-d-6": "forgotten", "chunk-d-4": "memory"}))
+    assert _hide_forgotten_gathers(logging.LogRecord("distributed.scheduler", logging.ERROR, __file__, 1,
+                                                     "Unexpected worker completed task", (), None))
+    scheduler_log = logging.getLogger("distributed.scheduler")
+    with dask_client(workers=1, dashboard=None):
+        assert _hide_forgotten_gathers in scheduler_log.filters
+    assert _hide_forgotten_gathers not in scheduler_log.filters

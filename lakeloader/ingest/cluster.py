@@ -63,6 +63,16 @@ def _hide_lost_heartbeats(record: logging.LogRecord) -> bool:
     return not str(record.getMessage()).startswith("Failed to communicate with scheduler during heartbeat")
 
 
+def _hide_forgotten_gathers(record: logging.LogRecord) -> bool:
+    """Log filter for a build's own LocalCluster's scheduler (it runs in the build's process): drop
+    its error for a gather of tasks all forgotten, those the build cancelled as it stopped (Ctrl-C
+    arriving while results were gathered); the build says in one line that it stopped."""
+    if record.msg != "Couldn't gather keys: %s":
+        return True
+    states = record.args   # (logging keeps a lone dict argument as the record's args)
+    return not (isinstance(states, dict) and states and all(state == "forgotten" for state in states.values()))
+
+
 class QuietLocalShutdown(WorkerPlugin):
     """Installs :func:`_hide_lost_heartbeats` on each worker of a build's own LocalCluster (the
     workers of a cluster of the user's keep their logs: there they are an operator's to read)."""
@@ -172,10 +182,15 @@ def dask_client(workers: int | None = None, scheduler: str | None = None,
     with _workers_ignore_interrupts():
         cluster = LocalCluster(n_workers=count, threads_per_worker=1, processes=True, dashboard_address=dashboard,
                                env=WORKER_ENV)
-    with cluster:
-        client = Client(cluster)
-        with _quiet_when_lost(client), client:
-            client.register_plugin(QuietInputErrors())
-            client.register_plugin(QuietLocalShutdown())
-            log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
-            yield client
+    scheduler_log = logging.getLogger("distributed.scheduler")
+    scheduler_log.addFilter(_hide_forgotten_gathers)
+    try:
+        with cluster:
+            client = Client(cluster)
+            with _quiet_when_lost(client), client:
+                client.register_plugin(QuietInputErrors())
+                client.register_plugin(QuietLocalShutdown())
+                log.info("Dask LocalCluster with %d worker processes; dashboard: %s", count, client.dashboard_link)
+                yield client
+    finally:
+        scheduler_log.removeFilter(_hide_forgotten_gathers)
