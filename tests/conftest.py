@@ -365,13 +365,18 @@ class Lakes:
 
     def copy(self, dest: Path, corpus: Mapping[str, Any], datasets: Mapping[str, Any], **sections: Any) -> Path:
         """Config in ``dest`` of a private copy (``dest/lake``) of the built lake: free to change."""
-        shared = self.shared(corpus, datasets, **sections)
-        shutil.copytree(shared.parent / "lake", dest / "lake")
-        config = yaml.safe_load(shared.read_text())
-        config["lake"] = str(dest / "lake")
-        path = dest / "config.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        return path
+        return copied_lake(self.shared(corpus, datasets, **sections), dest)
+
+
+def copied_lake(config: Path, dest: Path) -> Path:
+    """Config in ``dest`` of a private copy (``dest/lake``) of the lake of ``config`` (which lives
+    beside its config, as write_config puts it)."""
+    shutil.copytree(config.parent / "lake", dest / "lake")
+    settings = yaml.safe_load(config.read_text())
+    settings["lake"] = str(dest / "lake")
+    path = dest / "config.yaml"
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import assert_batches_equal, global_batches, loader_during_build, start_build_thread, write_config
+from conftest import (assert_batches_equal, copied_lake, global_batches, loader_during_build, start_build_thread,
+                      write_config)
 from lakeloader import Loader
 from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import Lake, open_lake
@@ -87,16 +87,6 @@ def _stored(config: Path) -> tuple[list[str], int]:
 def _distinct(config: Path) -> tuple[int, int]:
     row = open_lake(config).sql("SELECT count(*) AS n, count(DISTINCT image_id) AS d FROM images").iloc[0]
     return int(row.n), int(row.d)
-
-
-def _copy(config: Path, root: Path) -> Path:
-    """A copy of ``config``'s lake in ``root`` and a config reading it."""
-    shutil.copytree(config.parent / "lake", root / "lake")
-    settings = yaml.safe_load(config.read_text())
-    settings["lake"] = str(root / "lake")
-    copy = root / "config.yaml"
-    copy.write_text(yaml.safe_dump(settings, sort_keys=False))
-    return copy
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +176,7 @@ def test_a_build_killed_in_the_rewrite_and_run_again_ends_with_the_same_lake(
 
 def test_verify_repair_build_and_gc_keep_the_rewritten_media_files(tmp_path: Path, deduped: Path,
                                                                   dask_scheduler: str) -> None:
-    config = _copy(deduped, tmp_path)
+    config = copied_lake(deduped, tmp_path)
     lake = tmp_path / "lake"
     reference = global_batches(deduped, 1, range(STEPS))
     remove_stale(Lake(str(lake)))   # the chunks' own media files of the rewritten ones are gone
