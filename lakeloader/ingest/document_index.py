@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 ROW_GROUP_ROWS = 128 * 1024
 # A dataset's files holding fewer than half this many documents are merged once it has more than
 # COMPACT_FILES of them (and at the build's end), into files of at most this many documents. During
-# a build a file is merged only once newer ones hold at least half its bytes (_worth_merging), so
+# a build a file is merged only once newer ones hold at least half its chunks (_worth_merging), so
 # that each chunk's rows are rewritten a few times, not at every compaction.
 COMPACT_DOCS = 8_000_000
 COMPACT_FILES = 32
@@ -131,7 +131,7 @@ class DocumentIndexWriter:
         if len(small) < 2 or (not final and len(small) <= COMPACT_FILES):
             return 0
         if not final:
-            small = small[_worth_merging(small.num_bytes.to_numpy())]
+            small = small[_worth_merging(small.num_chunks.to_numpy())]
         groups: list[list[tuple[str, str]]] = [[]]
         docs = 0
         for row in small.itertuples(index=False):
@@ -175,8 +175,8 @@ class DocumentIndexWriter:
 
 
 def _worth_merging(sizes: np.ndarray) -> np.ndarray:
-    """Which files of ``sizes`` (bytes, in chunk order) a compaction during a build merges: the
-    newest, and each one at most twice the bytes of all those after it. A file is rewritten only
+    """Which files of ``sizes`` (chunks, in chunk order) a compaction during a build merges: the
+    newest, and each one of at most twice the chunks of all those after it. A file is rewritten only
     once as much again was added after it, so each chunk's rows are rewritten about
     log2(dataset / file) times in a build, and the files left out (each over twice all those after
     it) are a few of geometric sizes."""
