@@ -6,12 +6,16 @@ as before; the selections of a filtered build do not change."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lakeloader.catalog import documents, snapshot
 from lakeloader.catalog.gc import remove_stale
@@ -277,3 +281,26 @@ def test_index_files_no_snapshot_listed_are_deleted_when_replaced(
     assert on_disk == set(lake.sql("SELECT path FROM document_index_files").path)
     assert remove_stale(lake, dry_run=True).empty
     pd.testing.assert_frame_equal(lake.sql(EVERYTHING), open_lake(built).sql(EVERYTHING))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1_000, 50_000), min_size=1, max_size=3_000))
+def test_compactions_during_a_build_rewrite_each_row_a_few_times(sizes: list[int]) -> None:
+    """Files of ``sizes`` bytes, one per commit group, compacted as a build does: the dataset keeps
+    at most COMPACT_FILES + 1 files, and each byte is rewritten at most log1.5(all / smallest) + 1
+    times (a file merges only with as much as half its bytes newer than it), not at every compaction."""
+    files: list[int] = []
+    rewritten = 0
+    for size in sizes:
+        files.append(size)
+        if len(files) > document_index.COMPACT_FILES:
+            worth = document_index._worth_merging(np.array(files))
+            assert worth.sum() >= 2
+            merged = sum(np.array(files)[worth])
+            rewritten += merged
+            first = int(np.argmax(worth))
+            files = files[:first] + [merged] + [
+                size for size, chosen in zip(files[first:], worth[first:]) if not chosen]
+        assert len(files) <= document_index.COMPACT_FILES
+    assert sum(files) == sum(sizes)
+    assert rewritten <= sum(sizes) * (math.log(sum(sizes) / min(sizes), 1.5) + 1)

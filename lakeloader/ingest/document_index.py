@@ -19,6 +19,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 # Rows per row group of an index file: a query on a few chunks reads a few groups.
 ROW_GROUP_ROWS = 128 * 1024
 # A dataset's files holding fewer than half this many documents are merged once it has more than
-# COMPACT_FILES of them (and at the build's end), into files of at most this many documents.
+# COMPACT_FILES of them (and at the build's end), into files of at most this many documents. During
+# a build a file is merged only once newer ones hold at least half its chunks (_worth_merging), so
+# that each chunk's rows are rewritten a few times, not at every compaction.
 COMPACT_DOCS = 8_000_000
 COMPACT_FILES = 32
 
@@ -127,6 +130,8 @@ class DocumentIndexWriter:
         small = files[files.num_docs < COMPACT_DOCS // 2]
         if len(small) < 2 or (not final and len(small) <= COMPACT_FILES):
             return 0
+        if not final:
+            small = small[_worth_merging(small.num_chunks.to_numpy())]
         groups: list[list[tuple[str, str]]] = [[]]
         docs = 0
         for row in small.itertuples(index=False):
@@ -167,3 +172,15 @@ class DocumentIndexWriter:
                 f"documents index file {self.lake.url_of(path)} of dataset {dataset!r} is not as the catalog "
                 "records it (sha256): it was altered or damaged; delete it and build again")
         return open_chunk(pa.BufferReader(data)).read()
+
+
+def _worth_merging(sizes: np.ndarray) -> np.ndarray:
+    """Which files of ``sizes`` (chunks, in chunk order) a compaction during a build merges: the
+    newest, and each one of at most twice the chunks of all those after it. A file is rewritten only
+    once as much again was added after it, so each chunk's rows are rewritten about
+    log2(dataset / file) times in a build, and the files left out (each over twice all those after
+    it) are a few of geometric sizes."""
+    after = np.cumsum(sizes[::-1])[::-1] - sizes
+    worth = sizes <= 2 * after
+    worth[-1:] = True
+    return worth
