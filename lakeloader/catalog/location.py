@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from fsspec.core import url_to_fs
 
 from lakeloader.config import DEFAULT_IO_RETRY_DEADLINE, WRITER_CATALOG
 from lakeloader.contracts.errors import CatalogIntegrityError
-from lakeloader.storage import is_local
+from lakeloader.storage import is_local, with_retries
 
 _FORBIDDEN_CHARACTERS = ("\\", "\x00", ":")
 
@@ -61,6 +62,23 @@ class LakeLocation:
     def url_of(self, relative: str) -> str:
         """Full URL (or absolute local path) of a lake-relative path (``checked_name``)."""
         return f"{self.url.rstrip('/')}/{checked_name(relative, self.url)}"
+
+    def file_sizes(self, folder: str, what: str) -> dict[str, int]:
+        """Lake-relative path -> size of every file in the lake folder ``folder`` (one listing, never
+        from fsspec's cache; none if it does not exist), retried while the storage is unreachable;
+        ``what`` names the folder in that error."""
+        full = self.path_of(folder)
+
+        def listing() -> list[dict[str, Any]]:
+            self.fs.invalidate_cache(full)
+            try:
+                return self.fs.ls(full, detail=True)
+            except FileNotFoundError:
+                return []
+
+        entries = with_retries(listing, what=f"listing {what} {self.url_of(folder)}", deadline=self.io_retry_deadline)
+        return {f"{folder}/{posixpath.basename(entry['name'].rstrip('/'))}": int(entry["size"])
+                for entry in entries if entry.get("type") == "file"}
 
     @property
     def writer_catalog_path(self) -> str:

@@ -103,23 +103,12 @@ class DocumentIndexWriter:
                 continue
             sizes: dict[str, int] = {}
             for folder in sorted({path.rsplit("/", 1)[0] for path in files.path}):
-                self.lake.fs.invalidate_cache(self.lake.path_of(folder))
-                entries = with_retries(lambda: self._listing(folder), deadline=self.lake.io_retry_deadline,
-                                       what=f"listing the documents index folder {self.lake.url_of(folder)}")
-                sizes.update({f"{folder}/{entry['name'].rstrip('/').rsplit('/', 1)[-1]}": int(entry["size"])
-                              for entry in entries})
+                sizes.update(self.lake.file_sizes(folder, "the documents index folder"))
             lost = [row.path for row in files.itertuples(index=False) if sizes.get(row.path) != row.num_bytes]
             if lost:
                 log.warning("dataset %r: %d documents index file(s) missing or damaged (%s); the documents view "
                             "reads their chunks' files", dataset, len(lost), self.lake.url_of(lost[0]))
                 self.writer.forget_index_files(lost)
-
-    def _listing(self, folder: str) -> list[dict]:
-        """The entries (with sizes) of the lake folder ``folder``; none if it does not exist."""
-        try:
-            return self.lake.fs.ls(self.lake.path_of(folder), detail=True)
-        except FileNotFoundError:
-            return []
 
     def compact(self, dataset: str, final: bool = False) -> int:
         """Merge ``dataset``'s small index files (under half ``COMPACT_DOCS`` documents), in

@@ -7,7 +7,6 @@ import dataclasses
 import glob
 import logging
 import os
-import posixpath
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -26,7 +25,6 @@ from lakeloader.ingest.documents import SplitSource
 from lakeloader.plan.selection import SelectionTask
 from lakeloader.plan.sources import url_from_bytes
 from lakeloader.plan.splits import Split
-from lakeloader.storage import with_retries
 
 log = logging.getLogger(__name__)
 
@@ -178,23 +176,6 @@ def choose_tasks(config: Config, lake: Lake, writer: CatalogWriter, packing: dic
                      selections.sort_values("global_index", kind="stable") if len(selections) else selections, filters)
 
 
-def _chunk_file_sizes(lake: Lake, folder: str) -> dict[str, int]:
-    """Lake-relative path -> size of every file in chunk folder ``folder`` (one listing)."""
-    full = lake.path_of(folder)
-
-    def listing() -> list[dict[str, Any]]:
-        lake.fs.invalidate_cache(full)
-        try:
-            return lake.fs.ls(full, detail=True)
-        except FileNotFoundError:
-            return []
-
-    entries = with_retries(listing, what=f"listing the chunk folder {lake.url_of(folder)}",
-                           deadline=lake.io_retry_deadline)
-    return {f"{folder}/{posixpath.basename(entry['name'].rstrip('/'))}": int(entry["size"])
-            for entry in entries if entry.get("type") == "file"}
-
-
 def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folders: list[str],
                       requested: Collection[tuple[str, int]]) -> pd.DataFrame:
     """Committed chunks whose file or media file is missing or not the size the catalog records (found by
@@ -207,7 +188,7 @@ def _chunks_to_repair(lake: Lake, writer: CatalogWriter, names: list[str], folde
         return committed
     sizes: dict[str, int] = {}
     for folder in folders:
-        sizes.update(_chunk_file_sizes(lake, folder))
+        sizes.update(lake.file_sizes(folder, "the chunk folder"))
     wanted = set(requested)
     rows = []
     lost: dict[str, list[int]] = {}
