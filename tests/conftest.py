@@ -465,6 +465,20 @@ def loader_during_build(config: Path, builder: threading.Thread, live: LiveCatal
     raise AssertionError("the build finished before a reader could start")
 
 
+def batches_while_building(config: Path, steps: int, **options: Any) -> list[dict[str, Any]]:
+    """Batches ``0 .. steps - 1`` of a Loader opened on the build of ``config`` (started here with
+    ``options``) as soon as it has registered its plans; the build is then joined and must succeed."""
+    builder, live, errors = start_build_thread(config, **options)
+    loader = loader_during_build(config, builder, live)
+    try:
+        batches = [loader.batch(step) for step in range(steps)]
+    finally:
+        loader.close()
+        builder.join()
+    assert not errors, errors
+    return batches
+
+
 @pytest.fixture
 def catalog_query_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     """The names of the threads that ask the catalog anything (a query in CatalogView.reading, or

@@ -16,8 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import (assert_batches_equal, copied_lake, global_batches, loader_during_build, start_build_thread,
-                      write_config)
+from conftest import assert_batches_equal, batches_while_building, copied_lake, global_batches, write_config
 from lakeloader import Loader
 from lakeloader.catalog.gc import remove_stale
 from lakeloader.catalog.lake import Lake, open_lake
@@ -139,14 +138,7 @@ def test_each_image_is_stored_once_and_batches_are_those_before_the_rewrite(
 def test_a_loader_reading_while_the_lake_builds_gets_the_same_batches(tmp_path: Path, data: Path, deduped: Path,
                                                                      dask_scheduler: str) -> None:
     config = _config(tmp_path, data)
-    builder, live, errors = start_build_thread(config, scheduler=dask_scheduler, progress=False)
-    loader = loader_during_build(config, builder, live)
-    try:
-        during = [loader.batch(step) for step in range(STEPS)]
-    finally:
-        loader.close()
-        builder.join()
-    assert not errors
+    during = batches_while_building(config, STEPS, scheduler=dask_scheduler, progress=False)
     assert any(media for _, media in _current_media(config))
     assert_batches_equal(during, global_batches(deduped, 1, range(STEPS)), "read while building")
 

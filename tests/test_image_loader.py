@@ -20,13 +20,7 @@ from PIL import ExifTags, Image
 
 from test_s3 import BUCKET, s3_endpoint, storage_options  # noqa: F401  (s3_endpoint: a fixture)
 
-from conftest import (
-    DEMO_TOKENIZER,
-    assert_batches_equal,
-    global_batches,
-    loader_during_build,
-    start_build_thread,
-)
+from conftest import DEMO_TOKENIZER, assert_batches_equal, batches_while_building, global_batches
 from lakeloader import Loader
 from lakeloader.contracts.errors import ChunkIntegrityError, LakeloaderError
 from lakeloader.contracts.media import media_path
@@ -219,14 +213,7 @@ def test_worker_processes_and_every_resume_step_give_the_same_batches(patches_la
 def test_a_loader_reading_while_the_lake_builds_gets_the_same_pixels(
         tmp_path: Path, corpus: list[Path], reference: list[dict[str, Any]], dask_scheduler: str) -> None:
     config = _config(tmp_path, corpus, PATCHES)
-    builder, live, errors = start_build_thread(config, scheduler=dask_scheduler, progress=False)
-    loader = loader_during_build(config, builder, live)
-    try:
-        during = [loader.batch(step) for step in range(STEPS)]
-    finally:
-        loader.close()
-        builder.join()
-    assert not errors
+    during = batches_while_building(config, STEPS, scheduler=dask_scheduler, progress=False)
     assert_batches_equal(during, reference, "read while building")
 
 
