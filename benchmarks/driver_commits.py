@@ -332,16 +332,31 @@ def through_dask(config: Path, template: Path, chunk_template: ChunkResult, chun
     try:
         pending = PendingChunks(run.writer, ["d"], min(chunks, run.writer.pending_chunk_count(["d"])), pd.DataFrame())
         batch = TaskBatch(["d"], {}, pending, {}, {}, len(pending))
+        stop, samples = threading.Event(), []
+
+        def sample() -> None:   # (chunks committed, resident MB) every 2 s
+            while not stop.wait(2.0):
+                samples.append((run.totals.chunks, rss_mb()))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         wall, cpu = time.perf_counter(), time.process_time()
         execute.run_tasks(dataclasses.replace(run, workers=2), batch)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        stop.set()
+        sampler.join()
         assert run.totals.chunks == len(pending)
     finally:
         execute.build_chunk = original
         run.writer.close()
+    # The driver's resident memory by tenths of the chunks committed (the median of the samples of each).
+    tenths = [[mb for done, mb in samples if tenth * len(pending) <= 10 * done < (tenth + 1) * len(pending)]
+              for tenth in range(10)]
     return {"through Dask, 2 workers: chunks": len(pending),
             "through Dask: chunks/s (cluster start included)": round(len(pending) / wall),
-            "through Dask: CPU ms per chunk (driver and scheduler)": round(cpu / len(pending) * 1e3, 3)}
+            "through Dask: CPU ms per chunk (driver and scheduler)": round(cpu / len(pending) * 1e3, 3),
+            "through Dask: driver RSS MB by tenths of the chunks": " ".join(
+                f"{statistics.median(mbs):.0f}" if mbs else "-" for mbs in tenths)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

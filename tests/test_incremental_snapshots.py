@@ -4,6 +4,7 @@ of it, fetches only the deltas it lacks, and a damaged delta is one error naming
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -21,7 +22,7 @@ from lakeloader.catalog.lake import Lake
 from lakeloader.catalog.pointer import delta_file, delta_versions, parse_pointer, seal_pointer
 from lakeloader.catalog.reader_index import INDEX_FORMAT, TABLES, ReaderIndex
 from lakeloader.catalog.snapshot import SNAPSHOT_DIR, materialise, open_reader_index, publish_snapshot, read_pointer
-from lakeloader.catalog.store import CatalogWriter, catalog_tables, connect_reader
+from lakeloader.catalog.store import CatalogWriter, catalog_tables, connect_reader, writer_catalog_from
 from lakeloader.cli import main
 from lakeloader.contracts.chunk_file import ChunkResult, PlanStats, Reject
 from lakeloader.contracts.errors import CatalogError, CatalogIntegrityError
@@ -110,8 +111,15 @@ def assert_same_catalog(view: CatalogView, lake: Lake, folder: Path) -> None:
             assert index.record(name, chunk) == full_index.record(name, chunk)
 
 
-def test_a_follower_sees_each_version_as_its_full_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("copy_memory", [snapshot.COPY_MEMORY, 256 * 1024], ids=["copy-memory-default", "copy-memory-tight"])
+def test_a_follower_sees_each_version_as_its_full_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture, copy_memory: int) -> None:
+    """(With ``copy_memory`` 256 KiB a base's copy runs out of memory and is copied again
+    without the limit.)"""
+    caplog.set_level(logging.INFO, logger=snapshot.__name__)
+    tight = copy_memory < snapshot.COPY_MEMORY
     monkeypatch.setattr(snapshot, "MAX_WRITER_DELTAS", 3)
+    monkeypatch.setattr(snapshot, "COPY_MEMORY", copy_memory)
     lake = Lake(str(tmp_path / "lake"))
     writer, build_id = planned_writer(lake)
     order = [(name, i) for name, chunks in DATASETS.items() for i in range(chunks)]
@@ -141,6 +149,8 @@ def test_a_follower_sees_each_version_as_its_full_snapshot(tmp_path: Path, monke
         view.close()
     assert len(bases) >= 2 and deltas >= 4   # deltas on several bases: compacted
     assert max(len(delta_versions(read_pointer(lake))), 0) <= 3
+    again = [r for r in caplog.records if "copying it again without that limit" in r.getMessage()]
+    assert bool(again) == tight
 
 
 def published_in_steps(folder: Path, chunks: int, step: int) -> Lake:
@@ -165,6 +175,40 @@ def test_recover_catalog_from_base_and_deltas(tmp_path: Path) -> None:
         assert table_rows(recovered, table).equals(table_rows(expected, table)), table
     recovered.close()
     expected.close()
+    # The published base carries rows only; the recovered catalog has the schema's keys again, and
+    # its build ids go on after the lake's.
+    base = snapshot.local_snapshot(lake, read_pointer(lake))
+    keyed = {str(path): primary_keys(path) for path in (base, lake.writer_catalog_path, tmp_path / "expected.duckdb")}
+    assert keyed[base] == set()
+    assert keyed[lake.writer_catalog_path] == keyed[str(tmp_path / "expected.duckdb")] >= {"chunks", "row_groups", "builds"}
+    with CatalogWriter(lake.writer_catalog_path) as writer:
+        assert writer.start_build(workers=0, scheduler="none", dashboard="", version="test") == 2
+        with pytest.raises(duckdb.ConstraintException):
+            writer.con.execute("INSERT INTO chunks BY NAME FROM chunks LIMIT 1")
+    # A snapshot of an older lakeloader kept the keys: its rows are taken alike.
+    writer_catalog_from(str(tmp_path / "expected.duckdb"), str(tmp_path / "again.duckdb"))
+    again, expected = connect_reader(str(tmp_path / "again.duckdb")), connect_reader(str(tmp_path / "expected.duckdb"))
+    for table in catalog_tables():
+        assert table_rows(again, table).equals(table_rows(expected, table)), table
+    again.close()
+    expected.close()
+    assert primary_keys(tmp_path / "again.duckdb") == keyed[lake.writer_catalog_path]
+
+
+def test_a_snapshot_of_a_newer_schema_is_refused_by_name(tmp_path: Path) -> None:
+    lake = published_in_steps(tmp_path / "lake", 40, 40)
+    with CatalogWriter(lake.writer_catalog_path) as writer:
+        writer.con.execute("UPDATE lake_meta SET value = '99' WHERE key = 'schema_version'")
+    shutil.copyfile(lake.writer_catalog_path, tmp_path / "newer.duckdb")
+    with pytest.raises(CatalogError, match=r"catalog .*newer.duckdb has schema version 99, this lakeloader writes"):
+        writer_catalog_from(str(tmp_path / "newer.duckdb"), str(tmp_path / "taken.duckdb"))
+
+
+def primary_keys(path: str | Path) -> set[str]:
+    """The tables of the catalog file at ``path`` that have a primary key."""
+    with duckdb.connect(str(path), read_only=True) as con:
+        return {row[0] for row in con.execute(
+            "SELECT table_name FROM duckdb_constraints() WHERE constraint_type = 'PRIMARY KEY'").fetchall()}
 
 
 def test_a_damaged_or_altered_delta_is_one_error_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

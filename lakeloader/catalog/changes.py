@@ -38,7 +38,7 @@ WHOLE_STATEMENTS = frozenset({
     "interrupt_stale_builds", "set_schema_version", "init_lake_id", "set_lake_meta",
     "insert_document_index_file", "drop_document_index_files", "count_committed_dataset", "set_committed_prefix"})
 READ_STATEMENTS = frozenset({
-    "begin_transaction", "commit_transaction", "rollback_transaction", "checkpoint", "schema_version",
+    "begin_transaction", "commit_transaction", "rollback_transaction", "checkpoint", "writer_settings", "schema_version",
     "dataset_plan", "chunk_count", "pending_chunk_count", "chunk_folders", "chunk_tasks", "chunks_without_plan",
     "datasets_without_documents", "filtered_datasets", "pending_selections", "reader_dataset", "built_plan_files",
     "built_plan_chunks", "committed_among", "document_index_files_of_dataset", "document_index_chunks_of",

@@ -76,34 +76,46 @@ def index_rows(con: duckdb.DuckDBPyConnection) -> dict[str, pa.Table]:
 def index_tables(rows: dict[str, pa.Table]) -> dict[str, pa.Table]:
     """The reader index's tables made of the rows of its parts (``index_rows``, each table's rows
     in its order), the metadata locating each dataset's rows on ``chunks``."""
+    ranges = {table: _row_ranges(rows[table], _KEY_COLUMNS[table]) for table in TABLES}
+    tables = {table: rows[table].drop_columns(_KEY_COLUMNS[table]) for table in TABLES}
+    tables["chunks"] = tables["chunks"].replace_schema_metadata(_metadata(rows, ranges))
+    return tables
+
+
+def _metadata(rows: dict[str, pa.Table], ranges: dict[str, dict[tuple[str, ...], list[int]]]) -> dict[bytes, bytes]:
+    """The ``chunks`` file's schema metadata: each dataset's plan and where its rows lie in each
+    table (``ranges``: ``_row_ranges`` of each), from the small parts of ``rows``."""
     plans, packing_plans = rows["datasets"].to_pylist(), rows["packing_plans"].to_pylist()
-    chunks, row_groups, examples = (rows[table] for table in TABLES)
-    chunk_rows, group_rows = _row_ranges(chunks, ["dataset"]), _row_ranges(row_groups, ["dataset"])
-    example_rows = _row_ranges(examples, ["dataset", "plan_key"])
     datasets = {
         plan["name"]: {
             "fingerprint": plan["fingerprint"], "token_type": plan["token_type"], "fields": plan["fields"],
             "source": plan["source_dataset"], "tokenizer_path": plan["tokenizer_path"],
-            "chunks": chunk_rows.get((plan["name"],), [0, 0]),
-            "row_groups": group_rows.get((plan["name"],), [0, 0]),
-            "examples": {key: rows for (name, key), rows in example_rows.items() if name == plan["name"]},
+            "chunks": ranges["chunks"].get((plan["name"],), [0, 0]),
+            "row_groups": ranges["row_groups"].get((plan["name"],), [0, 0]),
+            "examples": {key: span for (name, key), span in ranges["examples"].items() if name == plan["name"]},
             "packing_plans": [row["plan_key"] for row in packing_plans if row["dataset"] == plan["name"]],
         } for plan in plans}
     definitions: dict[str, list[list[str | None]]] = {}
     for row in rows["definitions"].to_pylist():
         definitions.setdefault(row["dataset"], []).append([row["definition"], row["fingerprint"], row["config"]])
-    metadata = {_METADATA_KEY: json.dumps({"datasets": datasets, "definitions": definitions}).encode()}
-    tables = {table: rows[table].drop_columns(_KEY_COLUMNS[table]) for table in TABLES}
-    tables["chunks"] = tables["chunks"].replace_schema_metadata(metadata)
-    return tables
+    return {_METADATA_KEY: json.dumps({"datasets": datasets, "definitions": definitions}).encode()}
 
 
 def write_reader_index(con: duckdb.DuckDBPyConnection, staged: Callable[[str], str]) -> None:
     """Write the reader index of the copy attached on ``con`` as ``published_snapshot``; each
-    table to the local path ``staged(table)``."""
-    for table, rows in index_tables(index_rows(con)).items():
-        with pa.OSFile(staged(table), "wb") as sink, pa.ipc.new_file(sink, rows.schema) as writer:
-            writer.write_table(rows)
+    table to the local path ``staged(table)``, one table in memory at a time (at a million chunks
+    the row groups alone are a quarter of a GB)."""
+    rows = {part: con.sql(query(f"reader_index_{part}")).to_arrow_table() for part in PARTS if part not in TABLES}
+    ranges: dict[str, dict[tuple[str, ...], list[int]]] = {}
+    for table in sorted(TABLES, key=lambda t: t == "chunks"):   # chunks last: it says where the others' rows lie
+        table_rows = con.sql(query(f"reader_index_{table}")).to_arrow_table().combine_chunks()
+        ranges[table] = _row_ranges(table_rows, _KEY_COLUMNS[table])
+        table_rows = table_rows.drop_columns(_KEY_COLUMNS[table])
+        if table == "chunks":
+            table_rows = table_rows.replace_schema_metadata(_metadata(rows, ranges))
+        with pa.OSFile(staged(table), "wb") as sink, pa.ipc.new_file(sink, table_rows.schema) as writer:
+            writer.write_table(table_rows)
+        del table_rows
 
 
 @dataclasses.dataclass(frozen=True)

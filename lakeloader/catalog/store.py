@@ -353,6 +353,39 @@ def catalog_failure(path: str, exc: duckdb.Error, what: str = "the lake's catalo
     return None
 
 
+def _check_writable(path: str, found: tuple[str] | None) -> None:
+    """Refuse the catalog at ``path`` whose schema version (``found``: its lake_meta row, None if
+    new) this lakeloader neither writes nor upgrades."""
+    if found and found[0] != SCHEMA_VERSION and found[0] not in _UPGRADED_VERSIONS:
+        raise CatalogError(
+            f"catalog {path} has schema version {found[0]}, this lakeloader writes "
+            f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version")
+
+
+def writer_catalog_from(source: str, target: str) -> None:
+    """Make a new catalog file at ``target`` holding every row of the catalog file ``source`` (a
+    published snapshot with its deltas applied, whose tables carry no keys, or an older one that
+    kept them) in the tables of catalog/schema.sql with their keys, build ids going on after the
+    source's: a catalog a build can write."""
+    con = duckdb.connect(target)
+    try:
+        con.execute(query("attach_snapshot_rows"), {"path": source})
+        _check_writable(source, con.execute(query("snapshot_schema_version")).fetchone())
+        start = con.execute(query("snapshot_next_build_id")).fetchone()[0]
+        con.execute(query("start_build_ids").format(start=int(start)))
+        con.execute(sql_file("schema"))
+        present = {row[0] for row in con.execute(query("snapshot_tables")).fetchall()}
+        con.begin()
+        for table in catalog_tables():
+            if table in present:   # a catalog of an older schema lacks the tables added since
+                con.execute(query("take_snapshot_rows").format(table=table))
+        con.commit()
+        con.execute(query("detach_snapshot_rows"))
+        con.execute(query("checkpoint"))
+    finally:
+        con.close()
+
+
 def define_views(con: duckdb.DuckDBPyConnection, analyst: bool = True) -> None:
     """Define on ``con`` what readers need (catalog/prefix.sql: committed_prefix, chunk_lines) and, with
     ``analyst``, the views and macros of catalog/views.sql built on it, for whose SQL a reader's
@@ -578,13 +611,9 @@ class CatalogWriter:
                 remove_quietly(leftover)
 
     def _apply_schema(self) -> None:
+        self._run("writer_settings")
         self.con.execute(sql_file("schema"))
-        found = self._run("schema_version").fetchone()
-        if found and found[0] != SCHEMA_VERSION and found[0] not in _UPGRADED_VERSIONS:
-            raise CatalogError(
-                f"catalog {self.path} has schema version {found[0]}, this lakeloader writes "
-                f"{SCHEMA_VERSION}: build into a new lake or use the matching lakeloader version"
-            )
+        _check_writable(self.path, self._run("schema_version").fetchone())
         self._run("set_schema_version", {"version": SCHEMA_VERSION})
         self._run("init_lake_id", {"lake_id": uuid.uuid4().hex})
         define_views(self.con)
