@@ -20,6 +20,7 @@ import duckdb
 import pytest
 import yaml
 
+from lakeloader.catalog import snapshot
 from lakeloader.catalog.lake import Lake, open_lake
 from lakeloader.catalog.snapshot import open_snapshot, read_pointer
 from lakeloader.catalog.store import connect_reader, schema_columns
@@ -258,6 +259,24 @@ def _query_running(pid: int) -> bool:
         except (OSError, IndexError):
             pass
     return False
+
+
+def test_ctrl_c_while_the_snapshot_opens_is_not_taken_for_a_pruned_snapshot(
+        own: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB reports a Ctrl-C that comes while it opens the snapshot as an InterruptException, a
+    duckdb.Error like those of a snapshot pruned meanwhile: the reader stops at once instead of
+    opening it again (which lost the Ctrl-C, and the query then ran on). Timing a real signal into
+    the open is left to chance in the test below, so DuckDB's exception is raised here."""
+    opened = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        opened.append(args)
+        raise duckdb.InterruptException("INTERRUPT Error: Interrupted!")
+
+    monkeypatch.setattr(snapshot, "connect_pointer", interrupted)
+    with pytest.raises(duckdb.InterruptException):
+        open_snapshot(Lake(str(own["lake"])))
+    assert len(opened) == 1
 
 
 def test_ctrl_c_stops_a_query_at_once(own: dict[str, Path]) -> None:

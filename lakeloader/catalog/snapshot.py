@@ -45,7 +45,7 @@ from lakeloader.catalog.pointer import (
 )
 from lakeloader.catalog.reader_index import ATTACHED, INDEX_FORMAT, TABLES, ReaderIndex, index_file, write_reader_index
 from lakeloader.catalog.sql import query
-from lakeloader.catalog.store import catalog_failure, catalog_tables, connect_reader, writer_catalog_from
+from lakeloader.catalog.store import catalog_failure, catalog_tables, connect_reader, is_interrupt, writer_catalog_from
 from lakeloader.config import SqlConfig
 from lakeloader.contracts.errors import CatalogError, CatalogIntegrityError, CatalogNotPublishedError
 from lakeloader.storage import is_transient, remove_quietly, sha256_of, write_atomically, write_failure
@@ -306,8 +306,8 @@ def _newest(lake: LakeLocation, open_published: Callable[[dict[str, Any]], T]) -
         try:
             return open_published(pointer)
         except (FileNotFoundError, duckdb.Error, CatalogError, pa.ArrowInvalid) as exc:
-            if attempt == 2 and isinstance(exc, CatalogIntegrityError):
-                raise
+            if is_interrupt(exc) or (attempt == 2 and isinstance(exc, CatalogIntegrityError)):
+                raise   # Ctrl-C while DuckDB opened it is the user's, never a reason to open it again
             if attempt == 2:
                 raise CatalogError(f"cannot open the published catalog {pointer['file']} of {lake.url}: {exc}") from exc
     raise AssertionError("unreachable")

@@ -302,6 +302,8 @@ def _load_overlay(con: duckdb.DuckDBPyConnection, stored: dict[str, set[str]], o
         if missing:
             raise ValueError(f"no rows of {', '.join(sorted(missing))}")
     except (duckdb.Error, ValueError) as exc:
+        if is_interrupt(exc):   # Ctrl-C as DuckDB loaded them: not a fault of the lake
+            raise
         raise CatalogIntegrityError(
             f"the catalog deltas {where} are not as lakeloader writes them ({' '.join(str(exc).split())}): the lake "
             "was altered; read only lakes from people you trust, and if this lake is yours `lakeloader build "
