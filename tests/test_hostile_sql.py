@@ -281,8 +281,14 @@ def test_ctrl_c_while_the_snapshot_opens_is_not_taken_for_a_pruned_snapshot(
 
 def test_ctrl_c_stops_a_query_at_once(own: dict[str, Path]) -> None:
     config = limited(own, timeout_s=None)
+    # SIGINT as a terminal leaves it, even where this test runs with it ignored (a job started with
+    # & by a non-interactive shell: children inherit that, and Python then never raises Ctrl-C).
+    # PYTHONFAULTHANDLER: a process still running 20 s after Ctrl-C is stopped by SIGABRT, and its
+    # threads' stacks say where it stuck.
     process = subprocess.Popen([sys.executable, "-m", "lakeloader.cli", "sql", str(config), ENDLESS],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         busy = 0
@@ -291,7 +297,11 @@ def test_ctrl_c_stops_a_query_at_once(own: dict[str, Path]) -> None:
             time.sleep(0.2)
         assert process.poll() is None, process.communicate()
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=20)
+        try:
+            out, err = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            pytest.fail(f"still running 20 s after Ctrl-C; its threads:\n{process.communicate(timeout=20)[1]}")
     finally:
         if process.poll() is None:
             process.kill()
