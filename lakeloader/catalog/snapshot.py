@@ -414,7 +414,8 @@ def _altered_delta(lake: LakeLocation, version: int, exc: Exception) -> CatalogI
 
 def materialise(lake: LakeLocation, pointer: dict[str, Any], target: str) -> None:
     """Write to the local path ``target`` the whole catalog of the version ``pointer`` names: its
-    base with its deltas applied (for a build adopting the lake's catalog)."""
+    base with its deltas applied, in the tables of the schema with their keys (for a build
+    adopting the lake's catalog: ``writer_catalog_from``)."""
     temporary, keyed = f"{target}.tmp-{os.getpid()}", f"{target}.keyed-{os.getpid()}"
     shutil.copyfile(local_snapshot(lake, pointer), temporary)
     try:
