@@ -819,13 +819,11 @@ CREATE TABLE {name}.{table} AS
 SELECT t.* FROM {table} t SEMI JOIN delta_keys k ON t.dataset = k.dataset AND t.global_index = k.global_index
 WHERE t.global_index BETWEEN $lo AND $hi;
 
--- name: delta_whole_rows
-CREATE TABLE {name}.{table} AS FROM {table};
-
--- name: snapshot_table
--- A table of the writer's catalog copied into a snapshot being published (attached as {name}):
--- its rows, without the table's keys. A snapshot is only read, and building the keys' indexes was
--- over half of a whole copy's time and a third of its bytes (catalog/snapshot.py _copy_catalog).
+-- name: copy_table
+-- Every row of a table of the writer's catalog, copied into the database attached as {name}: a
+-- delta being published (a whole table) or a full snapshot. Rows only, without the table's keys:
+-- a snapshot is only read, and building the keys' indexes was over half of a whole copy's time and
+-- a third of its bytes (catalog/snapshot.py _copy_catalog).
 CREATE TABLE {name}.{table} AS FROM {table};
 
 -- name: memory_held

@@ -55,7 +55,7 @@ def write_delta(con: duckdb.DuckDBPyConnection, keys: dict[str, set[int]], targe
     try:
         parts: dict[str, pa.Table] = {}
         for table in carried_tables():
-            statement = "delta_keyed_rows" if table in KEYED_TABLES else "delta_whole_rows"
+            statement = "delta_keyed_rows" if table in KEYED_TABLES else "copy_table"
             con.execute(query(statement).format(name=ATTACHED, table=table), bounds if table in KEYED_TABLES else None)
             parts[f"table.{table}"] = con.sql(query("delta_rows").format(name=ATTACHED, table=table)).to_arrow_table()
         for table in STATIC_TABLES:   # empty, for the reader index's queries

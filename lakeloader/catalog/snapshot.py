@@ -116,7 +116,7 @@ def _copy_within(con: duckdb.DuckDBPyConnection, target: str, index_target: Call
         con.begin()
         copying = True
         for table in catalog_tables():
-            con.execute(query("snapshot_table").format(name=ATTACHED, table=table))
+            con.execute(query("copy_table").format(name=ATTACHED, table=table))
         con.commit()
         copying = False
         write_reader_index(con, index_target)
